@@ -1,0 +1,64 @@
+"""Engine options, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODELS_DIR = Path.home() / ".cache" / "batchinfer" / "models"
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything that shapes one engine instance.
+
+    `block_size=None` lets the attention backend choose (flash-attn's paged KV needs a
+    multiple of 256; the torch path defaults to 16). The KV pool is sized from
+    `kv_cache_memory_bytes` when given, else from `gpu_memory_utilization` of free CUDA
+    memory, else (CPU) 1 GiB; `num_kv_blocks` overrides both, for tests that want
+    preemption.
+    """
+
+    model: str
+    models_dir: Path = DEFAULT_MODELS_DIR
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attention_backend: str = "auto"  # auto | torch | flash
+    block_size: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's own limit
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # Keep this fraction of blocks free when admitting new work, so running sequences
+    # rarely need preempting to grow.
+    watermark: float = 0.01
+    enforce_eager: bool = False  # True disables CUDA graphs
+    skip_tokenizer_init: bool = False  # token-id-only use, e.g. random-weight models
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.models_dir = Path(self.models_dir)
+        if self.dtype not in {"auto", "float32", "bfloat16", "float16"}:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in {"auto", "torch", "flash"}:
+            raise ValueError(
+                f"attention_backend must be auto, torch or flash, got {self.attention_backend!r}"
+            )
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")

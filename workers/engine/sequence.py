@@ -1,0 +1,119 @@
+"""One request's tokens, KV blocks and progress through the engine.
+
+A sequence is the unit the scheduler, block manager and model runner share. It imports
+nothing of the engine. Progress is measured in tokens whose K/V sit in the cache:
+`num_computed_tokens` (including the ones found in the prefix cache). The scheduler decides
+how many of the remaining tokens run this step; when a step computes up to `num_tokens`
+the model runner samples one new token for the sequence.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from workers.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    """Lifecycle order: waiting → running → (preempted → waiting …) → finished_*."""
+
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED_STOPPED = auto()
+    FINISHED_LENGTH = auto()
+    FINISHED_ABORTED = auto()
+
+    @property
+    def is_finished(self) -> bool:
+        """True for every terminal status."""
+        return self in _FINISHED
+
+
+_FINISHED = {
+    SequenceStatus.FINISHED_STOPPED,
+    SequenceStatus.FINISHED_LENGTH,
+    SequenceStatus.FINISHED_ABORTED,
+}
+
+FINISH_REASON = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Sequence:
+    """A request inside the engine: prompt + generated tokens and their KV blocks."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_order: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        # Lower value = more urgent (as in vLLM); ties broken by arrival_order.
+        self.priority = priority
+        self.arrival_order = arrival_order
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache at the last admission (for stats).
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.output_logprobs: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens, in order."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt tokens."""
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def last_token_id(self) -> int:
+        """The most recent token (the input of the next decode step)."""
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V are not yet in the cache."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the sequence has left the engine for good."""
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI-style finish reason, or None while unfinished."""
+        return FINISH_REASON.get(self.status)
+
+    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+        """Record one sampled token."""
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
