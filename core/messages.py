@@ -1,0 +1,65 @@
+"""The versioned JSON message that carries a job through Kafka, and its partition key.
+
+The database is the source of truth; the message carries what a worker needs to run the
+job without a read first (the request body), plus the ids to write the result back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+MESSAGE_VERSION = 1
+
+# Prompts that share their first this-many characters share a partition, so a worker's
+# prefix cache sees them all. Long enough to cover a typical system prompt's first block.
+AFFINITY_PREFIX_CHARS = 256
+
+
+class JobMessage(BaseModel):
+    """One job as produced to `<prefix>.jobs.<priority>`."""
+
+    v: Literal[1] = MESSAGE_VERSION
+    job_id: str
+    tenant_id: str
+    priority: str
+    model: str
+    # "chat.completion" (body has `messages`) or "text_completion" (body has `prompt`).
+    kind: Literal["chat.completion", "text_completion"]
+    body: dict[str, Any]
+    batch_id: str | None = None
+    custom_id: str | None = None
+    cache_key: str | None = None
+    attempt: int = Field(default=1, ge=1)
+
+    def encode(self) -> bytes:
+        """Bytes for the Kafka record value."""
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> JobMessage:
+        """Parse a record value; ValueError for anything that is not a v1 job message."""
+        try:
+            return cls.model_validate_json(raw)
+        except ValidationError as e:
+            raise ValueError(f"not a v{MESSAGE_VERSION} job message: {e}") from e
+
+    def affinity_key(self) -> bytes:
+        """Partition key: explicit cache_key, else a hash of the prompt's first block."""
+        if self.cache_key:
+            return self.cache_key.encode()
+        return prompt_affinity_key(self.body, self.model)
+
+
+def prompt_affinity_key(body: dict[str, Any], model: str) -> bytes:
+    """Hash of model + the first AFFINITY_PREFIX_CHARS of the rendered prompt."""
+    if "messages" in body:
+        head = json.dumps(body["messages"], sort_keys=True, ensure_ascii=False)
+    else:
+        prompt = body.get("prompt", "")
+        head = prompt if isinstance(prompt, str) else json.dumps(prompt)
+    digest = hashlib.blake2b(f"{model}\0{head[:AFFINITY_PREFIX_CHARS]}".encode(), digest_size=8)
+    return digest.hexdigest().encode()

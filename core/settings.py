@@ -1,0 +1,93 @@
+"""Settings for every role, from `BATCHINFER_*` environment variables (and `.env`).
+
+Read them through `get_settings()`; tests override with `get_settings.cache_clear()` and
+environment variables. Nothing here is built at import time.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from core.topics import PRIORITIES
+
+
+class Settings(BaseSettings):
+    """One typed view of the configuration; unsafe values fail at start-up."""
+
+    model_config = SettingsConfigDict(env_prefix="BATCHINFER_", env_file=".env", extra="ignore")
+
+    # Where the embedded default keeps its SQLite file, Redis dump, broker and files.
+    data_dir: Path = Path(".data")
+    # Empty: sqlite under data_dir. Production: postgresql+psycopg://user:pw@host/db
+    database_url: str = ""
+    kafka_bootstrap_servers: str = "127.0.0.1:9092"
+    topic_prefix: str = "batchinfer"
+    topic_partitions: int = Field(default=3, ge=1)
+    topic_replication_factor: int = Field(default=1, ge=1)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8000, ge=1, le=65535)
+    # Largest accepted request body, bytes (413 above it).
+    max_request_bytes: int = Field(default=1_048_576, ge=1024)
+    # Jobs a tenant may have queued or running at once (429 above it).
+    tenant_max_active_jobs: int = Field(default=100_000, ge=1)
+    # Submissions per tenant per second (token bucket; 429 above it).
+    tenant_rate_limit_per_s: float = Field(default=1000.0, gt=0)
+    long_poll_max_s: float = Field(default=60.0, ge=0)
+    # How long OpenAI-compatible /v1/chat/completions waits for its job.
+    sync_request_timeout_s: float = Field(default=600.0, gt=0)
+
+    # The model workers serve by default, and the names the API accepts.
+    model: str = "smollm2-135m-instruct"
+    served_models: list[str] = Field(default_factory=list)
+    models_dir: Path = Path.home() / ".cache" / "batchinfer" / "models"
+
+    # Inference worker.
+    worker_max_inflight: int = Field(default=128, ge=1)
+    engine_max_num_seqs: int = Field(default=64, ge=1)
+    engine_max_num_batched_tokens: int = Field(default=4096, ge=1)
+    engine_kv_cache_memory_bytes: int | None = None
+    engine_dtype: str = "auto"
+    engine_device: str = "auto"
+    result_cache_ttl_s: int = Field(default=86_400, ge=0)
+
+    # Reconciler: re-publish jobs still queued after this long.
+    requeue_after_s: float = Field(default=300.0, gt=0)
+
+    log_level: str = "INFO"
+
+    @field_validator("served_models", mode="before")
+    @classmethod
+    def _split_models(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [m.strip() for m in value.split(",") if m.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> Settings:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{(self.data_dir / 'batchinfer.db').resolve()}"
+        if not self.served_models:
+            self.served_models = [self.model]
+        return self
+
+    @property
+    def job_topics(self) -> dict[str, str]:
+        """Priority name → Kafka topic name."""
+        return {p: f"{self.topic_prefix}.jobs.{p}" for p in PRIORITIES}
+
+    @property
+    def consumer_group(self) -> str:
+        """The inference workers' consumer group."""
+        return f"{self.topic_prefix}.workers"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """The process's settings, read once."""
+    return Settings()

@@ -1,0 +1,117 @@
+"""SQLAlchemy 2 table models: tenants, API keys and jobs.
+
+The job row is the source of truth for a job's state; its status follows
+`queued → running → succeeded | failed | cancelled` (see `storage.states`).
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Enum,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    """Timezone-aware now, the only clock the database sees."""
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base for every table."""
+
+
+class JobStatus(str, enum.Enum):
+    """Lifecycle of a job, in order."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        """True once the job can no longer change."""
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class Tenant(Base):
+    """A customer; every job and key belongs to one."""
+
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ApiKey(Base):
+    """A bearer key; only its SHA-256 is stored, plus a short prefix to recognise it."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+
+
+class Job(Base):
+    """One inference request and, once done, its result."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_idempotency_key"),
+        Index("ix_jobs_tenant_created", "tenant_id", "created_at", "id"),
+        Index("ix_jobs_status_queued_at", "status", "queued_at"),
+        Index("ix_jobs_batch", "batch_id", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    status: Mapped[JobStatus] = mapped_column(
+        Enum(JobStatus, name="job_status", values_callable=lambda e: [m.value for m in e]),
+        default=JobStatus.QUEUED,
+    )
+    priority: Mapped[str] = mapped_column(String(8))
+    model: Mapped[str] = mapped_column(String(200))
+    # "chat.completion" or "text_completion": the shape of `result`.
+    kind: Mapped[str] = mapped_column(String(20))
+    request: Mapped[dict[str, Any]] = mapped_column(JSON)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
+    cached_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # When the job was last produced to Kafka; the reconciler re-publishes stale ones.
+    queued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    first_token_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker_id: Mapped[str | None] = mapped_column(String(100), default=None)
+    batch_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    custom_id: Mapped[str | None] = mapped_column(String(512), default=None)
+    callback_url: Mapped[str | None] = mapped_column(Text, default=None)
+    # `metadata` is reserved on declarative classes; the column keeps the public name.
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, default=None)
+    cache_key: Mapped[str | None] = mapped_column(String(200), default=None)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)
+    # SHA-256 of the canonical request body: a replayed key with another body is a 409.
+    request_hash: Mapped[str | None] = mapped_column(String(64), default=None)
