@@ -13,12 +13,14 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     DateTime,
+    Dialect,
     Enum,
     ForeignKey,
     Index,
     Integer,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -29,11 +31,39 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+class UTCDateTime(TypeDecorator[datetime]):
+    """`DateTime(timezone=True)` that always hands back aware UTC datetimes.
+
+    SQLite keeps no zone and returns naive values; without this, `now - job.created_at`
+    would work on PostgreSQL and raise on SQLite.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        """Refuse naive datetimes; store UTC (SQLite stores the naive UTC wall time)."""
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass an aware one, e.g. datetime.now(UTC)")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        """Aware UTC whatever the backend returned."""
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
 class Base(DeclarativeBase):
     """Declarative base for every table."""
 
 
-class JobStatus(str, enum.Enum):
+class JobStatus(enum.StrEnum):
     """Lifecycle of a job, in order."""
 
     QUEUED = "queued"
@@ -55,7 +85,7 @@ class Tenant(Base):
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class ApiKey(Base):
@@ -67,8 +97,8 @@ class ApiKey(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
 
 
 class Job(Base):
@@ -80,6 +110,8 @@ class Job(Base):
         Index("ix_jobs_tenant_created", "tenant_id", "created_at", "id"),
         Index("ix_jobs_status_queued_at", "status", "queued_at"),
         Index("ix_jobs_batch", "batch_id", "status"),
+        # count_active_jobs runs on every submission.
+        Index("ix_jobs_tenant_status", "tenant_id", "status"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -98,12 +130,12 @@ class Job(Base):
     prompt_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     completion_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     cached_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     # When the job was last produced to Kafka; the reconciler re-publishes stale ones.
-    queued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
-    first_token_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    queued_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
+    first_token_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker_id: Mapped[str | None] = mapped_column(String(100), default=None)
     batch_id: Mapped[str | None] = mapped_column(String(40), default=None)
