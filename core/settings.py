@@ -6,11 +6,13 @@ environment variables. Nothing here is built at import time.
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from core.topics import PRIORITIES
 
@@ -59,7 +61,35 @@ class Settings(BaseSettings):
     # Reconciler: re-publish jobs still queued after this long.
     requeue_after_s: float = Field(default=300.0, gt=0)
 
+    # Webhook callbacks (`batchinfer callbacks`, a Celery worker on redis_url).
+    # Hosts or CIDRs a callback URL may resolve into although private (e.g. 127.0.0.1).
+    webhook_allowlist: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Seconds before each retry; its length is the number of retries (~3 days in all).
+    webhook_retry_schedule: Annotated[list[float], NoDecode] = Field(
+        default_factory=lambda: [5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 36000.0],
+        min_length=1,
+    )
+    webhook_connect_timeout_s: float = Field(default=5.0, gt=0)
+    # Whole attempt (connect, send, response): a slow receiver cannot hold a worker longer.
+    webhook_timeout_s: float = Field(default=15.0, gt=0)
+    webhook_max_response_bytes: int = Field(default=4096, ge=0)
+    # A claimed delivery is re-dispatched after this long (a crashed worker's claim).
+    webhook_claim_s: float = Field(default=60.0, gt=0)
+    webhook_concurrency: int = Field(default=8, ge=1)
+    # Port of the callbacks role's Prometheus endpoint; 0 turns it off.
+    webhook_metrics_port: int = Field(default=0, ge=0, le=65535)
+
     log_level: str = "INFO"
+
+    @field_validator("webhook_allowlist", "webhook_retry_schedule", mode="before")
+    @classmethod
+    def _split_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [item.strip() for item in text.split(",") if item.strip()]
+        return value
 
     @field_validator("served_models", mode="before")
     @classmethod
@@ -74,6 +104,11 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{(self.data_dir / 'batchinfer.db').resolve()}"
         if not self.served_models:
             self.served_models = [self.model]
+        if self.webhook_claim_s <= self.webhook_timeout_s:
+            raise ValueError("webhook_claim_s must exceed webhook_timeout_s, or a slow "
+                             "delivery would be claimed again while still in flight")
+        if any(delay < 0 for delay in self.webhook_retry_schedule):
+            raise ValueError("webhook_retry_schedule holds seconds, none negative")
         return self
 
     @property
