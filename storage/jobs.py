@@ -1,0 +1,290 @@
+"""Job queries: create, read, list, and the status writes the worker and API make.
+
+Every status write is one `UPDATE ... WHERE status IN (...)`, so two writers racing on a
+job (a worker finishing it, a user cancelling it, a redelivered copy finishing it again)
+cannot both win: the loser's call changes nothing and returns False. The statuses in each
+WHERE come from `storage.states`. Functions flush but never commit: the caller owns the
+transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import CursorResult, and_, func, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from core.topics import PRIORITIES, Priority
+from storage.models import Job, JobStatus, utcnow
+from storage.states import sources_of
+
+logger = logging.getLogger(__name__)
+
+JOB_KINDS = ("chat.completion", "text_completion")
+MAX_LIST_LIMIT = 100
+# Statuses a job can still leave; result writes only ever touch these.
+UNFINISHED = (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+class IdempotencyKeyTaken(ValueError):
+    """Another job of this tenant already holds the idempotency key (a lost race)."""
+
+
+def new_job_id() -> str:
+    """`job_` + 24 random hex characters."""
+    return f"job_{secrets.token_hex(12)}"
+
+
+def create_job(
+    session: Session,
+    *,
+    tenant_id: str,
+    priority: str | Priority,
+    model: str,
+    kind: str,
+    request: dict[str, Any],
+    callback_url: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    idempotency_key: str | None = None,
+    request_hash: str | None = None,
+    batch_id: str | None = None,
+    custom_id: str | None = None,
+    cache_key: str | None = None,
+) -> Job:
+    """Add a queued job and flush it.
+
+    Raises IdempotencyKeyTaken when a concurrent request inserted the same key first; the
+    session must then be rolled back, after which `find_by_idempotency_key` finds the winner.
+    """
+    priority_name = priority.value if isinstance(priority, Priority) else priority
+    if priority_name not in PRIORITIES:
+        raise ValueError(f"priority {priority_name!r} is not one of {', '.join(PRIORITIES)}")
+    if kind not in JOB_KINDS:
+        raise ValueError(f"job kind {kind!r} is not one of {', '.join(JOB_KINDS)}")
+    job = Job(
+        id=new_job_id(),
+        tenant_id=tenant_id,
+        status=JobStatus.QUEUED,
+        priority=priority_name,
+        model=model,
+        kind=kind,
+        request=request,
+        callback_url=callback_url,
+        metadata_=metadata,
+        idempotency_key=idempotency_key,
+        request_hash=request_hash,
+        batch_id=batch_id,
+        custom_id=custom_id,
+        cache_key=cache_key,
+        attempts=0,
+        created_at=utcnow(),
+    )
+    session.add(job)
+    try:
+        session.flush()
+    except IntegrityError as e:
+        if idempotency_key is not None and "idempotency" in str(e.orig).lower():
+            raise IdempotencyKeyTaken(
+                f"idempotency key {idempotency_key!r} is already used by another job; "
+                "roll back and look it up with find_by_idempotency_key"
+            ) from e
+        raise
+    return job
+
+
+def find_by_idempotency_key(session: Session, *, tenant_id: str, key: str) -> Job | None:
+    """The tenant's job created with this Idempotency-Key, or None."""
+    query = select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == key)
+    return session.scalars(query).one_or_none()
+
+
+def get_job(session: Session, *, job_id: str, tenant_id: str | None = None) -> Job | None:
+    """A job by id; with `tenant_id`, None unless that tenant owns it."""
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is None or (tenant_id is not None and job.tenant_id != tenant_id):
+        return None
+    return job
+
+
+def list_jobs(
+    session: Session,
+    *,
+    tenant_id: str,
+    status: JobStatus | None = None,
+    limit: int = 20,
+    after: str | None = None,
+) -> tuple[list[Job], bool]:
+    """A page of the tenant's jobs, newest first, and whether more follow.
+
+    `after` is the id of the last job of the previous page. Order is (created_at, id)
+    descending, so jobs created in the same instant still page without gaps or repeats.
+    """
+    if not 1 <= limit <= MAX_LIST_LIMIT:
+        raise ValueError(f"limit must be between 1 and {MAX_LIST_LIMIT}, got {limit}")
+    query = select(Job).where(Job.tenant_id == tenant_id)
+    if status is not None:
+        query = query.where(Job.status == status)
+    if after is not None:
+        cursor = get_job(session, job_id=after, tenant_id=tenant_id)
+        if cursor is None:
+            raise ValueError(f"unknown cursor {after!r}: pass the id of a job from the last page")
+        query = query.where(
+            or_(
+                Job.created_at < cursor.created_at,
+                and_(Job.created_at == cursor.created_at, Job.id < cursor.id),
+            )
+        )
+    query = query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
+    jobs = list(session.scalars(query))
+    return jobs[:limit], len(jobs) > limit
+
+
+def mark_published(session: Session, *, job_ids: list[str]) -> None:
+    """Stamp queued jobs as produced to Kafka now (the reconciler's staleness clock)."""
+    if not job_ids:
+        return
+    session.execute(
+        update(Job)
+        .where(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED)
+        .values(queued_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    _expire(session, job_ids)
+
+
+def mark_running(session: Session, *, job_id: str, worker_id: str) -> bool:
+    """Claim a job for a worker (queued, or running after a redelivery); False if finished.
+
+    Counts the attempt and restarts the clock: `started_at` is the latest claim's start.
+    """
+    return _update_status(
+        session,
+        job_id=job_id,
+        new=JobStatus.RUNNING,
+        values={"worker_id": worker_id, "attempts": Job.attempts + 1, "started_at": utcnow()},
+    )
+
+
+def complete_job(
+    session: Session,
+    *,
+    job_id: str,
+    result: dict[str, Any],
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    first_token_at: datetime | None,
+) -> bool:
+    """Store a result; True only if this call finished the job.
+
+    Accepts queued jobs too (e.g. a result-cache hit never claimed): they pass through
+    running in the same statement, and `started_at` is filled if it was never set.
+    """
+    now = utcnow()
+    return _update_status(
+        session,
+        job_id=job_id,
+        new=JobStatus.SUCCEEDED,
+        values={
+            "result": result,
+            "error": None,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": cached_tokens,
+            "first_token_at": first_token_at,
+            "started_at": func.coalesce(Job.started_at, now),
+            "finished_at": now,
+        },
+        sources=UNFINISHED,
+    )
+
+
+def fail_job(session: Session, *, job_id: str, error: dict[str, Any]) -> bool:
+    """Store an error; True only if this call finished the job."""
+    return _update_status(
+        session,
+        job_id=job_id,
+        new=JobStatus.FAILED,
+        values={"error": error, "finished_at": utcnow()},
+    )
+
+
+def cancel_job(session: Session, *, job_id: str, tenant_id: str) -> Job | None:
+    """Cancel the tenant's job if unfinished; returns it as it now is, None if not theirs.
+
+    A finished job is returned unchanged, so the caller sees whether the cancel took
+    (status `cancelled`) or came too late (status `succeeded` or `failed`).
+    """
+    job = get_job(session, job_id=job_id, tenant_id=tenant_id)
+    if job is None:
+        return None
+    if _update_status(
+        session, job_id=job_id, new=JobStatus.CANCELLED, values={"finished_at": utcnow()}
+    ):
+        logger.info("cancelled job %s", job_id)
+    return get_job(session, job_id=job_id, tenant_id=tenant_id)
+
+
+def stale_queued_jobs(session: Session, *, older_than: datetime, limit: int) -> list[Job]:
+    """Queued jobs last published before `older_than` (or never, and created before it).
+
+    Oldest first, at most `limit`: what the reconciler re-publishes.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    query = (
+        select(Job)
+        .where(
+            Job.status == JobStatus.QUEUED,
+            or_(
+                Job.queued_at < older_than,
+                and_(Job.queued_at.is_(None), Job.created_at < older_than),
+            ),
+        )
+        .order_by(Job.created_at, Job.id)
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def count_active_jobs(session: Session, *, tenant_id: str) -> int:
+    """How many of the tenant's jobs are queued or running."""
+    query = select(func.count(Job.id)).where(Job.tenant_id == tenant_id, Job.status.in_(UNFINISHED))
+    return session.scalar(query) or 0
+
+
+def _update_status(
+    session: Session,
+    *,
+    job_id: str,
+    new: JobStatus,
+    values: dict[str, Any],
+    sources: tuple[JobStatus, ...] | None = None,
+) -> bool:
+    """Move a job to `new` only from allowed statuses; True if this statement moved it."""
+    allowed = sorted(sources_of(new) if sources is None else sources)
+    statement = (
+        update(Job)
+        .where(Job.id == job_id, Job.status.in_(allowed))
+        .values(status=new, **values)
+        .execution_options(synchronize_session=False)
+    )
+    result = session.execute(statement)
+    assert isinstance(result, CursorResult)
+    _expire(session, [job_id])
+    changed = result.rowcount == 1
+    if not changed:
+        logger.debug("job %s not moved to %s: missing or already finished", job_id, new.value)
+    return changed
+
+
+def _expire(session: Session, job_ids: list[str]) -> None:
+    """Drop stale in-memory copies so later reads see what the UPDATE wrote."""
+    for job_id in job_ids:
+        job = session.identity_map.get(session.identity_key(Job, job_id))
+        if job is not None:
+            session.expire(job)

@@ -1,0 +1,57 @@
+"""The job state machine: which status may follow which.
+
+    queued ──► running ──► succeeded | failed | cancelled
+      │  ▲──────┘ (re-claim after a redelivery)
+      └──► failed | cancelled
+
+The query functions in `storage.jobs` enforce the same table atomically in SQL
+(`UPDATE ... WHERE status IN (...)`); `check_transition` is for code that moves a loaded
+row and for explaining a refusal.
+"""
+
+from __future__ import annotations
+
+from storage.models import JobStatus
+
+_QUEUED, _RUNNING = JobStatus.QUEUED, JobStatus.RUNNING
+
+# old status → the statuses it may move to.
+ALLOWED_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    JobStatus.QUEUED: frozenset({_RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
+    # running → running: a worker re-claims a job Kafka redelivered after a crash.
+    JobStatus.RUNNING: frozenset(
+        {_RUNNING, JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED}
+    ),
+    JobStatus.SUCCEEDED: frozenset(),
+    JobStatus.FAILED: frozenset(),
+    JobStatus.CANCELLED: frozenset(),
+}
+
+
+class IllegalTransition(ValueError):
+    """A status change the job state machine does not allow."""
+
+    def __init__(self, old: JobStatus, new: JobStatus) -> None:
+        allowed = ", ".join(sorted(s.value for s in ALLOWED_TRANSITIONS[old])) or "nothing"
+        super().__init__(
+            f"illegal job transition {old.value} → {new.value}: "
+            f"from {old.value} a job may only become {allowed}"
+        )
+        self.old = old
+        self.new = new
+
+
+def can_transition(old: JobStatus, new: JobStatus) -> bool:
+    """Whether a job in `old` may move to `new`."""
+    return new in ALLOWED_TRANSITIONS[old]
+
+
+def check_transition(old: JobStatus, new: JobStatus) -> None:
+    """Raise IllegalTransition unless a job in `old` may move to `new`."""
+    if not can_transition(old, new):
+        raise IllegalTransition(old, new)
+
+
+def sources_of(new: JobStatus) -> frozenset[JobStatus]:
+    """Every status from which a job may move to `new`."""
+    return frozenset(old for old, targets in ALLOWED_TRANSITIONS.items() if new in targets)
