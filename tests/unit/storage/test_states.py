@@ -25,9 +25,7 @@ def test_allowed_transitions_pass(old: JobStatus, new: JobStatus) -> None:
     assert can_transition(old, new)
 
 
-@pytest.mark.parametrize(
-    "old,new", sorted(set(itertools.product(JobStatus, JobStatus)) - ALLOWED)
-)
+@pytest.mark.parametrize("old,new", sorted(set(itertools.product(JobStatus, JobStatus)) - ALLOWED))
 def test_every_other_transition_is_refused_naming_both_states(
     old: JobStatus, new: JobStatus
 ) -> None:

@@ -20,9 +20,7 @@ from storage.tenants import (
 )
 
 
-def test_key_is_returned_once_and_stored_only_as_its_hash(
-    session: Session, tenant: Tenant
-) -> None:
+def test_key_is_returned_once_and_stored_only_as_its_hash(session: Session, tenant: Tenant) -> None:
     api_key, plaintext = create_api_key(session, tenant_id=tenant.id)
     session.commit()
     assert re.fullmatch(r"bi_[A-Za-z0-9_-]{43}", plaintext)
