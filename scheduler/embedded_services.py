@@ -70,8 +70,12 @@ def redis_server_binary(prefer_system: bool = False) -> Path:
     return path
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: ask the kernel for SIGTERM when the parent dies."""
+def die_with_parent() -> None:
+    """Runs in the child before exec: ask the kernel for SIGTERM when the parent dies.
+
+    Linux ties this to the thread that forked, so spawn long-lived children from a thread
+    that lives as long as they should (the main thread).
+    """
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -125,7 +129,7 @@ class ChildService:
                 stderr=subprocess.STDOUT,
                 env=self._env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         logger.info("started %s (pid %d) on %s:%d", self.name, self._process.pid, self.host,
                     self.port)
