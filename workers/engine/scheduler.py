@@ -1,0 +1,275 @@
+"""Decides, every step, which sequences run and how many of their tokens.
+
+Responsibilities:
+- keep the waiting line ordered by priority (lower value = more urgent) then arrival;
+  a preempted sequence goes back to its original place in that line;
+- spend a token budget (`max_num_batched_tokens`) per step under a cap of `max_num_seqs`
+  running sequences: decodes first, then prefill chunks, then new admissions;
+- chunk long prefills (or, with chunked prefill off, schedule each prefill whole);
+- when KV blocks run out, preempt by recompute the least urgent, newest running sequence;
+- let a strictly more urgent waiting sequence displace the least urgent running one when
+  the sequence cap or the KV pool is full (equal priorities never displace each other);
+- keep a free-block watermark when admitting, so running sequences rarely need preempting;
+- apply sampled tokens and stop conditions, and free whatever finishes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from workers.engine.block_manager import BlockManager
+from workers.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Sampled(Protocol):
+    """What the model runner returns per sequence: one token and maybe its logprob."""
+
+    @property
+    def token_id(self) -> int: ...
+
+    @property
+    def logprob(self) -> float | None: ...
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work: the sequences to run and how many tokens of each."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    # Sequences sent back to the waiting line this step (their KV was dropped).
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        """Tokens the model computes this step."""
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when there is nothing to run."""
+        return not self.seqs
+
+
+def urgency(seq: Sequence) -> tuple[int, int]:
+    """Sort key: most urgent first (lower priority value, then earlier arrival)."""
+    return (seq.priority, seq.arrival_order)
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, priorities and preemption by recompute."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: set[int],
+        enable_chunked_prefill: bool = True,
+        watermark: float = 0.01,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.num_watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.waiting: list[Sequence] = []  # sorted by urgency
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_prefix_cache_hit_tokens = 0
+
+    def max_positions(self, seq: Sequence) -> int:
+        """KV positions the sequence holds at its longest (its last token is never computed)."""
+        final_len = min(seq.num_tokens + seq.params.max_tokens, self.max_model_len)
+        return max(seq.num_tokens, final_len - 1)
+
+    def add(self, seq: Sequence) -> None:
+        """Put a new sequence in the waiting line; ValueError if it could never run."""
+        # A preempted sequence recomputes everything it has, so its longest form must fit
+        # the pool alone (and, without chunking, one step's budget) or it would never return.
+        bm = self.block_manager
+        longest = self.max_positions(seq)
+        if bm.num_blocks_for(seq.num_tokens) > bm.num_blocks:
+            raise ValueError(
+                f"prompt of {seq.num_tokens} tokens exceeds the KV cache's {bm.num_blocks} "
+                f"blocks of {bm.block_size} tokens"
+            )
+        if bm.num_blocks_for(longest) > bm.num_blocks:
+            raise ValueError(
+                f"max_tokens={seq.params.max_tokens} after a {seq.num_tokens}-token prompt "
+                f"exceeds the KV cache's {bm.num_blocks} blocks; lower max_tokens"
+            )
+        if not self.enable_chunked_prefill and longest > self.max_num_batched_tokens:
+            field_name = "prompt" if seq.num_tokens > self.max_num_batched_tokens else "max_tokens"
+            raise ValueError(
+                f"{field_name}: {longest} tokens to (re)compute exceed max_num_batched_tokens="
+                f"{self.max_num_batched_tokens} with chunked prefill off"
+            )
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=urgency)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch within the token budget and the sequence cap."""
+        step = _Step(self.max_num_batched_tokens)
+        running = sorted(self.running, key=urgency)
+        # Decodes first (one token each, latency-sensitive), then running prefill chunks.
+        for seq in [s for s in running if s.num_uncomputed_tokens == 1] + [
+            s for s in running if s.num_uncomputed_tokens > 1
+        ]:
+            if seq.status is SequenceStatus.RUNNING and step.budget > 0:
+                self._schedule_running(seq, step)
+        self._admit_waiting(step)
+        seqs = list(step.scheduled)
+        return SchedulerOutput(seqs, [step.scheduled[s] for s in seqs], step.preempted)
+
+    def postprocess(self, out: SchedulerOutput, sampled: Seq[Sampled | None]) -> list[Sequence]:
+        """Advance progress, append sampled tokens, apply stop conditions.
+
+        Returns the sequences that received a token this step (finished ones included).
+        """
+        if len(sampled) != len(out.seqs):
+            raise ValueError(f"sampled has {len(sampled)} entries for {len(out.seqs)} seqs")
+        updated: list[Sequence] = []
+        for seq, n, token in zip(out.seqs, out.num_scheduled_tokens, sampled, strict=True):
+            assert seq.status is SequenceStatus.RUNNING
+            seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
+            if token is None:
+                assert seq.num_computed_tokens < seq.num_tokens, "no token for a full prefill"
+                continue
+            assert seq.num_computed_tokens == seq.num_tokens, "token for a partial prefill"
+            seq.append_token(token.token_id, token.logprob)
+            updated.append(seq)
+            status = self._stop_status(seq)
+            if status is not None:
+                self.finish(seq, status)
+        return updated
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Take a sequence out of the engine for good and free its blocks."""
+        assert status.is_finished
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = status
+        self.block_manager.forget(seq)
+
+    def _stop_status(self, seq: Sequence) -> SequenceStatus | None:
+        token_id = seq.last_token_id
+        if not seq.params.ignore_eos and token_id in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if token_id in seq.params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _schedule_running(self, seq: Sequence, step: _Step) -> None:
+        num_new = min(seq.num_uncomputed_tokens, step.budget)
+        assert num_new > 0
+        if num_new < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
+            return
+        while not self.block_manager.append_slots(seq, num_new):
+            # Out of blocks: recompute-preempt the least urgent, newest running sequence;
+            # when that is `seq` itself it simply waits (no equal-priority ping-pong: a
+            # readmitted sequence is still the newest, so it is the next victim again).
+            victim = max(self.running, key=urgency)
+            self._preempt(victim, step)
+            if victim is seq:
+                return
+        step.add(seq, num_new, self.block_manager.hashes_completed_by(seq, num_new))
+
+    def _admit_waiting(self, step: _Step) -> None:
+        bm = self.block_manager
+        while self.waiting and step.budget > 0:
+            seq = self.waiting[0]
+            if seq in step.preempted:
+                break  # it keeps its place in line, but does not bounce back in this step
+            if len(self.running) >= self.max_num_seqs:
+                if self._displace_for(seq, step, num_blocks_needed=0):
+                    continue
+                break
+            cached = bm.find_cached_prefix(seq)
+            next_hash = bm.next_block_hash(seq, len(cached))
+            if next_hash is not None and next_hash in step.completing_hashes:
+                # A sequence in this very step computes the next block of this prefix:
+                # wait one step and share it instead of computing it twice.
+                break
+            num_uncached = seq.num_tokens - len(cached) * bm.block_size
+            num_new = min(num_uncached, step.budget)
+            if num_new < num_uncached and not self.enable_chunked_prefill:
+                break
+            reserve = self.num_watermark_blocks if self.running else 0
+            if not bm.can_admit(cached, num_new, reserve):
+                needed = bm.num_blocks_for(len(cached) * bm.block_size + num_new) + reserve
+                if self._displace_for(seq, step, num_blocks_needed=needed):
+                    continue
+                break
+            bm.admit(seq, cached, num_new)
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
+            step.add(seq, num_new, bm.hashes_completed_by(seq, num_new))
+
+    def _displace_for(self, seq: Sequence, step: _Step, *, num_blocks_needed: int) -> bool:
+        """Preempt the least urgent running sequence if strictly less urgent than `seq`.
+
+        With `num_blocks_needed`, only when preempting every strictly less urgent sequence
+        could free enough blocks; otherwise victims would be dropped for nothing.
+        """
+        victims = [s for s in self.running if s.priority > seq.priority]
+        if not victims:
+            return False
+        if num_blocks_needed:
+            blocks = self.block_manager.blocks
+            freeable = sum(1 for s in victims for b in s.block_table if blocks[b].ref_count == 1)
+            if self.block_manager.num_free_blocks + freeable < num_blocks_needed:
+                return False
+        self._preempt(max(victims, key=urgency), step)
+        return True
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        logger.debug("preempting %s (priority %d)", seq.request_id, seq.priority)
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=urgency)
+        step.preempted.append(seq)
+        step.budget += step.scheduled.pop(seq, 0)
+
+
+@dataclass(slots=True)
+class _Step:
+    """The batch being assembled in one `schedule()` call."""
+
+    budget: int
+    scheduled: dict[Sequence, int] = field(default_factory=dict)  # in batch order
+    preempted: list[Sequence] = field(default_factory=list)
+    # Hashes of blocks this step completes, so an admission can wait to share them.
+    completing_hashes: set[bytes] = field(default_factory=set)
+
+    def add(self, seq: Sequence, num_new_tokens: int, completed: list[bytes]) -> None:
+        """Schedule `num_new_tokens` of `seq`."""
+        self.scheduled[seq] = num_new_tokens
+        self.budget -= num_new_tokens
+        self.completing_hashes.update(completed)
