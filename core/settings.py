@@ -61,6 +61,16 @@ class Settings(BaseSettings):
     # Reconciler: re-publish jobs still queued after this long.
     requeue_after_s: float = Field(default=300.0, gt=0)
 
+    # Files and batches (OpenAI-compatible). Files live under files_dir (default
+    # data_dir/files); the limits default to OpenAI's.
+    files_dir: Path | None = None
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1)
+    batch_max_requests: int = Field(default=50_000, ge=1)
+    # Accepted `completion_window` values ("<n>s|m|h|d"); tests add short ones.
+    batch_completion_windows: list[str] = Field(default_factory=lambda: ["24h"])
+    # How often the batch loop validates, fans out, counts and finalizes.
+    batch_poll_interval_s: float = Field(default=1.0, gt=0)
+
     # Webhook callbacks (`batchinfer callbacks`, a Celery worker on redis_url).
     # Hosts or CIDRs a callback URL may resolve into although private (e.g. 127.0.0.1).
     webhook_allowlist: Annotated[list[str], NoDecode] = Field(default_factory=list)
@@ -104,6 +114,8 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{(self.data_dir / 'batchinfer.db').resolve()}"
         if not self.served_models:
             self.served_models = [self.model]
+        if self.files_dir is None:
+            self.files_dir = self.data_dir / "files"
         if self.webhook_claim_s <= self.webhook_timeout_s:
             raise ValueError("webhook_claim_s must exceed webhook_timeout_s, or a slow "
                              "delivery would be claimed again while still in flight")
