@@ -1,0 +1,169 @@
+"""Batch input validation: every error case names its line; valid files parse in order."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import pytest
+
+from scheduler.batch_input import (
+    MAX_REPORTED_ERRORS,
+    InputReport,
+    iter_lines,
+    iter_requests,
+    validate_input,
+)
+
+CHAT = "/v1/chat/completions"
+MODEL = "tiny"
+
+
+def request(custom_id: str | None = "r1", **overrides: Any) -> dict[str, Any]:
+    """One valid chat request line as a dict."""
+    item: dict[str, Any] = {
+        "custom_id": custom_id, "method": "POST", "url": CHAT,
+        "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                 "max_tokens": 2},
+    }
+    if custom_id is None:
+        del item["custom_id"]
+    item.update(overrides)
+    return item
+
+
+def jsonl(*items: dict[str, Any] | str) -> io.BytesIO:
+    """A file of lines: dicts are JSON-encoded, strings written as they are."""
+    lines = [item if isinstance(item, str) else json.dumps(item) for item in items]
+    return io.BytesIO(("\n".join(lines) + "\n").encode())
+
+
+def validate(handle: io.BytesIO, **overrides: Any) -> InputReport:
+    """validate_input with test defaults."""
+    options: dict[str, Any] = {"endpoint": CHAT, "served_models": [MODEL], "max_requests": 100,
+                               "max_line_bytes": 10_000}
+    options.update(overrides)
+    return validate_input(handle, **options)
+
+
+def codes_and_lines(report: InputReport) -> list[tuple[str, int | None]]:
+    """(code, line) per reported error."""
+    return [(e["code"], e["line"]) for e in report.errors]
+
+
+def test_valid_file_counts_requests_and_finds_the_model() -> None:
+    report = validate(jsonl(request("a"), request("b"), "", request("c")))
+    assert report.is_valid
+    assert report.num_requests == 3
+    assert report.model == MODEL
+
+
+def test_malformed_json_names_its_line() -> None:
+    report = validate(jsonl(request("a"), '{"custom_id": "b", ', request("c"), "[1, 2]"))
+    assert codes_and_lines(report) == [("invalid_json_line", 2), ("invalid_json_line", 4)]
+
+
+def test_missing_and_empty_custom_id() -> None:
+    report = validate(jsonl(request(None), request("")))
+    assert codes_and_lines(report) == [("missing_custom_id", 1), ("missing_custom_id", 2)]
+    assert report.errors[0]["param"] == "custom_id"
+
+
+def test_duplicate_custom_id_names_both_lines() -> None:
+    report = validate(jsonl(request("a"), request("b"), request("a")))
+    assert codes_and_lines(report) == [("duplicate_custom_id", 3)]
+    assert "line 1" in report.errors[0]["message"]
+
+
+def test_url_other_than_the_endpoint() -> None:
+    report = validate(jsonl(request("a"), request("b", url="/v1/completions")))
+    assert codes_and_lines(report) == [("invalid_url", 2)]
+
+
+def test_method_other_than_post() -> None:
+    report = validate(jsonl(request("a", method="GET")))
+    assert codes_and_lines(report) == [("invalid_method", 1)]
+
+
+def test_more_than_one_model() -> None:
+    other = request("b")
+    other["body"]["model"] = "other"
+    report = validate(jsonl(request("a"), other), served_models=[MODEL, "other"])
+    assert codes_and_lines(report) == [("mismatched_model", 2)]
+    assert "line 1" in report.errors[0]["message"]
+
+
+def test_unknown_model_is_reported_once() -> None:
+    items = [request(str(i)) for i in range(3)]
+    for item in items:
+        item["body"]["model"] = "gpt-4o-mini"
+    report = validate(jsonl(*items))
+    assert codes_and_lines(report) == [("model_not_found", 1)]
+
+
+def test_model_override_replaces_each_lines_model() -> None:
+    item = request("a")
+    item["body"]["model"] = "gpt-4o-mini"
+    report = validate(jsonl(item), model_override=MODEL)
+    assert report.is_valid and report.model == MODEL
+    [parsed] = iter_requests(jsonl(item), endpoint=CHAT, max_line_bytes=10_000,
+                             model_override=MODEL)
+    assert parsed.body["model"] == MODEL
+
+
+def test_stream_true_is_refused() -> None:
+    item = request("a")
+    item["body"]["stream"] = True
+    report = validate(jsonl(request("x"), item))
+    assert codes_and_lines(report) == [("invalid_stream", 2)]
+    assert report.errors[0]["param"] == "body.stream"
+
+
+def test_body_must_match_the_endpoint() -> None:
+    report = validate(jsonl(request("a", body={"model": MODEL, "prompt": "hi"})))
+    assert codes_and_lines(report) == [("missing_required_parameter", 1)]
+    completions = request("b", url="/v1/completions", body={"model": MODEL, "messages": []})
+    report = validate(jsonl(completions), endpoint="/v1/completions")
+    assert codes_and_lines(report) == [("missing_required_parameter", 1)]
+
+
+def test_more_requests_than_the_limit() -> None:
+    report = validate(jsonl(*(request(str(i)) for i in range(5))), max_requests=3)
+    assert codes_and_lines(report) == [("too_many_requests", 4)]
+
+
+def test_line_over_the_byte_limit_is_skipped_not_loaded() -> None:
+    long_item = request("b")
+    long_item["body"]["messages"][0]["content"] = "x" * 5000
+    report = validate(jsonl(request("a"), long_item, request("c")), max_line_bytes=1000)
+    assert codes_and_lines(report) == [("line_too_long", 2)]
+    # The line after the long one is still read as its own line.
+    assert report.num_requests == 2
+
+
+def test_empty_file() -> None:
+    report = validate(io.BytesIO(b"\n\n"))
+    assert codes_and_lines(report) == [("empty_file", None)]
+
+
+def test_errors_are_capped_but_all_counted() -> None:
+    report = validate(jsonl(*(["not json"] * (MAX_REPORTED_ERRORS + 5))), max_requests=1000)
+    assert len(report.errors) == MAX_REPORTED_ERRORS
+    assert report.num_errors == MAX_REPORTED_ERRORS + 5
+
+
+def test_iter_lines_numbers_physical_lines() -> None:
+    lines = list(iter_lines(io.BytesIO(b"a\n\nbbbbbbbb\nc"), max_line_bytes=4))
+    assert lines == [(1, b"a\n"), (2, b"\n"), (3, None), (4, b"c")]
+
+
+def test_iter_requests_resumes_after_skip_with_line_numbers() -> None:
+    handle = jsonl(request("a"), "", request("b"), request("c"))
+    parsed = list(iter_requests(handle, endpoint=CHAT, max_line_bytes=10_000, skip=1))
+    assert [(r.custom_id, r.line) for r in parsed] == [("b", 3), ("c", 4)]
+
+
+def test_iter_requests_refuses_an_unvalidated_long_line() -> None:
+    with pytest.raises(ValueError, match="line 1"):
+        list(iter_requests(io.BytesIO(b"x" * 50), endpoint=CHAT, max_line_bytes=10))
