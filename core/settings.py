@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     topic_prefix: str = "batchinfer"
     topic_partitions: int = Field(default=3, ge=1)
     topic_replication_factor: int = Field(default=1, ge=1)
+    # A crashed worker's partitions move to the others after this long; the embedded broker
+    # also takes about half of it to complete a group join.
+    kafka_session_timeout_ms: int = Field(default=10_000, ge=1000)
     redis_url: str = "redis://127.0.0.1:6379/0"
 
     api_host: str = "127.0.0.1"
@@ -56,6 +59,10 @@ class Settings(BaseSettings):
     engine_kv_cache_memory_bytes: int | None = None
     engine_dtype: str = "auto"
     engine_device: str = "auto"
+    # Prometheus exporter port of the worker process (0: off).
+    worker_metrics_port: int = Field(default=0, ge=0, le=65535)
+    # On SIGTERM, how long in-flight jobs may take to finish before the worker exits anyway.
+    worker_drain_timeout_s: float = Field(default=30.0, ge=0)
     result_cache_ttl_s: int = Field(default=86_400, ge=0)
 
     # Reconciler: re-publish jobs still queued after this long.

@@ -1,0 +1,154 @@
+"""Kafka client factories, topic creation and consumer lag, shared by every role.
+
+Producers publish jobs with `acks="all"` keyed by the job's prefix-affinity key; consumers
+never auto-commit (workers commit only what they have persisted). `consumer_lag` follows
+real Kafka semantics, latest offset − committed offset per partition, so the scheduler
+sees the same numbers `kafka-consumer-groups --describe` would print.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.producer.future import FutureRecordMetadata
+
+from core.messages import JobMessage
+from core.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+CLIENT_ID = "batchinfer"
+
+
+def _bootstrap(settings: Settings) -> list[str]:
+    return [s.strip() for s in settings.kafka_bootstrap_servers.split(",") if s.strip()]
+
+
+def make_producer(settings: Settings, **overrides: object) -> KafkaProducer:
+    """A producer that waits for every in-sync replica (`acks="all"`) before a send succeeds."""
+    config: dict[str, object] = {
+        "bootstrap_servers": _bootstrap(settings),
+        "client_id": f"{CLIENT_ID}-producer",
+        # A job is written to the database first; losing its record would leave it queued
+        # until the reconciler notices, so trade a little latency for durability.
+        "acks": "all",
+        "retries": 5,
+        "linger_ms": 5,
+    }
+    config.update(overrides)
+    return KafkaProducer(**config)
+
+
+def publish_job(
+    producer: KafkaProducer, settings: Settings, message: JobMessage
+) -> FutureRecordMetadata:
+    """Produce one job to its priority topic, keyed so shared prefixes share a partition."""
+    topics = settings.job_topics
+    if message.priority not in topics:
+        raise ValueError(f"priority must be one of {', '.join(topics)}, got {message.priority!r}")
+    return producer.send(
+        topics[message.priority],
+        key=message.affinity_key(),
+        value=message.encode(),
+    )
+
+
+def ensure_topics(settings: Settings, *, timeout_s: float = 30.0) -> None:
+    """Create the three job topics if missing; safe to call from every process at start."""
+    deadline = time.monotonic() + timeout_s
+    wanted = list(settings.job_topics.values())
+    admin = _connect_admin(settings, deadline)
+    try:
+        missing = [t for t in wanted if t not in set(admin.list_topics())]
+        if not missing:
+            return
+        new_topics = [
+            NewTopic(
+                name=t,
+                num_partitions=settings.topic_partitions,
+                replication_factor=settings.topic_replication_factor,
+            )
+            for t in missing
+        ]
+        try:
+            admin.create_topics(new_topics)
+            logger.info("created topics %s with %d partitions", missing, settings.topic_partitions)
+        except TopicAlreadyExistsError:
+            # Another process won the race between list_topics and create_topics.
+            logger.debug("topics %s already created by another process", missing)
+    finally:
+        admin.close()
+
+
+def _connect_admin(settings: Settings, deadline: float) -> KafkaAdminClient:
+    # Processes often start together with the broker; retry until it answers.
+    while True:
+        try:
+            return KafkaAdminClient(
+                bootstrap_servers=_bootstrap(settings), client_id=f"{CLIENT_ID}-admin"
+            )
+        except KafkaError as e:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"Kafka at {settings.kafka_bootstrap_servers} did not answer: {e}"
+                ) from e
+            logger.info("waiting for Kafka at %s (%s)", settings.kafka_bootstrap_servers, e)
+            time.sleep(0.5)
+
+
+def make_consumer(
+    settings: Settings, *, group_id: str | None = None, **overrides: object
+) -> KafkaConsumer:
+    """An unsubscribed consumer in the workers' group (or `group_id`), auto-commit off."""
+    config: dict[str, object] = {
+        "bootstrap_servers": _bootstrap(settings),
+        "client_id": f"{CLIENT_ID}-consumer",
+        "group_id": group_id or settings.consumer_group,
+        # At-least-once: offsets are committed by the worker after results are persisted.
+        "enable_auto_commit": False,
+        # A job produced before any worker joined must still run.
+        "auto_offset_reset": "earliest",
+        # The engine steps on its own thread, so polls stay frequent; this only bounds how
+        # long a wedged worker keeps its partitions.
+        "max_poll_interval_ms": 300_000,
+        "max_poll_records": 100,
+        "session_timeout_ms": settings.kafka_session_timeout_ms,
+        # Kafka's advice: heartbeat at most a third of the session timeout.
+        "heartbeat_interval_ms": max(100, settings.kafka_session_timeout_ms // 3),
+        "fetch_max_wait_ms": 100,
+    }
+    config.update(overrides)
+    return KafkaConsumer(**config)
+
+
+def consumer_lag(
+    settings: Settings, *, group_id: str, topics: list[str] | None = None
+) -> dict[str, int]:
+    """Topic → Σ over partitions of (latest offset − committed offset) for `group_id`.
+
+    A partition the group never committed counts from the log start offset, since workers
+    reset to `earliest` and would read all of it. Topics default to the three job topics.
+    """
+    names = topics if topics is not None else list(settings.job_topics.values())
+    consumer = make_consumer(settings, group_id=group_id, client_id=f"{CLIENT_ID}-lag")
+    try:
+        partitions: list[TopicPartition] = []
+        for topic in names:
+            ids = consumer.partitions_for_topic(topic) or set()
+            partitions.extend(TopicPartition(topic, p) for p in sorted(ids))
+        lag = dict.fromkeys(names, 0)
+        if not partitions:
+            return lag
+        latest = consumer.end_offsets(partitions)
+        earliest = consumer.beginning_offsets(partitions)
+        for tp in partitions:
+            committed = consumer.committed(tp)
+            start = committed if committed is not None else earliest[tp]
+            lag[tp.topic] += max(0, latest[tp] - start)
+        return lag
+    finally:
+        consumer.close()
