@@ -1,0 +1,70 @@
+"""Prometheus metrics shared by the service's roles.
+
+The API counts submissions; workers count outcomes, latencies and engine state. Every
+metric lives in prometheus_client's default registry, so `GET /metrics` on the API and the
+worker's exporter (`worker_metrics_port`) both serve them with no extra wiring. Metric
+objects are created once, at import, as prometheus_client requires: a second registration
+of the same name would raise.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Queue waits stretch from milliseconds (idle workers) to hours (a bulk batch behind a
+# flood); end-to-end adds generation, which is seconds on a GPU and minutes on a CPU.
+LATENCY_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0, 600.0, 1800.0, 3600.0, 4 * 3600.0, 24 * 3600.0,
+)  # fmt: skip
+
+JOBS_SUBMITTED = Counter(
+    "batchinfer_jobs_submitted", "Jobs accepted and queued, by priority.", ["priority"]
+)
+JOBS_COMPLETED = Counter(
+    "batchinfer_jobs_completed", "Jobs that finished with a result, by priority.", ["priority"]
+)
+JOBS_FAILED = Counter(
+    "batchinfer_jobs_failed", "Jobs that finished with an error, by priority.", ["priority"]
+)
+JOBS_CANCELLED = Counter(
+    "batchinfer_jobs_cancelled", "Running jobs aborted on a cancel request.", ["priority"]
+)
+RESULT_CACHE_HITS = Counter(
+    "batchinfer_result_cache_hits",
+    "Jobs answered from the exact-result cache without the engine, by priority.",
+    ["priority"],
+)
+QUEUE_WAIT_SECONDS = Histogram(
+    "batchinfer_queue_wait_seconds",
+    "From job creation until a worker started it, by priority.",
+    ["priority"],
+    buckets=LATENCY_BUCKETS_S,
+)
+END_TO_END_SECONDS = Histogram(
+    "batchinfer_end_to_end_seconds",
+    "From job creation until its result was stored, by priority.",
+    ["priority"],
+    buckets=LATENCY_BUCKETS_S,
+)
+ENGINE_TOKENS_PER_SECOND = Gauge(
+    "batchinfer_engine_tokens_per_second", "Tokens the engine generates per second, recently."
+)
+KV_CACHE_USAGE = Gauge(
+    "batchinfer_kv_cache_usage_ratio", "Fraction of the engine's KV cache blocks in use (0..1)."
+)
+ENGINE_RUNNING_SEQS = Gauge(
+    "batchinfer_engine_running_seqs", "Sequences in the engine's running batch."
+)
+ENGINE_WAITING_SEQS = Gauge(
+    "batchinfer_engine_waiting_seqs", "Sequences waiting for admission to the engine's batch."
+)
+PREFIX_CACHE_HIT_TOKENS = Counter(
+    "batchinfer_prefix_cache_hit_tokens", "Prompt tokens served from the engine's prefix cache."
+)
+ENGINE_PREEMPTIONS = Counter(
+    "batchinfer_engine_preemptions", "Sequences preempted (to be recomputed) by the engine."
+)
+WORKER_INFLIGHT = Gauge(
+    "batchinfer_worker_inflight_jobs", "Jobs a worker has taken from Kafka and not yet finished."
+)
