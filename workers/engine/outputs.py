@@ -1,0 +1,82 @@
+"""What the engine hands back: per-request outputs and engine-wide statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock milestones of one request (seconds since the epoch)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first generated token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        """Seconds from arrival to the end."""
+        if self.finish_time is None:
+            return None
+        return self.finish_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's state after a step: everything so far plus what is new this step."""
+
+    request_id: str
+    prompt: str | None  # None when the prompt was given as token ids
+    prompt_token_ids: list[int]
+    text: str  # all generated text so far (stop strings trimmed)
+    token_ids: list[int]  # all generated tokens so far
+    delta_text: str  # text new since this request's previous output
+    delta_token_ids: list[int]  # tokens new since this request's previous output
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    logprobs: list[float] | None  # of each generated token, when asked for
+    num_cached_tokens: int  # prompt tokens found in the prefix cache
+    metrics: RequestMetrics
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens in the prompt (for usage accounting)."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far (for usage accounting)."""
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine's load and its totals since start."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    num_prefix_cache_hit_tokens: int
+    num_preemptions: int
+    num_computed_tokens: int  # tokens the model ran on (prefill chunks and decodes)
+    num_generated_tokens: int
+    busy_seconds: float  # time spent inside step()
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens the model ran on per busy second."""
+        return self.num_computed_tokens / self.busy_seconds if self.busy_seconds else 0.0
+
+    @property
+    def generation_tokens_per_s(self) -> float:
+        """Generated tokens per busy second."""
+        return self.num_generated_tokens / self.busy_seconds if self.busy_seconds else 0.0
