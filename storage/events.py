@@ -1,0 +1,228 @@
+"""Redis pub/sub events: "job finished" for long-polls, "job cancelled" for workers.
+
+Responsible for: channel names (under the topic prefix), publishing both events, an async
+wait for one job's completion that cannot miss a wakeup, and a cancel subscription for
+workers. Events only wake waiters early; the database stays the source of truth, so
+publishing is best effort (a lost event costs a waiter its timeout, nothing more).
+
+Lost wakeups, and the order that prevents them. A long-poll that reads the database,
+sees `running`, and only then subscribes can miss a completion published in between and
+sleep its whole timeout. So the order is:
+
+    1. subscribe, and wait for Redis to confirm the subscription;
+    2. re-check the database;
+    3. only if the job is still unfinished, wait for the event (or the timeout).
+
+Any completion committed after step 2's read is published after step 1 and so is heard.
+`wait_job_done(..., is_done=...)` runs that order; `subscribe_job_done` lets a caller
+run step 2 itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from redis.client import PubSub
+
+from storage.models import JobStatus
+
+logger = logging.getLogger(__name__)
+
+# Seconds between database re-checks when Redis is unreachable during a wait.
+FALLBACK_POLL_INTERVAL_S = 0.25
+# Seconds to wait for Redis to confirm a subscription.
+SUBSCRIBE_CONFIRM_TIMEOUT_S = 5.0
+
+DoneCheck = Callable[[], Awaitable[bool] | bool]
+
+
+def job_done_channel(prefix: str, job_id: str) -> str:
+    """The channel that announces one job's completion."""
+    return f"{prefix}:jobs:done:{job_id}"
+
+
+def cancel_channel(prefix: str) -> str:
+    """The one channel every worker listens on for cancellations."""
+    return f"{prefix}:jobs:cancel"
+
+
+def publish_job_done(
+    redis_client: redis.Redis, *, prefix: str, job_id: str, status: JobStatus | str
+) -> None:
+    """Announce that a job reached a final status (after its row is committed)."""
+    status_value = status.value if isinstance(status, JobStatus) else status
+    payload = json.dumps({"job_id": job_id, "status": status_value})
+    _publish(redis_client, job_done_channel(prefix, job_id), payload)
+
+
+def publish_cancel(redis_client: redis.Redis, *, prefix: str, job_id: str) -> None:
+    """Ask every worker to abort a job (after its row says cancelled)."""
+    _publish(redis_client, cancel_channel(prefix), json.dumps({"job_id": job_id}))
+
+
+def _publish(redis_client: redis.Redis, channel: str, payload: str) -> None:
+    """PUBLISH, logging instead of raising: waiters still have the database and a timeout."""
+    try:
+        redis_client.publish(channel, payload)
+    except redis.RedisError as e:
+        logger.warning("could not publish to %s (%s); waiters fall back to timeouts", channel, e)
+
+
+class JobDoneSubscription:
+    """A confirmed subscription to one job's completion channel."""
+
+    def __init__(self, pubsub: aioredis.client.PubSub, channel: str) -> None:
+        self._pubsub = pubsub
+        self._channel = channel
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the event; True if it came."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while (remaining := deadline - time.monotonic()) > 0:
+            message = await self._pubsub.get_message(
+                ignore_subscribe_messages=True, timeout=remaining
+            )
+            if message is not None and _channel_of(message) == self._channel:
+                return True
+        return False
+
+
+@asynccontextmanager
+async def subscribe_job_done(
+    aredis: aioredis.Redis, *, prefix: str, job_id: str
+) -> AsyncIterator[JobDoneSubscription]:
+    """Subscribe to a job's completion; re-check the database inside, then `wait`."""
+    channel = job_done_channel(prefix, job_id)
+    pubsub = aredis.pubsub()
+    try:
+        await pubsub.subscribe(channel)
+        await _confirm_subscribed(pubsub, channel)
+        yield JobDoneSubscription(pubsub, channel)
+    finally:
+        try:
+            await pubsub.unsubscribe(channel)
+        except redis.RedisError as e:
+            logger.debug("unsubscribe from %s failed: %s", channel, e)
+        await pubsub.aclose()
+
+
+async def _confirm_subscribed(pubsub: aioredis.client.PubSub, channel: str) -> None:
+    """Block until Redis acknowledges SUBSCRIBE; before that a PUBLISH could be missed."""
+    deadline = time.monotonic() + SUBSCRIBE_CONFIRM_TIMEOUT_S
+    while (remaining := deadline - time.monotonic()) > 0:
+        message = await pubsub.get_message(timeout=remaining)
+        if message is not None and message["type"] == "subscribe":
+            if _channel_of(message) == channel:
+                return
+    raise redis.TimeoutError(f"Redis did not confirm the subscription to {channel}")
+
+
+async def wait_job_done(
+    aredis: aioredis.Redis,
+    *,
+    prefix: str,
+    job_id: str,
+    timeout: float,
+    is_done: DoneCheck | None = None,
+) -> bool:
+    """Wait for a job's completion event or the timeout; True if the job is known done.
+
+    Pass `is_done` (a sync or async database check): it runs after the subscription is
+    confirmed, which closes the lost-wakeup window (see the module docstring). Without
+    it, a completion published before this call subscribed is missed. The caller reads
+    the database afterwards either way. If Redis is unreachable, `is_done` is polled
+    until the timeout instead.
+    """
+    try:
+        async with subscribe_job_done(aredis, prefix=prefix, job_id=job_id) as subscription:
+            if is_done is not None and await _call(is_done):
+                return True
+            return await subscription.wait(timeout)
+    except redis.RedisError as e:
+        logger.warning("job %s: Redis unavailable for long-poll (%s); polling instead", job_id, e)
+        return await _poll(is_done, timeout)
+
+
+async def _poll(is_done: DoneCheck | None, timeout: float) -> bool:
+    """Re-check the database every FALLBACK_POLL_INTERVAL_S until done or the timeout."""
+    deadline = time.monotonic() + max(timeout, 0.0)
+    while True:
+        if is_done is not None and await _call(is_done):
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        await asyncio.sleep(min(FALLBACK_POLL_INTERVAL_S, remaining))
+
+
+async def _call(check: DoneCheck) -> bool:
+    """Run a sync or async check."""
+    outcome = check()
+    if inspect.isawaitable(outcome):
+        outcome = await outcome
+    return bool(outcome)
+
+
+class CancelSubscription:
+    """A worker's subscription to cancellations: `poll` returns newly cancelled job ids."""
+
+    def __init__(self, redis_client: redis.Redis, *, prefix: str) -> None:
+        self._channel = cancel_channel(prefix)
+        self._pubsub: PubSub = redis_client.pubsub()
+        self._pubsub.subscribe(self._channel)
+        # Confirmed before returning, so a cancel published after this is never missed.
+        deadline = time.monotonic() + SUBSCRIBE_CONFIRM_TIMEOUT_S
+        while (remaining := deadline - time.monotonic()) > 0:
+            message = self._pubsub.get_message(timeout=remaining)
+            if message is not None and message["type"] == "subscribe":
+                return
+        self._pubsub.close()
+        raise redis.TimeoutError(f"Redis did not confirm the subscription to {self._channel}")
+
+    def poll(self, timeout: float = 0.0) -> list[str]:
+        """Job ids cancelled since the last poll; waits up to `timeout` for the first."""
+        job_ids: list[str] = []
+        message = self._pubsub.get_message(timeout=timeout)
+        while True:
+            if message is not None and (job_id := _cancelled_job_id(message)) is not None:
+                job_ids.append(job_id)
+            message = self._pubsub.get_message(timeout=0.0)
+            if message is None:
+                return job_ids
+
+    def close(self) -> None:
+        """Unsubscribe and release the connection."""
+        self._pubsub.close()
+
+    def __enter__(self) -> CancelSubscription:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _cancelled_job_id(message: dict[str, Any]) -> str | None:
+    """The job id in a cancel message, or None for anything malformed."""
+    if message.get("type") != "message":
+        return None
+    try:
+        job_id = json.loads(message["data"])["job_id"]
+    except (ValueError, KeyError, TypeError):
+        logger.warning("ignoring malformed cancel message %r", message.get("data"))
+        return None
+    return job_id if isinstance(job_id, str) else None
+
+
+def _channel_of(message: dict[str, Any]) -> str:
+    """A pub/sub message's channel as text, whether the client decodes responses or not."""
+    channel = message["channel"]
+    return channel.decode() if isinstance(channel, bytes) else str(channel)

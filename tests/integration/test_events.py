@@ -1,0 +1,182 @@
+"""Completion and cancel events over a real Redis: no lost wakeups, timeouts hold."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from storage.events import (
+    CancelSubscription,
+    publish_cancel,
+    publish_job_done,
+    subscribe_job_done,
+    wait_job_done,
+)
+from storage.models import JobStatus
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A channel prefix no other test uses."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    """A synchronous client, as workers use."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def publish_later(client: redis.Redis, prefix: str, job_id: str, delay_s: float) -> None:
+    """Publish a completion from another thread after `delay_s`."""
+
+    def run() -> None:
+        time.sleep(delay_s)
+        publish_job_done(client, prefix=prefix, job_id=job_id, status=JobStatus.SUCCEEDED)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def test_wait_returns_as_soon_as_the_job_is_done(
+    redis_url: str, client: redis.Redis, prefix: str
+) -> None:
+    async def scenario() -> tuple[bool, float]:
+        aredis = aioredis.Redis.from_url(redis_url)
+        try:
+            publish_later(client, prefix, "job_a", delay_s=0.3)
+            start = time.monotonic()
+            done = await wait_job_done(aredis, prefix=prefix, job_id="job_a", timeout=10)
+            return done, time.monotonic() - start
+        finally:
+            await aredis.aclose()
+
+    done, elapsed = asyncio.run(scenario())
+    assert done
+    assert 0.2 < elapsed < 5
+
+
+def test_wait_times_out_and_ignores_other_jobs(
+    redis_url: str, client: redis.Redis, prefix: str
+) -> None:
+    async def scenario() -> tuple[bool, float]:
+        aredis = aioredis.Redis.from_url(redis_url)
+        try:
+            publish_later(client, prefix, "job_other", delay_s=0.1)
+            start = time.monotonic()
+            done = await wait_job_done(aredis, prefix=prefix, job_id="job_a", timeout=0.6)
+            return done, time.monotonic() - start
+        finally:
+            await aredis.aclose()
+
+    done, elapsed = asyncio.run(scenario())
+    assert not done
+    assert 0.5 < elapsed < 3
+
+
+def test_completion_between_subscribe_and_recheck_is_not_lost(
+    redis_url: str, client: redis.Redis, prefix: str
+) -> None:
+    """The worst interleaving: the job finishes right after the subscription is confirmed.
+
+    The database re-check (here a flag) still says unfinished because it ran first; the
+    event published just after must still wake the waiter long before its timeout.
+    """
+    database_says_done = threading.Event()
+
+    async def scenario() -> tuple[bool, float]:
+        aredis = aioredis.Redis.from_url(redis_url)
+        try:
+            start = time.monotonic()
+            async with subscribe_job_done(aredis, prefix=prefix, job_id="job_a") as sub:
+                assert not database_says_done.is_set()  # the re-check: still running
+                database_says_done.set()  # worker commits...
+                publish_job_done(client, prefix=prefix, job_id="job_a", status="succeeded")
+                done = await sub.wait(timeout=10)
+            return done, time.monotonic() - start
+        finally:
+            await aredis.aclose()
+
+    done, elapsed = asyncio.run(scenario())
+    assert done and elapsed < 2
+
+
+def test_is_done_check_runs_after_subscribing(redis_url: str, prefix: str) -> None:
+    calls: list[str] = []
+
+    async def already_done() -> bool:
+        calls.append("checked")
+        return True
+
+    async def scenario() -> tuple[bool, float]:
+        aredis = aioredis.Redis.from_url(redis_url)
+        try:
+            start = time.monotonic()
+            done = await wait_job_done(
+                aredis, prefix=prefix, job_id="job_a", timeout=10, is_done=already_done
+            )
+            return done, time.monotonic() - start
+        finally:
+            await aredis.aclose()
+
+    done, elapsed = asyncio.run(scenario())
+    assert done and calls == ["checked"] and elapsed < 2
+
+
+def test_unreachable_redis_falls_back_to_polling_the_check(prefix: str) -> None:
+    polls: list[float] = []
+
+    def done_on_third_poll() -> bool:
+        polls.append(time.monotonic())
+        return len(polls) >= 3
+
+    async def scenario() -> bool:
+        aredis = aioredis.Redis(host="127.0.0.1", port=1, retry=AsyncRetry(NoBackoff(), 0))
+        try:
+            return await wait_job_done(
+                aredis, prefix=prefix, job_id="job_a", timeout=5, is_done=done_on_third_poll
+            )
+        finally:
+            await aredis.aclose()
+
+    assert asyncio.run(scenario())
+    assert len(polls) == 3
+
+
+def test_publishing_to_an_unreachable_redis_does_not_raise(prefix: str) -> None:
+    dead = redis.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))
+    publish_job_done(dead, prefix=prefix, job_id="job_a", status=JobStatus.FAILED)
+    publish_cancel(dead, prefix=prefix, job_id="job_a")
+
+
+def test_workers_hear_every_cancel(client: redis.Redis, redis_url: str, prefix: str) -> None:
+    other = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        with (
+            CancelSubscription(client, prefix=prefix) as first,
+            CancelSubscription(other, prefix=prefix) as second,
+        ):
+            assert first.poll(timeout=0.05) == []
+            publish_cancel(client, prefix=prefix, job_id="job_a")
+            publish_cancel(client, prefix=prefix, job_id="job_b")
+            client.publish(f"{prefix}:jobs:cancel", "not json")
+            publish_cancel(client, prefix=f"{prefix}x", job_id="job_elsewhere")
+            time.sleep(0.2)
+            assert first.poll(timeout=1) == ["job_a", "job_b"]
+            assert second.poll(timeout=1) == ["job_a", "job_b"]
+            assert first.poll(timeout=0.05) == []
+    finally:
+        other.close()

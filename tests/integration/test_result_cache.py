@@ -1,0 +1,65 @@
+"""The exact-result cache against a real Redis: hits, misses, expiry, outages."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from storage.result_cache import ResultCache, result_cache_key
+
+BODY = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+RESULT = {"object": "text_completion", "choices": [{"text": " there", "index": 0}]}
+
+
+@pytest.fixture
+def cache(redis_url: str) -> Iterator[ResultCache]:
+    """A cache under a prefix no other test uses."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        yield ResultCache(client, prefix=f"t{uuid.uuid4().hex[:10]}")
+    finally:
+        client.close()
+
+
+def test_put_then_get_round_trips(cache: ResultCache) -> None:
+    key = result_cache_key("m", BODY)
+    assert cache.get(key) is None
+    cache.put(key, RESULT, ttl=60)
+    assert cache.get(key) == RESULT
+    same = result_cache_key("m", {**BODY, "priority": "high", "temperature": 0.0})
+    assert cache.get(same) == RESULT
+    assert cache.get(result_cache_key("m", {**BODY, "max_tokens": 5})) is None
+
+
+def test_entries_expire(cache: ResultCache) -> None:
+    key = result_cache_key("m", BODY)
+    cache.put(key, RESULT, ttl=1)
+    assert cache.get(key) == RESULT
+    time.sleep(1.3)
+    assert cache.get(key) is None
+
+
+def test_non_deterministic_requests_and_zero_ttl_are_never_stored(cache: ResultCache) -> None:
+    sampled = result_cache_key("m", {**BODY, "temperature": 0.8})
+    assert sampled is None
+    cache.put(sampled, RESULT, ttl=60)
+    assert cache.get(sampled) is None
+    key = result_cache_key("m", BODY)
+    cache.put(key, RESULT, ttl=0)
+    assert cache.get(key) is None
+    with pytest.raises(ValueError, match="ttl must be >= 0"):
+        cache.put(key, RESULT, ttl=-1)
+
+
+def test_unreachable_redis_reads_as_a_miss() -> None:
+    dead = redis.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))
+    cache = ResultCache(dead, prefix="t")
+    key = result_cache_key("m", BODY)
+    cache.put(key, RESULT, ttl=60)
+    assert cache.get(key) is None
