@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, literal, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from storage.models import Job, JobStatus, utcnow
+from storage.models import Job, JobStatus, UTCDateTime, utcnow
 
 # Jobs fetched per round trip when streaming a batch's results.
 PAGE_SIZE = 500
@@ -86,22 +87,22 @@ def sum_batch_usage(session: Session, *, batch_id: str) -> BatchJobUsage:
 def iter_batch_jobs(
     session: Session, *, batch_id: str, page_size: int = PAGE_SIZE
 ) -> Iterator[BatchJobRow]:
-    """Every job of the batch in id order, `page_size` rows per query."""
-    after = ""
+    """Every job of the batch in creation order (the input file's), a page per query."""
+    columns = (Job.id, Job.custom_id, Job.status, Job.result, Job.error, Job.created_at)
+    query = select(*columns).where(Job.batch_id == batch_id)
+    after: tuple[datetime, str] | None = None
     while True:
-        query = (
-            select(Job.id, Job.custom_id, Job.status, Job.result, Job.error)
-            .where(Job.batch_id == batch_id, Job.id > after)
-            .order_by(Job.id)
-            .limit(page_size)
-        )
-        rows = session.execute(query).all()
-        for job_id, custom_id, status, result, error in rows:
+        page = query
+        if after is not None:
+            at = tuple_(literal(after[0], UTCDateTime), literal(after[1]))
+            page = page.where(tuple_(Job.created_at, Job.id) > at)
+        rows = session.execute(page.order_by(Job.created_at, Job.id).limit(page_size)).all()
+        for job_id, custom_id, status, result, error, _ in rows:
             yield BatchJobRow(job_id=job_id, custom_id=custom_id or "",
                               status=JobStatus(status), result=result, error=error)
         if len(rows) < page_size:
             return
-        after = rows[-1][0]
+        after = (rows[-1][5], rows[-1][0])
 
 
 def stop_batch_jobs(session: Session, *, batch_id: str) -> list[str]:

@@ -19,7 +19,18 @@ import secrets
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, Enum, ForeignKey, Index, Integer, String, literal, select, tuple_
+from sqlalchemy import (
+    JSON,
+    Enum,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    literal,
+    select,
+    tuple_,
+)
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from storage.models import Base, UTCDateTime, utcnow
@@ -101,6 +112,8 @@ class Batch(Base):
     # Given at creation: replaces each line's `body.model` (run OpenAI files unchanged).
     model_override: Mapped[str | None] = mapped_column(String(200), default=None)
     metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON, default=None)
+    # Where batch.* webhook events go (the `callback_url` field, or that metadata key).
+    callback_url: Mapped[str | None] = mapped_column(Text, default=None)
     # OpenAI's `errors.data`: [{code, line, message, param}], set when validation fails.
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, default=None)
     output_file_id: Mapped[str | None] = mapped_column(String(40), default=None)
@@ -137,6 +150,56 @@ class Batch(Base):
         setattr(self, f"{new.value}_at", at or utcnow())
 
 
+def completion_window_seconds(completion_window: str) -> int:
+    """Seconds in a completion window such as `24h`, `30m`, `90s` or `7d`; ValueError else."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = completion_window[:-1], completion_window[-1:]
+    if unit not in units or not number.isdigit() or int(number) <= 0:
+        raise ValueError(f"completion_window {completion_window!r} is not like 24h, 30m or 90s")
+    return int(number) * units[unit]
+
+
+def _unix(at: datetime | None) -> int | None:
+    return None if at is None else int(at.timestamp())
+
+
+def batch_object(batch: Batch) -> dict[str, Any]:
+    """The batch as OpenAI's API shows it (`openai.types.Batch`), plus its `priority`."""
+    total_tokens = batch.input_tokens + batch.output_tokens
+    return {
+        "id": batch.id,
+        "object": "batch",
+        "endpoint": batch.endpoint,
+        "errors": None if batch.errors is None else {"object": "list", "data": batch.errors},
+        "input_file_id": batch.input_file_id,
+        "completion_window": batch.completion_window,
+        "status": batch.status.value,
+        "output_file_id": batch.output_file_id,
+        "error_file_id": batch.error_file_id,
+        "created_at": _unix(batch.created_at),
+        "in_progress_at": _unix(batch.in_progress_at),
+        "expires_at": _unix(batch.expires_at),
+        "finalizing_at": _unix(batch.finalizing_at),
+        "completed_at": _unix(batch.completed_at),
+        "failed_at": _unix(batch.failed_at),
+        "expired_at": _unix(batch.expired_at),
+        "cancelling_at": _unix(batch.cancelling_at),
+        "cancelled_at": _unix(batch.cancelled_at),
+        "request_counts": {"total": batch.num_requests, "completed": batch.num_completed,
+                           "failed": batch.num_failed},
+        "metadata": batch.metadata_,
+        "model": batch.model,
+        "usage": {
+            "input_tokens": batch.input_tokens,
+            "input_tokens_details": {"cached_tokens": batch.cached_tokens},
+            "output_tokens": batch.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": total_tokens,
+        },
+        "priority": batch.priority,
+    }
+
+
 def new_batch_id() -> str:
     """A fresh id in OpenAI's style (`batch_` + 24 hex digits)."""
     return f"batch_{secrets.token_hex(12)}"
@@ -146,6 +209,7 @@ def create_batch(
     session: Session, *, tenant_id: str, input_file_id: str, endpoint: str,
     completion_window: str, expires_at: datetime, priority: str,
     metadata: dict[str, str] | None = None, model_override: str | None = None,
+    callback_url: str | None = None,
 ) -> Batch:
     """Add a batch in `validating`; the batch loop validates and fans it out."""
     now = utcnow()
@@ -153,7 +217,8 @@ def create_batch(
         id=new_batch_id(), tenant_id=tenant_id, status=BatchStatus.VALIDATING,
         endpoint=endpoint, input_file_id=input_file_id, completion_window=completion_window,
         priority=priority, metadata_=metadata, model=model_override,
-        model_override=model_override, created_at=now, expires_at=expires_at,
+        model_override=model_override, callback_url=callback_url, created_at=now,
+        expires_at=expires_at,
     )
     session.add(batch)
     session.flush()

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from sqlalchemy import BigInteger, ForeignKey, Index, String, literal, select, tuple_
 from sqlalchemy.orm import Mapped, Session, mapped_column
@@ -60,6 +60,21 @@ class FileTooLarge(ValueError):
     def __init__(self, max_bytes: int) -> None:
         super().__init__(f"file is larger than the limit of {max_bytes} bytes")
         self.max_bytes = max_bytes
+
+
+def file_object(row: File) -> dict[str, Any]:
+    """The file as OpenAI's API shows it (`openai.types.FileObject`)."""
+    return {
+        "id": row.id,
+        "object": "file",
+        "bytes": row.num_bytes,
+        "created_at": int(row.created_at.timestamp()),
+        "filename": row.filename,
+        "purpose": row.purpose,
+        "status": "processed",
+        "status_details": None,
+        "expires_at": None,
+    }
 
 
 def new_file_id() -> str:
