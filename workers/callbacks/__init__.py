@@ -1,0 +1,1 @@
+"""The callbacks role: a Celery worker that delivers signed webhooks (`batchinfer callbacks`)."""
