@@ -1,0 +1,238 @@
+"""The batch loop: moves every unfinished batch through its lifecycle, one step per pass.
+
+Responsible for, per batch and pass:
+- `validating`: read the input file once (streamed) and either record the request count
+  and model (→ `in_progress`) or the errors by line (→ `failed`, nothing enqueued);
+- `in_progress`: fan out the lines not yet enqueued (scheduler.batch_fanout), refresh
+  `request_counts` and `usage` from the jobs' statuses, and once every job has finished,
+  go to `finalizing`; past `expires_at`, stop the unfinished jobs and go to `expired`;
+- `finalizing` / `cancelling` / expiring: stop unfinished jobs (queued ones are cancelled
+  in the database, running ones also aborted in the engine), assemble the output and error
+  files (scheduler.batch_results) and reach `completed`, `cancelled` or `expired`;
+- on every terminal status, publish `<prefix>:batches:done:<id>` on Redis and, when the
+  batch has a callback URL, enqueue its `batch.*` webhook in the same transaction.
+
+It belongs with the reconciler (scheduler/): like it, it reads the database as the source
+of truth and writes to Kafka, it consumes no queue, and every step is idempotent — a pass
+that dies half-way is simply done again by the next one. Slow work (reading files) runs
+without holding the batch row's lock; each status change re-locks and re-checks the row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import redis
+from kafka import KafkaProducer
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.settings import Settings
+from scheduler.batch_fanout import fan_out
+from scheduler.batch_input import validate_input
+from scheduler.batch_output import BATCH_CANCELLED, BATCH_EXPIRED, REQUEST_CANCELLED
+from scheduler.batch_results import add_result_file_rows, write_result_files
+from storage.batch_jobs import count_batch_jobs, stop_batch_jobs, sum_batch_usage
+from storage.batches import Batch, BatchStatus, active_batch_ids, batch_object, lock_batch
+from storage.events import publish_cancel
+from storage.files import FileStore, get_file
+from storage.models import utcnow
+from storage.webhook_events import BATCH_STATUS_TO_EVENT, enqueue_event
+
+logger = logging.getLogger(__name__)
+
+# Seconds of fan-out per batch per pass, so one huge batch cannot stall the others.
+FANOUT_BUDGET_S = 5.0
+
+
+def batch_done_channel(prefix: str, batch_id: str) -> str:
+    """The Redis channel that announces a batch reached a terminal status."""
+    return f"{prefix}:batches:done:{batch_id}"
+
+
+class BatchRunner:
+    """Advances batches: validate, fan out, count, finalize, cancel, expire."""
+
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session],
+                 producer: KafkaProducer, redis_client: redis.Redis, store: FileStore) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.producer = producer
+        self.redis = redis_client
+        self.store = store
+
+    def step(self) -> int:
+        """One pass over every unfinished batch; returns how many were looked at."""
+        with self.sessions() as session:
+            batch_ids = active_batch_ids(session, limit=1000)
+        for batch_id in batch_ids:
+            try:
+                self.advance(batch_id)
+            except Exception:
+                logger.exception("batch %s: step failed; retrying next pass", batch_id)
+        return len(batch_ids)
+
+    def advance(self, batch_id: str) -> None:
+        """Move one batch as far as it can go now."""
+        with self.sessions() as session:
+            batch = lock_batch(session, batch_id=batch_id)
+            if batch is None:
+                return
+            status, is_past_window = batch.status, utcnow() >= batch.expires_at
+        if status == BatchStatus.VALIDATING:
+            if is_past_window:
+                self._stop_and_finish(batch_id, BatchStatus.EXPIRED)
+                return
+            self._validate(batch_id)
+        elif status == BatchStatus.IN_PROGRESS:
+            self._run(batch_id, is_past_window=is_past_window)
+        elif status == BatchStatus.FINALIZING:
+            self._stop_and_finish(batch_id, BatchStatus.COMPLETED)
+        elif status == BatchStatus.CANCELLING:
+            self._stop_and_finish(batch_id, BatchStatus.CANCELLED)
+
+    def _validate(self, batch_id: str) -> None:
+        with self.sessions() as session:
+            batch = session.get(Batch, batch_id)
+            assert batch is not None
+            file = get_file(session, file_id=batch.input_file_id, tenant_id=batch.tenant_id)
+            endpoint, model_override = batch.endpoint, batch.model_override
+        errors: list[dict[str, object]] = []
+        num_requests, model = 0, None
+        if file is None:
+            errors = [_error("file_not_found", "the input file no longer exists")]
+        elif file.num_bytes > self.settings.max_file_bytes:
+            errors = [_error("file_too_large", f"the input file has {file.num_bytes} bytes; "
+                             f"at most {self.settings.max_file_bytes} are accepted")]
+        else:
+            with self.store.open(file.id) as handle:
+                report = validate_input(
+                    handle, endpoint=endpoint, served_models=self.settings.served_models,
+                    max_requests=self.settings.batch_max_requests,
+                    max_line_bytes=self.settings.max_request_bytes,
+                    model_override=model_override,
+                )
+            errors, num_requests, model = report.errors, report.num_requests, report.model
+        with self.sessions() as session:
+            batch = lock_batch(session, batch_id=batch_id)
+            if batch is None or batch.status != BatchStatus.VALIDATING:
+                return
+            batch.num_requests, batch.model = num_requests, model
+            if errors:
+                batch.errors = errors
+                batch.move_to(BatchStatus.FAILED)
+                self._on_terminal(session, batch)
+            else:
+                batch.move_to(BatchStatus.IN_PROGRESS)
+            session.commit()
+        self._publish_done(batch)
+        logger.info("batch %s: validation %s (%d request(s), %d error(s))", batch_id,
+                    "failed" if errors else "passed", num_requests, len(errors))
+
+    def _run(self, batch_id: str, *, is_past_window: bool) -> None:
+        with self.sessions() as session:
+            batch = session.get(Batch, batch_id)
+            assert batch is not None
+            is_fanned_out = batch.num_enqueued >= batch.num_requests
+        if not is_fanned_out and not is_past_window:
+            fan_out(self.settings, self.sessions, self.producer, self.store,
+                    batch_id=batch_id, budget_s=FANOUT_BUDGET_S)
+        with self.sessions() as session:
+            batch = lock_batch(session, batch_id=batch_id)
+            if batch is None or batch.status != BatchStatus.IN_PROGRESS:
+                return
+            counts = count_batch_jobs(session, batch_id=batch_id)
+            batch.num_completed = counts.num_succeeded
+            batch.num_failed = counts.num_failed
+            _set_usage(session, batch)
+            is_done = batch.num_enqueued >= batch.num_requests and counts.num_unfinished == 0
+            if is_done:
+                batch.move_to(BatchStatus.FINALIZING)
+            session.commit()
+        if is_done:
+            self._stop_and_finish(batch_id, BatchStatus.COMPLETED)
+        elif is_past_window:
+            self._stop_and_finish(batch_id, BatchStatus.EXPIRED)
+
+    def _stop_and_finish(self, batch_id: str, final: BatchStatus) -> None:
+        """Stop unfinished jobs, write the result files and move to `final`."""
+        with self.sessions() as session:
+            batch = lock_batch(session, batch_id=batch_id)
+            if batch is None or not batch.can_move_to(final):
+                return
+            running_ids = stop_batch_jobs(session, batch_id=batch_id)
+            session.commit()
+        for job_id in running_ids:
+            publish_cancel(self.redis, prefix=self.settings.topic_prefix, job_id=job_id)
+        stopped_code = {BatchStatus.EXPIRED: BATCH_EXPIRED,
+                        BatchStatus.CANCELLED: BATCH_CANCELLED}.get(final, REQUEST_CANCELLED)
+        with self.sessions() as session:
+            batch = session.get(Batch, batch_id)
+            assert batch is not None
+            files = write_result_files(session, self.store, batch, stopped_code=stopped_code,
+                                       max_line_bytes=self.settings.max_request_bytes)
+        with self.sessions() as session:
+            batch = lock_batch(session, batch_id=batch_id)
+            if batch is None or not batch.can_move_to(final):
+                # Someone else finished it meanwhile; these files are not referenced.
+                for file_id in (files.output_file_id, files.error_file_id):
+                    if file_id is not None:
+                        self.store.delete(file_id)
+                return
+            add_result_file_rows(session, batch, files)
+            _set_usage(session, batch)
+            batch.move_to(final)
+            self._on_terminal(session, batch)
+            session.commit()
+        self._publish_done(batch)
+        logger.info("batch %s: %s (%d completed, %d failed of %d)", batch_id, final.value,
+                    batch.num_completed, batch.num_failed, batch.num_requests)
+
+    def _on_terminal(self, session: Session, batch: Batch) -> None:
+        """Enqueue the batch's webhook event with its terminal status (same transaction)."""
+        if batch.callback_url:
+            enqueue_event(session, tenant_id=batch.tenant_id,
+                          event_type=BATCH_STATUS_TO_EVENT[batch.status.value],
+                          url=batch.callback_url, payload=batch_object(batch))
+
+    def _publish_done(self, batch: Batch) -> None:
+        """Announce a terminal status on Redis (best effort: the database is the truth)."""
+        if not batch.status.is_terminal:
+            return
+        payload = json.dumps({"batch_id": batch.id, "status": batch.status.value})
+        try:
+            self.redis.publish(batch_done_channel(self.settings.topic_prefix, batch.id), payload)
+        except redis.RedisError as e:
+            logger.warning("batch %s: could not publish its completion (%s)", batch.id, e)
+
+    def run(self, stop: threading.Event) -> None:
+        """Pass every `batch_poll_interval_s` until `stop` is set; errors are logged."""
+        interval = self.settings.batch_poll_interval_s
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                self.step()
+            except Exception:
+                logger.exception("batch pass failed; retrying in %.1fs", interval)
+            stop.wait(max(0.0, interval - (time.monotonic() - started)))
+
+
+def _error(code: str, message: str) -> dict[str, object]:
+    return {"code": code, "line": None, "message": message, "param": None}
+
+
+def _set_usage(session: Session, batch: Batch) -> None:
+    usage = sum_batch_usage(session, batch_id=batch.id)
+    batch.input_tokens = usage.input_tokens
+    batch.cached_tokens = usage.cached_tokens
+    batch.output_tokens = usage.output_tokens
+
+
+def start_batch_thread(runner: BatchRunner, stop: threading.Event) -> threading.Thread:
+    """Run runner.run(stop) on a daemon thread."""
+    thread = threading.Thread(target=runner.run, args=(stop,), name="batches", daemon=True)
+    thread.start()
+    return thread
+
