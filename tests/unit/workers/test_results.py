@@ -1,0 +1,103 @@
+"""Result shaping: OpenAI chat.completion / text_completion objects with usage."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.inference.results import Completion, build_result, error_body, param_of
+
+
+def completion(**overrides: object) -> Completion:
+    values: dict[str, object] = {
+        "text": "Paris.",
+        "token_ids": [11, 12],
+        "finish_reason": "stop",
+        "num_prompt_tokens": 9,
+        "num_cached_tokens": 4,
+    }
+    values.update(overrides)
+    return Completion(**values)  # type: ignore[arg-type]
+
+
+def test_chat_completion_shape() -> None:
+    result = build_result(
+        "chat.completion", job_id="job_1", model="m", completion=completion(), created=1700
+    )
+    assert result["object"] == "chat.completion"
+    assert result["id"] == "chatcmpl-job_1"
+    assert result["model"] == "m" and result["created"] == 1700
+    (choice,) = result["choices"]
+    assert choice["index"] == 0
+    assert choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"] == "Paris."
+    assert choice["finish_reason"] == "stop"
+    assert choice["logprobs"] is None
+    assert result["usage"] == {
+        "prompt_tokens": 9,
+        "completion_tokens": 2,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+
+
+def test_text_completion_shape_with_length_finish() -> None:
+    result = build_result(
+        "text_completion",
+        job_id="job_2",
+        model="m",
+        completion=completion(text=" there", finish_reason="length"),
+        created=1,
+    )
+    assert result["object"] == "text_completion"
+    assert result["id"] == "cmpl-job_2"
+    (choice,) = result["choices"]
+    assert choice["text"] == " there"
+    assert choice["finish_reason"] == "length"
+    assert "message" not in choice
+
+
+def test_logprobs_in_both_shapes() -> None:
+    done = completion(text="ab", token_ids=[1, 2], logprobs=[-0.5, -1.25])
+    text = {1: "a", 2: "b"}.__getitem__
+    chat = build_result(
+        "chat.completion", job_id="j", model="m", completion=done, created=0, token_text=text
+    )
+    assert chat["choices"][0]["logprobs"]["content"] == [
+        {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []},
+        {"token": "b", "logprob": -1.25, "bytes": [98], "top_logprobs": []},
+    ]
+    legacy = build_result(
+        "text_completion", job_id="j", model="m", completion=done, created=0, token_text=text
+    )
+    assert legacy["choices"][0]["logprobs"] == {
+        "tokens": ["a", "b"],
+        "token_logprobs": [-0.5, -1.25],
+        "top_logprobs": None,
+        "text_offset": [0, 1],
+    }
+
+
+def test_aborted_or_unknown_kind_has_no_result() -> None:
+    with pytest.raises(ValueError, match="finish_reason"):
+        build_result(
+            "chat.completion",
+            job_id="j",
+            model="m",
+            completion=completion(finish_reason="abort"),
+            created=0,
+        )
+    with pytest.raises(ValueError, match="kind"):
+        build_result("embedding", job_id="j", model="m", completion=completion(), created=0)
+
+
+def test_error_body_and_param() -> None:
+    assert error_body("bad", param="top_p") == {
+        "message": "bad",
+        "type": "invalid_request_error",
+        "param": "top_p",
+        "code": None,
+    }
+    known = ("top_logprobs", "logprobs", "max_tokens", "prompt")
+    assert param_of("top_logprobs is not supported; logprobs of ...", known) == "top_logprobs"
+    assert param_of("prompt is 900 tokens, longer than max_model_len", known) == "prompt"
+    assert param_of("something else", known) is None

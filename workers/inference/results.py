@@ -1,0 +1,143 @@
+"""A finished engine output → the OpenAI response object stored as the job's result.
+
+`chat.completion` jobs get `choices[0].message`; `text_completion` jobs get
+`choices[0].text`. Both carry `finish_reason` and `usage`, with the prefix-cache hits in
+`usage.prompt_tokens_details.cached_tokens` as OpenAI reports cached prompt tokens.
+Error bodies use the inner object of the API's error shape (`message`, `type`, `param`,
+`code`), which is what batch error files and `GET /v1/jobs/{id}` show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# The engine says "abort" for a cancelled request; such a job has no result to shape.
+OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+@dataclass(slots=True)
+class Completion:
+    """What a finished request produced, in engine-neutral terms."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[float] | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated."""
+        return len(self.token_ids)
+
+
+def usage_of(completion: Completion) -> dict[str, Any]:
+    """OpenAI's `usage` object."""
+    return {
+        "prompt_tokens": completion.num_prompt_tokens,
+        "completion_tokens": completion.num_output_tokens,
+        "total_tokens": completion.num_prompt_tokens + completion.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": completion.num_cached_tokens},
+    }
+
+
+def build_result(
+    kind: str,
+    *,
+    job_id: str,
+    model: str,
+    completion: Completion,
+    created: int,
+    token_text: Callable[[int], str] | None = None,
+) -> dict[str, Any]:
+    """The `chat.completion` or `text_completion` object for a finished job.
+
+    `token_text` renders one token id as text; it is needed only when logprobs were asked
+    for (OpenAI lists each sampled token next to its log-probability).
+    """
+    if completion.finish_reason not in OPENAI_FINISH_REASONS:
+        raise ValueError(f"no result for finish_reason {completion.finish_reason!r}")
+    finish_reason = OPENAI_FINISH_REASONS[completion.finish_reason]
+    tokens = _token_texts(completion, token_text)
+    if kind == "chat.completion":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": completion.text, "refusal": None},
+            "logprobs": _chat_logprobs(tokens, completion.logprobs),
+            "finish_reason": finish_reason,
+        }
+        object_name, id_prefix = "chat.completion", "chatcmpl"
+    elif kind == "text_completion":
+        choice = {
+            "index": 0,
+            "text": completion.text,
+            "logprobs": _text_logprobs(tokens, completion.logprobs),
+            "finish_reason": finish_reason,
+        }
+        object_name, id_prefix = "text_completion", "cmpl"
+    else:
+        raise ValueError(f"job kind must be chat.completion or text_completion, got {kind!r}")
+    return {
+        "id": f"{id_prefix}-{job_id}",
+        "object": object_name,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_of(completion),
+        "system_fingerprint": None,
+    }
+
+
+def error_body(
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """The stored error of a failed job (the API's error object)."""
+    return {"message": message, "type": type, "param": param, "code": code}
+
+
+def param_of(message: str, known: tuple[str, ...]) -> str | None:
+    """The request field a ValueError message names first, for the error's `param`."""
+    positions = [(message.find(name), name) for name in known if name in message]
+    return min(positions)[1] if positions else None
+
+
+def _token_texts(
+    completion: Completion, token_text: Callable[[int], str] | None
+) -> list[str] | None:
+    if completion.logprobs is None:
+        return None
+    if token_text is None:
+        raise ValueError("logprobs were returned but no way to render tokens was given")
+    return [token_text(t) for t in completion.token_ids]
+
+
+def _chat_logprobs(tokens: list[str] | None, logprobs: list[float] | None) -> Any:
+    if tokens is None or logprobs is None:
+        return None
+    content = [
+        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+        for t, lp in zip(tokens, logprobs, strict=False)
+    ]
+    return {"content": content, "refusal": None}
+
+
+def _text_logprobs(tokens: list[str] | None, logprobs: list[float] | None) -> Any:
+    if tokens is None or logprobs is None:
+        return None
+    offsets, position = [], 0
+    for t in tokens:
+        offsets.append(position)
+        position += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(logprobs),
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }

@@ -1,0 +1,132 @@
+"""A job body (OpenAI request fields) → the engine's prompt and SamplingParams.
+
+Every problem is a ValueError naming the field, so the worker fails that one job with a
+message the user can act on and carries on with the others. The API validates bodies
+too, but batch files and older messages reach workers by other roads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.engine import SamplingParams
+
+# OpenAI's default for legacy completions; chat requests default to the rest of the context.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+def prompt_from_body(kind: str, body: dict[str, Any]) -> Prompt:
+    """The engine prompt: chat messages for `chat.completion`, text or token ids otherwise."""
+    if kind == "chat.completion":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {role, content} objects")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+            if not isinstance(message.get("content"), str):
+                raise ValueError(f"messages[{i}].content must be a string")
+        return messages
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return list(prompt)
+    raise ValueError("prompt must be one non-empty string or one non-empty list of token ids")
+
+
+def sampling_params_from_body(
+    kind: str, body: dict[str, Any], *, max_model_len: int | None = None
+) -> SamplingParams:
+    """SamplingParams from OpenAI fields plus `top_k` and `ignore_eos`; ValueError on bad ones.
+
+    `max_tokens` falls back to `max_completion_tokens`, then to OpenAI's default: 16 for
+    text completions, the model's context (`max_model_len`) for chat.
+    """
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise ValueError(f"n must be 1 (one choice per job), got {n!r}")
+    top_logprobs = body.get("top_logprobs")
+    if top_logprobs:
+        raise ValueError("top_logprobs is not supported; logprobs of the sampled tokens are")
+
+    max_tokens = _optional_int(body, "max_tokens")
+    if max_tokens is None:
+        max_tokens = _optional_int(body, "max_completion_tokens")
+    if max_tokens is None:
+        is_chat = kind == "chat.completion"
+        max_tokens = max_model_len if is_chat and max_model_len else DEFAULT_COMPLETION_MAX_TOKENS
+    temperature = _optional_float(body, "temperature")
+    top_p = _optional_float(body, "top_p")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=_optional_int(body, "top_k"),
+            seed=_optional_int(body, "seed"),
+            stop=_stop(body),
+            ignore_eos=_optional_bool(body, "ignore_eos") or False,
+            logprobs=_logprobs(body),
+        )
+    except TypeError as e:
+        raise ValueError(f"invalid sampling parameters: {e}") from e
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+    return list(stop)
+
+
+def _logprobs(body: dict[str, Any]) -> bool:
+    # Chat sends true/false; legacy completions send a count, where 0 means "the sampled
+    # token only" and is what the engine can give.
+    value = body.get("logprobs")
+    if value is None or value is False:
+        return False
+    if value is True or (_is_int(value) and value == 0):
+        return True
+    if _is_int(value):
+        raise ValueError(f"logprobs={value} alternatives are not supported; use 0 or true")
+    raise ValueError(f"logprobs must be a boolean or 0, got {value!r}")
+
+
+def _optional_int(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _optional_float(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _optional_bool(body: dict[str, Any], name: str) -> bool | None:
+    value = body.get(name)
+    if value is None or isinstance(value, bool):
+        return value
+    raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
