@@ -1,0 +1,137 @@
+"""OpenAI-compatible Batches API: create, retrieve, list (cursor pages), cancel.
+
+A created batch starts `validating`; the batch loop (scheduler.batches) validates its
+file, fans it out into low-priority jobs and moves it on, so every call here is a few
+small queries. The objects are OpenAI's (`openai.types.Batch`), plus `priority`.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.capabilities import check_model
+from api.deps import SessionDep, SettingsDep, TenantDep
+from api.errors import Conflict, InvalidParameter, InvalidRequest, NotFound
+from api.schemas import CallbackUrl, Metadata
+from core.topics import Priority
+from core.webhook_urls import validate_callback_url
+from storage.batches import (
+    Batch,
+    IllegalBatchTransition,
+    batch_object,
+    completion_window_seconds,
+    create_batch,
+    get_batch,
+    list_batches,
+    request_cancel,
+)
+from storage.files import FilePurpose, get_file
+from storage.models import utcnow
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(tags=["batches"])
+
+MAX_LIST_LIMIT = 100
+# The metadata key that may carry a batch's webhook URL (OpenAI clients cannot send ours).
+CALLBACK_METADATA_KEY = "callback_url"
+
+
+class BatchCreate(BaseModel):
+    """Body of `POST /v1/batches`: OpenAI's fields plus `priority`, `model`, `callback_url`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1, max_length=40)
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: str = Field(min_length=2, max_length=16)
+    metadata: Metadata | None = None
+    # Accepted for compatibility; result files are kept until deleted.
+    output_expires_after: dict[str, Any] | None = None
+    priority: Priority = Priority.LOW
+    # Runs every request on this model, whatever each line names.
+    model: str | None = Field(default=None, min_length=1, max_length=200)
+    callback_url: CallbackUrl | None = None
+
+
+@router.post("/v1/batches")
+def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
+           settings: SettingsDep) -> dict[str, Any]:
+    """Create a batch from an uploaded `purpose=batch` file."""
+    file = get_file(session, file_id=body.input_file_id, tenant_id=tenant.id)
+    if file is None:
+        raise NotFound(f"No such file: '{body.input_file_id}'.", param="input_file_id")
+    if file.purpose != FilePurpose.BATCH.value:
+        raise InvalidRequest(f"File '{file.id}' has purpose '{file.purpose}'; a batch reads "
+                             "a file uploaded with purpose 'batch'.", param="input_file_id",
+                             code="invalid_file")
+    if body.completion_window not in settings.batch_completion_windows:
+        allowed = ", ".join(repr(w) for w in settings.batch_completion_windows)
+        raise InvalidRequest(f"completion_window must be one of {allowed}.",
+                             param="completion_window", code="invalid_value")
+    window_s = completion_window_seconds(body.completion_window)
+    if body.model is not None:
+        check_model(body.model, settings.served_models)
+    callback_url = body.callback_url or (body.metadata or {}).get(CALLBACK_METADATA_KEY)
+    if callback_url is not None:
+        try:
+            validate_callback_url(callback_url, settings)
+        except ValueError as e:
+            raise InvalidParameter(str(e), param="callback_url") from e
+    now = utcnow()
+    batch = create_batch(
+        session, tenant_id=tenant.id, input_file_id=file.id, endpoint=body.endpoint,
+        completion_window=body.completion_window, expires_at=now + timedelta(seconds=window_s),
+        priority=body.priority.value, metadata=body.metadata, model_override=body.model,
+        callback_url=callback_url,
+    )
+    session.commit()
+    logger.info("batch %s created from %s for tenant %s", batch.id, file.id, tenant.id)
+    return batch_object(batch)
+
+
+@router.get("/v1/batches/{batch_id}")
+def retrieve(batch_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
+    """One batch object."""
+    return batch_object(_owned_batch(session, tenant.id, batch_id))
+
+
+@router.get("/v1/batches")
+def list_tenant_batches(
+    session: SessionDep, tenant: TenantDep, after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = 20,
+) -> dict[str, Any]:
+    """The tenant's batches, newest first, with cursor pagination."""
+    try:
+        rows, has_more = list_batches(session, tenant_id=tenant.id, limit=limit, after=after)
+    except ValueError as e:
+        raise InvalidRequest(str(e), param="after", code="invalid_cursor") from e
+    data = [batch_object(row) for row in rows]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+def cancel(batch_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
+    """Start cancelling: queued requests never run, running ones are aborted."""
+    try:
+        batch = request_cancel(session, batch_id=batch_id, tenant_id=tenant.id)
+    except IllegalBatchTransition as e:
+        raise Conflict(f"Batch '{batch_id}' is {e.old.value} and can no longer be cancelled.",
+                       param="batch_id", code="batch_not_cancellable") from e
+    if batch is None:
+        raise NotFound(f"No such batch: '{batch_id}'.", param="batch_id")
+    session.commit()
+    return batch_object(batch)
+
+
+def _owned_batch(session: SessionDep, tenant_id: str, batch_id: str) -> Batch:
+    batch = get_batch(session, batch_id=batch_id, tenant_id=tenant_id)
+    if batch is None:
+        raise NotFound(f"No such batch: '{batch_id}'.", param="batch_id")
+    return batch

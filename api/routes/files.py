@@ -1,0 +1,171 @@
+"""OpenAI-compatible Files API: upload (streamed), list, retrieve, download, delete.
+
+The objects and field names are OpenAI's (`openai.types.FileObject`, `FileDeleted`), so
+the official client works unchanged. Uploads are parsed as they arrive and written to the
+file store chunk by chunk (api.uploads); downloads stream from an open handle. Neither
+direction holds a file in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Annotated, Any, BinaryIO, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
+
+from api.deps import ResourcesDep, SessionDep, SettingsDep, TenantDep
+from api.errors import APIError, Conflict, InvalidRequest, NotFound
+from api.resources import Resources
+from api.uploads import UploadError, read_multipart
+from storage.batches import is_file_in_use
+from storage.files import (
+    CHUNK_BYTES,
+    File,
+    FilePurpose,
+    FileStore,
+    FileTooLarge,
+    create_file,
+    delete_file,
+    file_object,
+    get_file,
+    list_files,
+    new_file_id,
+)
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(tags=["files"])
+
+# OpenAI's bounds for `GET /v1/files?limit=`.
+MAX_LIST_LIMIT = 10_000
+# The route's own body limit: the file limit is enforced while streaming (413 with a
+# useful message); this only lifts the app-wide JSON body limit for uploads.
+MAX_UPLOAD_BODY_BYTES = 1 << 40
+
+
+class FileTooLargeError(APIError):
+    """413: the upload passed `max_file_bytes`."""
+
+    status_code = 413
+    code = "file_too_large"
+
+
+@router.post("/v1/files", max_body_size=MAX_UPLOAD_BODY_BYTES)
+async def upload_file(request: Request, tenant: TenantDep, settings: SettingsDep,
+                      resources: ResourcesDep) -> dict[str, Any]:
+    """Store a `purpose=batch` file sent as multipart/form-data; returns the file object."""
+    store = FileStore.from_settings(settings)
+    file_id = new_file_id()
+    with store.writer(file_id, max_bytes=settings.max_file_bytes) as writer:
+        try:
+            form = await read_multipart(request.headers.get("content-type"), request.stream(),
+                                        writer)
+        except UploadError as e:
+            raise InvalidRequest(str(e), param=e.param, code="invalid_upload") from e
+        except FileTooLarge as e:
+            raise FileTooLargeError(
+                f"The file is larger than {settings.max_file_bytes} bytes, the most "
+                "this deployment accepts.", param="file") from e
+        except ClientDisconnect as e:
+            raise InvalidRequest("The upload was interrupted.", code="upload_interrupted") from e
+        purpose = form.fields.get("purpose")
+        if purpose != FilePurpose.BATCH.value:
+            raise InvalidRequest(f"purpose must be 'batch' (the only one served here), "
+                                 f"got {purpose!r}.", param="purpose", code="invalid_value")
+        num_bytes = await run_in_threadpool(writer.commit)
+    filename = (form.filename or "upload.jsonl")[:255]
+    try:
+        return await run_in_threadpool(_add_row, resources, file_id=file_id,
+                                       tenant_id=tenant.id, filename=filename,
+                                       num_bytes=num_bytes)
+    except BaseException:
+        store.delete(file_id)
+        raise
+
+
+def _add_row(resources: Resources, *, file_id: str, tenant_id: str, filename: str,
+             num_bytes: int) -> dict[str, Any]:
+    with resources.sessions() as session:
+        row = create_file(session, file_id=file_id, tenant_id=tenant_id, filename=filename,
+                          purpose=FilePurpose.BATCH.value, num_bytes=num_bytes)
+        session.commit()
+        logger.info("stored %s (%d bytes) for tenant %s", file_id, num_bytes, tenant_id)
+        return file_object(row)
+
+
+@router.get("/v1/files")
+def list_tenant_files(
+    session: SessionDep, tenant: TenantDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = MAX_LIST_LIMIT,
+    order: Literal["asc", "desc"] = "desc",
+    purpose: str | None = None,
+) -> dict[str, Any]:
+    """The tenant's files, newest first by default, with cursor pagination."""
+    try:
+        rows, has_more = list_files(session, tenant_id=tenant.id, purpose=purpose, limit=limit,
+                                    after=after, ascending=order == "asc")
+    except ValueError as e:
+        raise InvalidRequest(str(e), param="after", code="invalid_cursor") from e
+    data = [file_object(row) for row in rows]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+@router.get("/v1/files/{file_id}")
+def retrieve_file(file_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
+    """One file object."""
+    return file_object(_owned_file(session, tenant.id, file_id))
+
+
+@router.get("/v1/files/{file_id}/content")
+def file_content(file_id: str, session: SessionDep, tenant: TenantDep,
+                 settings: SettingsDep) -> StreamingResponse:
+    """The file's bytes, streamed."""
+    row = _owned_file(session, tenant.id, file_id)
+    try:
+        # Opened now, so a delete racing the download cannot cut it short.
+        handle = FileStore.from_settings(settings).open(row.id)
+    except FileNotFoundError as e:
+        raise NotFound(f"The content of file '{file_id}' is no longer available.",
+                       param="file_id") from e
+    headers = {"Content-Length": str(row.num_bytes),
+               "Content-Disposition": f'attachment; filename="{_quoted(row.filename)}"'}
+    return StreamingResponse(_chunks(handle), media_type="application/octet-stream",
+                             headers=headers)
+
+
+def _chunks(handle: BinaryIO) -> Iterator[bytes]:
+    with handle:
+        while chunk := handle.read(CHUNK_BYTES):
+            yield chunk
+
+
+@router.delete("/v1/files/{file_id}")
+def remove_file(file_id: str, session: SessionDep, tenant: TenantDep,
+                settings: SettingsDep) -> dict[str, Any]:
+    """Delete a file; 409 while a batch that has not finished reads it."""
+    row = _owned_file(session, tenant.id, file_id)
+    if is_file_in_use(session, file_id=row.id):
+        raise Conflict(f"File '{file_id}' is the input of a batch that has not finished; "
+                       "cancel the batch or wait for it first.", param="file_id",
+                       code="file_in_use")
+    delete_file(session, file_id=row.id)
+    session.commit()
+    FileStore.from_settings(settings).delete(row.id)
+    return {"id": row.id, "object": "file", "deleted": True}
+
+
+def _owned_file(session: SessionDep, tenant_id: str, file_id: str) -> File:
+    row = get_file(session, file_id=file_id, tenant_id=tenant_id)
+    if row is None:
+        raise NotFound(f"No such file: '{file_id}'.", param="file_id")
+    return row
+
+
+def _quoted(filename: str) -> str:
+    return filename.replace("\\", "_").replace('"', "_").encode("ascii", "replace").decode()
