@@ -67,6 +67,8 @@ class Settings(BaseSettings):
 
     # Reconciler: re-publish jobs still queued after this long.
     requeue_after_s: float = Field(default=300.0, gt=0)
+    # Prometheus exporter port of the scheduler role (`batchinfer reconcile`; 0: off).
+    scheduler_metrics_port: int = Field(default=0, ge=0, le=65535)
 
     # Files and batches (OpenAI-compatible). Files live under files_dir (default
     # data_dir/files); the limits default to OpenAI's.

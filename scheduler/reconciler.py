@@ -13,9 +13,7 @@ same: workers skip redelivered jobs that are already finished.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
-from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from kafka import KafkaProducer
@@ -109,41 +107,6 @@ class Reconciler:
                 self.republish_stale()
             except Exception:
                 logger.exception("reconciler pass failed; retrying in %.0fs", self.interval_s)
-
-
-def run_reconcile(settings: Settings, *, once: bool = False) -> int:
-    """The `batchinfer reconcile` role: one pass, or passes until SIGTERM/SIGINT."""
-    from core.kafka import make_producer
-    from storage.db import create_db_engine, session_factory
-
-    stop = threading.Event()
-    restore = _stop_on_signals(stop)
-    engine = create_db_engine(settings.database_url)
-    producer = make_producer(settings)
-    try:
-        reconciler = Reconciler(settings, session_factory(engine), producer)
-        reconciler.republish_stale()
-        if not once:
-            logger.info("reconciling every %.0fs", reconciler.interval_s)
-            reconciler.run(stop)
-    finally:
-        producer.close()
-        engine.dispose()
-        restore()
-    return 0
-
-
-def _stop_on_signals(stop: threading.Event) -> Callable[[], None]:
-    """Set stop on SIGTERM/SIGINT; returns a function that restores the old handlers."""
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    for sig in previous:
-        signal.signal(sig, lambda signum, frame: stop.set())
-
-    def restore() -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    return restore
 
 
 def start_reconciler_thread(reconciler: Reconciler, stop: threading.Event) -> threading.Thread:

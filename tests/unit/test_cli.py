@@ -1,0 +1,67 @@
+"""The `batchinfer` command line: parsing, and the operator commands on SQLite."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from core.cli import build_parser, main
+from core.settings import get_settings
+
+
+@pytest.fixture
+def sqlite_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Settings pointing at a SQLite file in tmp_path."""
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    monkeypatch.setenv("BATCHINFER_DATABASE_URL", url)
+    monkeypatch.setenv("BATCHINFER_DATA_DIR", str(tmp_path))
+    get_settings.cache_clear()
+    yield url
+    get_settings.cache_clear()
+
+
+def test_up_options_parse() -> None:
+    """`up` takes port, workers, data dir and model."""
+    args = build_parser().parse_args(
+        ["up", "--port", "9000", "--workers", "2", "--data-dir", "/tmp/x", "--model", "m"])
+    assert (args.port, args.workers, args.data_dir, args.model) == (9000, 2, "/tmp/x", "m")
+
+
+def test_unknown_command_is_refused() -> None:
+    """argparse rejects an unknown subcommand with exit status 2."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve"])
+    assert exc.value.code == 2
+
+
+def test_db_upgrade_keys_create_and_downgrade(sqlite_env: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Migrate up, mint two keys for one tenant (printed once each), migrate down."""
+    from storage.db import create_db_engine, session_factory
+    from storage.tenants import tenant_by_name, tenant_for_api_key
+
+    assert main(["db", "upgrade"]) == 0
+    assert main(["keys", "create", "--tenant", "acme"]) == 0
+    first = capsys.readouterr().out.strip().splitlines()[-1]
+    assert main(["keys", "create", "--tenant", "acme"]) == 0
+    second = capsys.readouterr().out.strip().splitlines()[-1]
+    assert first != second
+    engine = create_db_engine(sqlite_env)
+    with session_factory(engine)() as session:
+        tenant = tenant_by_name(session, name="acme")
+        assert tenant is not None
+        for key in (first, second):
+            found = tenant_for_api_key(session, key=key)
+            assert found is not None and found.id == tenant.id
+    engine.dispose()
+    assert main(["db", "downgrade"]) == 0
+
+
+def test_user_errors_exit_2_with_a_message(sqlite_env: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad value (empty tenant name) exits 2 and says why, no traceback."""
+    assert main(["db", "upgrade"]) == 0
+    assert main(["keys", "create", "--tenant", "  "]) == 2
+    assert "tenant name must not be empty" in capsys.readouterr().err
