@@ -107,6 +107,7 @@ def parse_request(raw: bytes, *, line: int, endpoint: str, model_override: str |
             raise InputLineError("missing_required_parameter",
                                  f"line {line}: body.messages must be a non-empty list",
                                  param="body.messages")
+        body = {**body, "messages": [_joined_content(m) for m in body["messages"]]}
     elif "prompt" not in body:
         raise InputLineError("missing_required_parameter", f"line {line}: body.prompt is missing",
                              param="body.prompt")
@@ -117,6 +118,16 @@ def parse_request(raw: bytes, *, line: int, endpoint: str, model_override: str |
     if model_override:
         body = {**body, "model": model_override}
     return BatchRequest(line=line, custom_id=custom_id, model=model, body=body)
+
+
+def _joined_content(message: object) -> object:
+    """A message whose text content parts are joined into one string (as the API does)."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    parts = message["content"]
+    if not all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+        return message  # the worker refuses non-text parts, as a per-request error
+    return {**message, "content": "\n".join(str(p.get("text") or "") for p in parts)}
 
 
 @dataclass(slots=True)

@@ -57,7 +57,8 @@ def failure_line(row: BatchJobRow) -> dict[str, Any]:
     error = dict(row.error or {})
     status_code = error.pop("status_code", None)
     if not isinstance(status_code, int):
-        status_code = 500
+        # Workers store the API's error object: a request problem is a 400, else a 500.
+        status_code = 400 if error.get("type") == "invalid_request_error" else 500
     body = {
         "error": {
             "message": str(error.get("message") or "the request failed"),

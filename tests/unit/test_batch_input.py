@@ -112,6 +112,14 @@ def test_model_override_replaces_each_lines_model() -> None:
     assert parsed.body["model"] == MODEL
 
 
+def test_text_content_parts_are_joined_for_the_worker() -> None:
+    item = request("a")
+    item["body"]["messages"] = [{"role": "user", "content": [
+        {"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]
+    [parsed] = iter_requests(jsonl(item), endpoint=CHAT, max_line_bytes=10_000)
+    assert parsed.body["messages"] == [{"role": "user", "content": "one\ntwo"}]
+
+
 def test_stream_true_is_refused() -> None:
     item = request("a")
     item["body"]["stream"] = True

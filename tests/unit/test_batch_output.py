@@ -61,6 +61,14 @@ def test_failure_without_a_status_code_is_a_server_error() -> None:
     assert line["response"]["body"]["error"]["type"] == "server_error"
 
 
+def test_worker_error_objects_map_to_status_codes_by_type() -> None:
+    error = {"message": "messages[0].content must be a string", "type": "invalid_request_error",
+             "param": "messages", "code": None}
+    _, line = job_line(row(JobStatus.FAILED, error=error), stopped_code=BATCH_EXPIRED)
+    assert line["response"]["status_code"] == 400
+    assert line["response"]["body"]["error"] == error
+
+
 def test_unfinished_jobs_get_the_stop_reason() -> None:
     for status in (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.CANCELLED):
         is_success, line = job_line(row(status), stopped_code=BATCH_EXPIRED)
