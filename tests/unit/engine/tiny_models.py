@@ -8,9 +8,11 @@ space only in context (as SentencePiece does). Both are real `transformers` fast
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 CORPUS = [
     "hello world héllo wörld 日本語のテキスト 🙂🙃 naïve café",
@@ -60,3 +62,55 @@ def save_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
     tokenizer = byte_level_tokenizer()
     tokenizer.save_pretrained(model_dir)
     return tokenizer
+
+
+def tiny_llama_config(**overrides: Any) -> LlamaConfig:
+    """A 2-layer GQA Llama small enough for a 2-core CPU.
+
+    `initializer_range` is far above Llama's 0.02 so that random weights give clearly
+    separated logits: with near ties, fp32 reordering noise alone could flip an argmax and
+    a parity failure would say nothing about the engine.
+    """
+    settings: dict[str, Any] = {
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "initializer_range": 0.5,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+    }
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def save_tiny_llama(model_dir: Path, seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
+    """Write a random-weight Llama (safetensors) plus tokenizer into `model_dir`."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
+    model.save_pretrained(model_dir)
+    save_tokenizer(model_dir)
+    return model
+
+
+def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+    """Hugging Face greedy continuation of one prompt, and its smallest top-2 logit margin."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    margins = [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
+    return out.sequences[0, len(prompt) :].tolist(), min(margins)

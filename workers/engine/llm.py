@@ -1,0 +1,92 @@
+"""Offline batch generation: many prompts in, their finished outputs out, in order."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine, Prompt
+from workers.engine.outputs import RequestOutput
+from workers.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """`LLM(model=..., **engine_options).generate(prompts, params)`, as in vLLM."""
+
+    def __init__(self, model: str, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (None with skip_tokenizer_init)."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        `prompts` is one prompt or a list of them; a prompt is text, a list of token ids
+        or a list of chat messages. `sampling_params` is one for all or one per prompt.
+        """
+        batch = _as_batch(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(batch)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(batch):
+                raise ValueError(
+                    f"sampling_params has {len(params)} entries for {len(batch)} prompts"
+                )
+        request_ids = [f"generate-{next(self._ids)}" for _ in batch]
+        try:
+            for request_id, prompt, p in zip(request_ids, batch, params, strict=True):
+                self.engine.add_request(request_id, prompt, p)
+            return self._run(request_ids, use_tqdm)
+        finally:
+            # On bad input (or an interrupt) leave nothing of this batch behind.
+            for request_id in request_ids:
+                self.engine.abort(request_id)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="generate", unit="req")
+        try:
+            while len(finished) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_batch(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    """A single prompt becomes a batch of one; a list of prompts stays as it is."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, list | tuple):
+        raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts)}")
+    if not prompts:
+        return []
+    first = prompts[0]
+    if isinstance(first, int) or isinstance(first, dict):
+        return [list(prompts)]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

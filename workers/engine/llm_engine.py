@@ -1,0 +1,250 @@
+"""The engine's online surface: add requests, step, abort, report.
+
+Responsibilities:
+- turn prompts (text, token ids or chat messages) into token ids with the model's tokenizer
+  and chat template, rejecting bad input with a ValueError naming the field, for that
+  request only;
+- own the Scheduler and the ModelRunner and run the step loop: schedule, execute,
+  postprocess;
+- detokenize incrementally, apply stop strings, and emit one RequestOutput per request
+  that progressed (with its deltas) or finished;
+- keep per-request timings and engine-wide counters for `stats()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from workers.engine.block_manager import BlockManager
+from workers.engine.config import EngineConfig
+from workers.engine.detokenizer import Detokenizer
+from workers.engine.model_runner import ModelRunner
+from workers.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+# A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+@dataclass(slots=True)
+class _Request:
+    """Engine-side bookkeeping of one live request."""
+
+    seq: Sequence
+    prompt: str | None
+    detokenizer: Detokenizer | None
+    metrics: RequestMetrics
+    num_cached_tokens: int | None = None  # at first admission
+    num_reported_tokens: int = 0
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer: Any = None
+        if not config.skip_tokenizer_init:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_dir)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = int(self.runner.hf_config.vocab_size)
+        block_manager = BlockManager(
+            self.runner.num_kv_blocks,
+            self.runner.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=set(self.runner.eos_token_ids),
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            watermark=config.watermark,
+        )
+        self._requests: dict[str, _Request] = {}
+        self._arrivals = itertools.count()
+        self._num_computed_tokens = 0
+        self._num_generated_tokens = 0
+        self._busy_seconds = 0.0
+        logger.info(
+            "engine ready: %d KV blocks of %d tokens, max_model_len %d",
+            block_manager.num_blocks,
+            block_manager.block_size,
+            self.max_model_len,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request; ValueError naming the field if it is malformed or cannot fit."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; skip_tokenizer_init is set")
+        prompt_text, token_ids = self._tokenize(prompt)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens, longer than max_model_len {self.max_model_len}"
+            )
+        seq = Sequence(
+            request_id,
+            token_ids,
+            params,
+            priority=priority,
+            arrival_order=next(self._arrivals),
+        )
+        self.scheduler.add(seq)  # may raise: the pool could never hold it
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = Detokenizer(self.tokenizer, token_ids, params.stop)
+        self._requests[request_id] = _Request(
+            seq, prompt_text, detokenizer, RequestMetrics(arrival_time=time.time())
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks; an unknown or finished id is a no-op."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        self.scheduler.finish(request.seq, SequenceStatus.FINISHED_ABORTED)
+        logger.debug("aborted %s", request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests waiting or running."""
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch: new tokens for running requests, outputs for those that moved."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.time()
+        for seq in out.seqs:
+            request = self._requests[seq.request_id]
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+                request.num_cached_tokens = seq.num_cached_tokens
+        sampled = self.runner.execute(out.seqs, out.num_scheduled_tokens)
+        updated = self.scheduler.postprocess(out, sampled)
+        self._num_computed_tokens += out.total_num_scheduled_tokens
+        self._num_generated_tokens += len(updated)
+        now = time.time()
+        outputs = [self._advance(self._requests[seq.request_id], now) for seq in updated]
+        self._busy_seconds += time.perf_counter() - start
+        return outputs
+
+    def stats(self) -> EngineStats:
+        """Current load and totals since start."""
+        bm = self.scheduler.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_used=bm.num_used_blocks,
+            num_kv_blocks_free=bm.num_free_blocks,
+            num_prefix_cache_hit_tokens=self.scheduler.num_prefix_cache_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_computed_tokens=self._num_computed_tokens,
+            num_generated_tokens=self._num_generated_tokens,
+            busy_seconds=self._busy_seconds,
+        )
+
+    def _advance(self, request: _Request, now: float) -> RequestOutput:
+        """Detokenize a request's new token, apply stop strings, build its output."""
+        seq = request.seq
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        delta_text = ""
+        detok = request.detokenizer
+        if detok is not None:
+            if detok.add_tokens([seq.last_token_id]):
+                if seq.is_finished:
+                    seq.status = SequenceStatus.FINISHED_STOPPED  # a stop string outranks length
+                else:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            elif seq.is_finished:
+                detok.flush()
+            delta_text = detok.take_delta(finished=seq.is_finished)
+        if seq.is_finished:
+            request.metrics.finish_time = now
+            del self._requests[seq.request_id]
+        output_ids = seq.output_token_ids
+        delta_ids = output_ids[request.num_reported_tokens :]
+        request.num_reported_tokens = len(output_ids)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=detok.text if detok is not None else "",
+            token_ids=output_ids,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            metrics=replace(request.metrics),  # a snapshot: later steps move on
+        )
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) for any accepted prompt form."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: text needs a tokenizer; skip_tokenizer_init is set")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt must be a non-empty string, token id list or chat messages")
+        if all(isinstance(t, dict) for t in prompt):
+            return self._render_chat(prompt)  # type: ignore[arg-type]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be all token ids (int) or all chat messages (dict)")
+        token_ids: list[int] = prompt  # type: ignore[assignment]
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt has token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        return None, list(token_ids)
+
+    def _render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        """Apply the tokenizer's chat template, ending with the assistant's turn."""
+        if self.tokenizer is None:
+            raise ValueError("prompt: chat messages need a tokenizer; skip_tokenizer_init is set")
+        for message in messages:
+            if not isinstance(message.get("role"), str) or "content" not in message:
+                raise ValueError("prompt: every chat message needs a 'role' and a 'content'")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except ValueError as e:  # e.g. the tokenizer has no chat template
+            raise ValueError(f"prompt: cannot render chat messages: {e}") from e
+        # The template already places special tokens such as BOS.
+        return text, list(self.tokenizer(text, add_special_tokens=False).input_ids)
