@@ -14,12 +14,12 @@ import secrets
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import CursorResult, and_, func, or_, select, update
+from sqlalchemy import CursorResult, and_, func, literal, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.topics import PRIORITIES, Priority
-from storage.models import Job, JobStatus, utcnow
+from storage.models import Job, JobStatus, UTCDateTime, utcnow
 from storage.states import sources_of
 
 logger = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ def complete_job(
             "completion_tokens": completion_tokens,
             "cached_tokens": cached_tokens,
             "first_token_at": first_token_at,
-            "started_at": func.coalesce(Job.started_at, now),
+            "started_at": func.coalesce(Job.started_at, literal(now, UTCDateTime())),
             "finished_at": now,
         },
         sources=UNFINISHED,

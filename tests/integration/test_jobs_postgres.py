@@ -1,0 +1,170 @@
+"""Job and tenant queries on a migrated PostgreSQL: the production database behaves as SQLite."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import update
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage.db import create_db_engine, session_factory
+from storage.jobs import (
+    IdempotencyKeyTaken,
+    cancel_job,
+    complete_job,
+    count_active_jobs,
+    create_job,
+    find_by_idempotency_key,
+    get_job,
+    list_jobs,
+    mark_running,
+    stale_queued_jobs,
+)
+from storage.migrate import upgrade
+from storage.models import Job, JobStatus, Tenant
+from storage.tenants import create_api_key, create_tenant, tenant_for_api_key
+
+
+@pytest.fixture
+def sessions(postgres_url: str) -> Iterator[sessionmaker[Session]]:
+    """Sessions on a fresh database migrated to head."""
+    upgrade(postgres_url)
+    engine = create_db_engine(postgres_url)
+    try:
+        yield session_factory(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def tenant(sessions: sessionmaker[Session]) -> Tenant:
+    """A committed tenant."""
+    with sessions() as session:
+        tenant = create_tenant(session, name="acme")
+        session.commit()
+        return tenant
+
+
+def new_job(session: Session, tenant_id: str, idempotency_key: str | None = None) -> Job:
+    """A queued chat job."""
+    return create_job(
+        session,
+        tenant_id=tenant_id,
+        priority="normal",
+        model="m",
+        kind="chat.completion",
+        request={"messages": [{"role": "user", "content": "hi"}]},
+        idempotency_key=idempotency_key,
+    )
+
+
+def test_keys_and_tenants(sessions: sessionmaker[Session], tenant: Tenant) -> None:
+    with sessions() as session:
+        _, key = create_api_key(session, tenant_id=tenant.id)
+        session.commit()
+        found = tenant_for_api_key(session, key=key)
+        assert found is not None and found.id == tenant.id
+
+
+def test_idempotency_race_is_reported_as_a_domain_error(
+    sessions: sessionmaker[Session], tenant: Tenant
+) -> None:
+    with sessions() as first, sessions() as second:
+        winner = new_job(first, tenant.id, idempotency_key="k")
+        first.commit()
+        with pytest.raises(IdempotencyKeyTaken):
+            new_job(second, tenant.id, idempotency_key="k")
+        second.rollback()
+        found = find_by_idempotency_key(second, tenant_id=tenant.id, key="k")
+        assert found is not None and found.id == winner.id
+
+
+def test_datetimes_are_aware_utc_and_pages_are_stable(
+    sessions: sessionmaker[Session], tenant: Tenant
+) -> None:
+    with sessions() as session:
+        job_ids = [new_job(session, tenant.id).id for _ in range(5)]
+        session.commit()
+        same_instant = datetime(2025, 6, 1, 12, tzinfo=UTC)
+        session.execute(update(Job).where(Job.id.in_(job_ids)).values(created_at=same_instant))
+        session.commit()
+        job = get_job(session, job_id=job_ids[0])
+        assert job is not None and job.created_at == same_instant
+        assert job.created_at.utcoffset() == timedelta(0)
+
+        seen: list[str] = []
+        after = None
+        while True:
+            page, has_more = list_jobs(session, tenant_id=tenant.id, limit=2, after=after)
+            seen += [j.id for j in page]
+            if not has_more:
+                break
+            after = page[-1].id
+        assert seen == sorted(job_ids, reverse=True)
+
+
+def test_status_writes_are_idempotent_under_concurrency(
+    sessions: sessionmaker[Session], tenant: Tenant
+) -> None:
+    with sessions() as session:
+        job_id = new_job(session, tenant.id).id
+        session.commit()
+        assert mark_running(session, job_id=job_id, worker_id="w")
+        session.commit()
+    start = threading.Barrier(6)
+    changed: list[bool] = []
+
+    def finish(i: int) -> None:
+        with sessions() as session:
+            start.wait()
+            changed.append(
+                complete_job(
+                    session,
+                    job_id=job_id,
+                    result={"i": i},
+                    prompt_tokens=1,
+                    completion_tokens=2,
+                    cached_tokens=0,
+                    first_token_at=datetime.now(UTC),
+                )
+            )
+            session.commit()
+
+    threads = [threading.Thread(target=finish, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(changed) == [False] * 5 + [True]
+    with sessions() as session:
+        job = cancel_job(session, job_id=job_id, tenant_id=tenant.id)
+        session.commit()
+        assert job is not None and job.status is JobStatus.SUCCEEDED
+        assert job.started_at is not None and job.finished_at is not None
+        assert job.started_at <= job.finished_at
+        assert count_active_jobs(session, tenant_id=tenant.id) == 0
+
+
+def test_complete_from_queued_and_stale_selection(
+    sessions: sessionmaker[Session], tenant: Tenant
+) -> None:
+    with sessions() as session:
+        cached, stale = new_job(session, tenant.id), new_job(session, tenant.id)
+        session.commit()
+        assert complete_job(
+            session,
+            job_id=cached.id,
+            result={},
+            prompt_tokens=0,
+            completion_tokens=0,
+            cached_tokens=0,
+            first_token_at=None,
+        )
+        session.commit()
+        job = get_job(session, job_id=cached.id)
+        assert job is not None and job.started_at is not None
+        later = datetime.now(UTC) + timedelta(seconds=1)
+        assert [j.id for j in stale_queued_jobs(session, older_than=later, limit=10)] == [stale.id]
