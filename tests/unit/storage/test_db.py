@@ -1,0 +1,75 @@
+"""Engines and the UTC datetime column type on SQLite."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+import sqlalchemy
+from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError, StatementError
+from sqlalchemy.orm import Session
+
+from storage.db import create_db_engine, session_factory
+from storage.models import ApiKey, Base, Tenant
+
+
+def test_sqlite_file_gets_wal_foreign_keys_busy_timeout_and_its_directory(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "nested" / "dir" / "x.db"
+    engine = create_db_engine(f"sqlite:///{path}")
+    try:
+        with engine.connect() as connection:
+            assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert connection.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+            assert connection.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
+        assert path.parent.is_dir()
+    finally:
+        engine.dispose()
+
+
+def test_foreign_keys_are_enforced(engine: sqlalchemy.Engine) -> None:
+    with session_factory(engine)() as session:
+        session.add(ApiKey(id="key_1", tenant_id="ten_missing", key_hash="0" * 64, prefix="bi_x"))
+        with pytest.raises(IntegrityError):
+            session.flush()
+
+
+def test_in_memory_database_is_shared_by_sessions() -> None:
+    engine = create_db_engine("sqlite://")
+    try:
+        Base.metadata.create_all(engine)
+        sessions = session_factory(engine)
+        with sessions() as session:
+            session.add(Tenant(id="ten_1", name="a"))
+            session.commit()
+        with sessions() as session:
+            assert session.get(Tenant, "ten_1") is not None
+    finally:
+        engine.dispose()
+
+
+def test_bad_url_is_explained() -> None:
+    with pytest.raises(ValueError, match="invalid database URL 'not a url'"):
+        create_db_engine("not a url")
+
+
+def test_datetimes_come_back_aware_utc_and_naive_ones_are_refused(session: Session) -> None:
+    plus_two = timezone(timedelta(hours=2))
+    created = datetime(2025, 3, 1, 14, 30, tzinfo=plus_two)
+    session.add(Tenant(id="ten_1", name="a", created_at=created))
+    session.commit()
+    session.expire_all()
+    tenant = session.get(Tenant, "ten_1")
+    assert tenant is not None
+    assert tenant.created_at == created
+    assert tenant.created_at.utcoffset() == timedelta(0)
+    assert tenant.created_at.hour == 12
+    stored = session.execute(text("SELECT created_at FROM tenants")).scalar()
+    assert str(stored).startswith("2025-03-01 12:30:00")
+
+    session.add(Tenant(id="ten_2", name="b", created_at=datetime(2025, 1, 1)))
+    with pytest.raises(StatementError, match="naive datetime"):
+        session.flush()
