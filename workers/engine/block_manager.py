@@ -86,7 +86,11 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
-        """Chain hashes of the sequence's first `num_full_blocks` blocks (memoised)."""
+        """Chain hashes of the sequence's first `num_full_blocks` blocks."""
+        return self._hashes(seq, num_full_blocks)[:num_full_blocks]
+
+    def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
+        """The memo of the sequence's block hashes, extended to at least `num_full_blocks`."""
         hashes = self._block_hashes.setdefault(seq.request_id, [])
         bs = self.block_size
         assert num_full_blocks * bs <= seq.num_tokens
@@ -94,7 +98,7 @@ class BlockManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else root_hash(seq.params.cache_salt)
             hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
-        return hashes[:num_full_blocks]
+        return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids caching the longest prefix of `seq`, leaving at least one token to compute.
@@ -107,9 +111,10 @@ class BlockManager:
             return []
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
+        hashes = self._hashes(seq, max_blocks)
         hits: list[int] = []
-        for i, h in enumerate(self.block_hashes(seq, max_blocks)):
-            block_id = self.hash_to_block_id.get(h)
+        for i in range(max_blocks):
+            block_id = self.hash_to_block_id.get(hashes[i])
             if block_id is None:
                 break
             block = self.blocks[block_id]
@@ -125,7 +130,7 @@ class BlockManager:
             return None
         if (num_cached_blocks + 1) * self.block_size > seq.num_tokens - 1:
             return None
-        return self.block_hashes(seq, num_cached_blocks + 1)[-1]
+        return self._hashes(seq, num_cached_blocks + 1)[num_cached_blocks]
 
     def hashes_completed_by(self, seq: Sequence, num_new_tokens: int) -> list[bytes]:
         """Hashes of the blocks that become full once `num_new_tokens` more are computed."""
@@ -134,7 +139,7 @@ class BlockManager:
         bs = self.block_size
         first = seq.num_computed_tokens // bs
         last = (seq.num_computed_tokens + num_new_tokens) // bs
-        return self.block_hashes(seq, last)[first:]
+        return self._hashes(seq, last)[first:last]
 
     def can_admit(
         self, cached_block_ids: list[int], num_new_tokens: int, num_reserved: int
@@ -184,7 +189,7 @@ class BlockManager:
         if num_full <= start:
             return
         bs = self.block_size
-        hashes = self.block_hashes(seq, num_full)
+        hashes = self._hashes(seq, num_full)
         for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None and hashes[i] not in self.hash_to_block_id:
