@@ -42,9 +42,6 @@ router = APIRouter(tags=["files"])
 
 # OpenAI's bounds for `GET /v1/files?limit=`.
 MAX_LIST_LIMIT = 10_000
-# The route's own body limit: the file limit is enforced while streaming (413 with a
-# useful message); this only lifts the app-wide JSON body limit for uploads.
-MAX_UPLOAD_BODY_BYTES = 1 << 40
 
 
 class FileTooLargeError(APIError):
@@ -54,7 +51,7 @@ class FileTooLargeError(APIError):
     code = "file_too_large"
 
 
-@router.post("/v1/files", max_body_size=MAX_UPLOAD_BODY_BYTES)
+@router.post("/v1/files")
 async def upload_file(request: Request, tenant: TenantDep, settings: SettingsDep,
                       resources: ResourcesDep) -> dict[str, Any]:
     """Store a `purpose=batch` file sent as multipart/form-data; returns the file object."""

@@ -1,0 +1,225 @@
+"""`batchinfer batch run|list|get|cancel`: bulk jobs from a JSONL file, over the HTTP API.
+
+`run` uploads the file, creates the batch, shows a live progress bar (completed, failed,
+total, rate, ETA) and, once the batch ends, writes the output and error files. Ctrl-C
+leaves the batch running on the service; `--batch-id` reattaches to it later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# `batchinfer up` keeps its development tenant's key here, under the data directory.
+DEV_KEY_FILE = "dev-api-key"
+TERMINAL_STATUSES = ("completed", "failed", "expired", "cancelled")
+
+
+def add_batch_parser(sub: Any) -> None:
+    """Register `batch` and its actions on the `batchinfer` subparsers."""
+    batch = sub.add_parser("batch", help="bulk jobs from a JSONL file (OpenAI Batch format)")
+    actions = batch.add_subparsers(dest="batch_command", required=True, metavar="ACTION")
+
+    run = actions.add_parser("run", help="upload, run and wait; write results")
+    run.add_argument("input", nargs="?", type=Path,
+                     help="requests.jsonl (not needed with --batch-id)")
+    run.add_argument("-o", "--output", type=Path, required=True, help="results.jsonl")
+    run.add_argument("--errors", type=Path, default=None,
+                     help="error lines (default: <output>.errors.jsonl)")
+    run.add_argument("--batch-id", default=None, help="reattach to a running batch")
+    run.add_argument("--priority", choices=["high", "normal", "low"], default=None,
+                     help="queue priority of the batch's jobs (default low)")
+    run.add_argument("--model", default=None, help="run every request on this model")
+    run.add_argument("--completion-window", default="24h")
+    run.add_argument("--poll-interval", type=float, default=1.0, help="seconds")
+    run.set_defaults(func=cmd_run)
+
+    list_ = actions.add_parser("list", help="recent batches")
+    list_.add_argument("--limit", type=int, default=20)
+    list_.set_defaults(func=cmd_list)
+    for name, func, help_text in (("get", cmd_get, "print a batch object"),
+                                  ("cancel", cmd_cancel, "cancel a batch")):
+        action = actions.add_parser(name, help=help_text)
+        action.add_argument("batch_id")
+        action.set_defaults(func=func)
+    for action in (run, list_, *(actions.choices[n] for n in ("get", "cancel"))):
+        action.add_argument("--url", default=None,
+                            help="service URL (default $BATCHINFER_URL or the settings' API)")
+        action.add_argument("--api-key", default=None,
+                            help="default $BATCHINFER_API_KEY, else `batchinfer up`'s dev key")
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from api.batch_client import BatchClient
+    from core.settings import get_settings
+
+    settings = get_settings()
+    url = args.url or os.environ.get("BATCHINFER_URL") or (
+        f"http://{settings.api_host}:{settings.api_port}")
+    key = args.api_key or os.environ.get("BATCHINFER_API_KEY")
+    dev_key_path = settings.data_dir / DEV_KEY_FILE
+    if not key and dev_key_path.exists():
+        key = dev_key_path.read_text().strip()
+    if not key:
+        raise ValueError("no API key: pass --api-key or set BATCHINFER_API_KEY")
+    return BatchClient(url, key)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Print a table of recent batches."""
+    from rich.console import Console
+    from rich.table import Table
+
+    with _client(args) as client:
+        page = client.list_batches(limit=args.limit)
+    table = Table("id", "status", "completed", "failed", "total", "model", "created")
+    for batch in page["data"]:
+        counts = batch.get("request_counts") or {}
+        table.add_row(batch["id"], batch["status"], str(counts.get("completed", 0)),
+                      str(counts.get("failed", 0)), str(counts.get("total", 0)),
+                      batch.get("model") or "", time.strftime(
+                          "%Y-%m-%d %H:%M:%S", time.localtime(batch["created_at"])))
+    Console().print(table)
+    return 0
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    """Print one batch object as JSON."""
+    with _client(args) as client:
+        print(json.dumps(client.get_batch(args.batch_id), indent=2))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel a batch; print its object."""
+    with _client(args) as client:
+        print(json.dumps(client.cancel_batch(args.batch_id), indent=2))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Upload and create (or reattach), follow progress, write the results."""
+    from rich.console import Console
+
+    from api.batch_client import endpoint_of
+
+    console = Console(stderr=True)
+    with _client(args) as client:
+        if args.batch_id:
+            batch = client.get_batch(args.batch_id)
+            console.print(f"reattached to {batch['id']} ({batch['status']})")
+        else:
+            if args.input is None:
+                raise ValueError("give the requests file, or --batch-id to reattach")
+            file = client.upload(args.input)
+            console.print(f"uploaded {args.input} as {file['id']} ({file['bytes']} bytes)")
+            batch = client.create_batch(
+                input_file_id=file["id"], endpoint=endpoint_of(args.input),
+                completion_window=args.completion_window, priority=args.priority,
+                model=args.model)
+            console.print(f"batch {batch['id']} created; if interrupted, reattach with "
+                          f"--batch-id {batch['id']}")
+        try:
+            batch = follow(client, batch, console=console, poll_interval_s=args.poll_interval)
+        except KeyboardInterrupt:
+            console.print(f"\ninterrupted; batch {batch['id']} keeps running. Reattach with: "
+                          f"batchinfer batch run -o {args.output} --batch-id {batch['id']}")
+            return 130
+        return write_results(client, batch, output=args.output, errors=args.errors,
+                             console=console)
+
+
+def follow(client: Any, batch: dict[str, Any], *, console: Any,
+           poll_interval_s: float) -> dict[str, Any]:
+    """Poll until the batch ends, drawing a progress bar; returns the final object."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("[bold]{task.description:<11}"), BarColumn(),
+        TextColumn("{task.fields[counts]}"), TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(), console=console, transient=False)
+    rate = RateMeter()
+    with progress:
+        task = progress.add_task(batch["status"], total=None, counts="", rate="")
+        while True:
+            counts = batch.get("request_counts") or {}
+            total = int(counts.get("total") or 0)
+            completed, failed = int(counts.get("completed") or 0), int(counts.get("failed") or 0)
+            rate.observe(completed + failed)
+            progress.update(task, description=batch["status"], total=total or None,
+                            completed=completed + failed,
+                            counts=f"{completed} ok · {failed} failed / {total}",
+                            rate=rate.describe(remaining=total - completed - failed))
+            if batch["status"] in TERMINAL_STATUSES:
+                return batch
+            time.sleep(poll_interval_s)
+            batch = client.get_batch(batch["id"])
+
+
+class RateMeter:
+    """Requests per second since the first observation, and the ETA it implies."""
+
+    def __init__(self) -> None:
+        self._first: tuple[float, int] | None = None
+        self._last: tuple[float, int] | None = None
+
+    def observe(self, num_done: int, *, at: float | None = None) -> None:
+        """Record how many requests are done now."""
+        now = time.monotonic() if at is None else at
+        if self._first is None:
+            self._first = (now, num_done)
+        self._last = (now, num_done)
+
+    @property
+    def per_s(self) -> float | None:
+        """Requests finished per second since the first observation (None: too early)."""
+        if self._first is None or self._last is None or self._last[0] <= self._first[0]:
+            return None
+        return (self._last[1] - self._first[1]) / (self._last[0] - self._first[0])
+
+    def describe(self, *, remaining: int) -> str:
+        """`12.3 req/s · ETA 0:01:05`, or '' before there is a rate."""
+        per_s = self.per_s
+        if not per_s or per_s <= 0:
+            return ""
+        eta_s = int(max(remaining, 0) / per_s)
+        return f"{per_s:.1f} req/s · ETA {eta_s // 3600}:{eta_s // 60 % 60:02d}:{eta_s % 60:02d}"
+
+
+def write_results(client: Any, batch: dict[str, Any], *, output: Path, errors: Path | None,
+                  console: Any) -> int:
+    """Download output and error files; print what happened. 0 only for `completed`."""
+    counts = batch.get("request_counts") or {}
+    if batch["status"] == "failed":
+        console.print(f"batch {batch['id']} failed validation; nothing ran:")
+        for error in (batch.get("errors") or {}).get("data") or []:
+            where = f"line {error['line']}: " if error.get("line") else ""
+            console.print(f"  {where}{error.get('message')} ({error.get('code')})",
+                          markup=False)
+        return 1
+    errors = errors or output.with_name(output.stem + ".errors.jsonl")
+    if batch.get("output_file_id"):
+        client.download(batch["output_file_id"], output)
+        console.print(f"wrote {counts.get('completed', 0)} result(s) to {output}")
+    if batch.get("error_file_id"):
+        client.download(batch["error_file_id"], errors)
+        console.print(f"wrote {counts.get('failed', 0)} error line(s) to {errors}")
+    console.print(f"batch {batch['id']} {batch['status']}")
+    return 0 if batch["status"] == "completed" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `batch ...` on its own (the same as `batchinfer batch ...`)."""
+    parser = argparse.ArgumentParser(prog="batchinfer")
+    add_batch_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The batch CLI's pure parts: argument parsing, endpoint detection, rate and ETA."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from api.batch_cli import RateMeter, add_batch_parser, cmd_run
+from api.batch_client import DEFAULT_ENDPOINT, endpoint_of
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    """Parse `batch ...` arguments as `batchinfer` would."""
+    parser = argparse.ArgumentParser(prog="batchinfer")
+    add_batch_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["batch", *argv])
+
+
+def test_run_takes_a_file_or_a_batch_id() -> None:
+    args = parse("run", "in.jsonl", "-o", "out.jsonl", "--priority", "normal", "--model", "m",
+                 "--url", "http://h:1", "--api-key", "k")
+    assert args.func is cmd_run
+    assert (args.input, args.output, args.priority, args.model, args.url, args.api_key) == (
+        Path("in.jsonl"), Path("out.jsonl"), "normal", "m", "http://h:1", "k")
+    args = parse("run", "-o", "out.jsonl", "--batch-id", "batch_1")
+    assert args.input is None and args.batch_id == "batch_1"
+
+
+def test_list_get_cancel_parse() -> None:
+    assert parse("list", "--limit", "5").limit == 5
+    assert parse("get", "batch_1").batch_id == "batch_1"
+    assert parse("cancel", "batch_1", "--url", "http://x").url == "http://x"
+
+
+def test_endpoint_comes_from_the_first_request(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text('\n{"custom_id": "a", "url": "/v1/completions"}\n')
+    assert endpoint_of(path) == "/v1/completions"
+    path.write_text("not json\n")
+    assert endpoint_of(path) == DEFAULT_ENDPOINT
+
+
+def test_rate_and_eta_from_observations() -> None:
+    meter = RateMeter()
+    meter.observe(100, at=10.0)
+    assert meter.describe(remaining=50) == ""
+    meter.observe(150, at=20.0)
+    assert meter.per_s == 5.0
+    assert meter.describe(remaining=3600 * 5) == "5.0 req/s · ETA 1:00:00"
