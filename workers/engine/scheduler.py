@@ -133,6 +133,9 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING and step.budget > 0:
                 self._schedule_running(seq, step)
         self._admit_waiting(step)
+        # Every request fits the pool and the budget alone (checked in add), so with work
+        # pending something always runs; an empty batch here would be a livelock.
+        assert step.scheduled or not self.has_unfinished(), "scheduler stalled"
         seqs = list(step.scheduled)
         return SchedulerOutput(seqs, [step.scheduled[s] for s in seqs], step.preempted)
 
