@@ -11,21 +11,13 @@ must produce exactly the tokens of a run without any.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Any
 
 from workers.engine.block_manager import BlockManager
+from workers.engine.sampler import SampledToken
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.sequence import Sequence
-
-
-@dataclass(slots=True)
-class Token:
-    """A synthetic sampled token."""
-
-    token_id: int
-    logprob: float | None = None
 
 
 def synthetic_token(seq: Sequence, vocab_size: int = 1000) -> int:
@@ -57,7 +49,7 @@ class SchedulerDriver:
         """One engine step with synthetic tokens; asserts the invariants."""
         out = self.scheduler.schedule()
         self.check(out)
-        sampled: list[Token | None] = []
+        sampled: list[SampledToken | None] = []
         for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
             c = seq.num_computed_tokens
             for pos in range(c):
@@ -70,7 +62,8 @@ class SchedulerDriver:
                 assert block.block_hash is None, "writing into a cached block"
                 self.pool[self.slot(seq, pos)] = (seq.token_ids[pos], pos)
             done = c + n == seq.num_tokens
-            sampled.append(Token(synthetic_token(seq, self.vocab_size)) if done else None)
+            token = SampledToken(synthetic_token(seq, self.vocab_size), None)
+            sampled.append(token if done else None)
         updated = self.scheduler.postprocess(out, sampled)
         self.outputs.append(out)
         self.check_ref_counts()

@@ -10,10 +10,10 @@ from tests.unit.engine.scheduler_driver import (
     EOS,
     Requests,
     SchedulerDriver,
-    Token,
     make_scheduler,
     synthetic_token,
 )
+from workers.engine.sampler import SampledToken
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence, SequenceStatus
 
@@ -169,13 +169,13 @@ def test_stop_conditions() -> None:
     model_len = reqs.add(sched, [7, 8, 9, 10], max_tokens=5)
     out = sched.schedule()
     tokens = {eos: EOS, ignored: EOS, stop_id: 77, length: 9, model_len: 9}
-    updated = sched.postprocess(out, [Token(tokens[s]) for s in out.seqs])
+    updated = sched.postprocess(out, [SampledToken(tokens[s], None) for s in out.seqs])
     assert len(updated) == 5
     assert eos.finish_reason == "stop" and stop_id.finish_reason == "stop"
     assert length.finish_reason == "length" and ignored.finish_reason is None
     assert model_len.finish_reason is None
     out = sched.schedule()
-    sched.postprocess(out, [Token(9) for _ in out.seqs])
+    sched.postprocess(out, [SampledToken(9, None) for _ in out.seqs])
     assert model_len.finish_reason == "length" and model_len.num_tokens == 6
     assert ignored.num_output_tokens == 2 and not ignored.is_finished
 
