@@ -1,0 +1,64 @@
+"""The FastAPI application factory: `create_app(settings)` builds a fresh app per call.
+
+The lifespan opens what the routes share (database engine and sessions, Kafka producer,
+Redis clients; see `api.resources`) and closes it on shutdown. Request bodies over
+`max_request_bytes` are refused with a 413 before they are parsed: by Content-Length
+when the client sends one, else by counting the bytes as they stream in.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api.body_limit import BodyLimitMiddleware
+from api.errors import install_error_handlers
+from api.metrics import HTTPMetricsMiddleware
+from api.resources import Resources
+from api.routes import completions, health, jobs, metrics, models
+from core.settings import Settings, get_settings
+
+logger = logging.getLogger(__name__)
+
+# File uploads are multipart: the file plus boundaries, part headers and the `purpose`
+# field, which a few KiB cover; 1 MiB leaves room for long file names.
+MULTIPART_OVERHEAD_BYTES = 1 << 20
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """A new API app on `settings` (default: the process's `get_settings()`)."""
+    app_settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        resources = Resources.open(app_settings)
+        app.state.resources = resources
+        logger.info("API ready: database %s, broker %s, redis %s, models %s",
+                    resources.engine.url.render_as_string(hide_password=True),
+                    app_settings.kafka_bootstrap_servers, app_settings.redis_url,
+                    ", ".join(app_settings.served_models))
+        try:
+            yield
+        finally:
+            await resources.aclose()
+
+    app = FastAPI(
+        title="batchinfer",
+        summary="Asynchronous batch inference for LLMs, with an OpenAI-compatible API.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    # Added last is outermost: latency covers everything, 413s included.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        default_limit=app_settings.max_request_bytes,
+        limits_by_prefix={"/v1/files": app_settings.max_file_bytes + MULTIPART_OVERHEAD_BYTES},
+    )
+    app.add_middleware(HTTPMetricsMiddleware)
+    for module in (jobs, completions, models, health, metrics):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,58 @@
+"""Bearer API keys: who is calling.
+
+Responsible for: reading `Authorization: Bearer <key>`, resolving it to a live tenant with
+`storage.tenants.tenant_for_api_key`, and a 401 carrying `WWW-Authenticate` (RFC 6750)
+when the key is missing, unknown or revoked. The key lookup runs in its own short
+session, so a route's long wait never holds a database transaction open.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from api.errors import Unauthorized
+from api.resources import Resources
+from storage.tenants import tenant_for_api_key
+
+logger = logging.getLogger(__name__)
+
+REALM = "batchinfer"
+
+# A declaration (it documents the scheme in OpenAPI), not a connection: safe at import.
+bearer_scheme = HTTPBearer(auto_error=False, description="An API key: `bi_...`")
+
+
+@dataclass(frozen=True, slots=True)
+class CurrentTenant:
+    """The tenant whose API key authenticated this request."""
+
+    id: str
+    name: str
+
+
+def authenticate(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
+) -> CurrentTenant:
+    """The calling tenant; 401 when the bearer key is missing, unknown or revoked."""
+    if credentials is None or not credentials.credentials:
+        raise Unauthorized(
+            "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY' "
+            "(operators create keys with `batchinfer keys create`).",
+            code="missing_api_key",
+            headers={"WWW-Authenticate": f'Bearer realm="{REALM}"'},
+        )
+    resources: Resources = request.app.state.resources
+    with resources.sessions() as session:
+        tenant = tenant_for_api_key(session, key=credentials.credentials)
+        if tenant is None:
+            raise Unauthorized(
+                "Incorrect API key provided: it is unknown or has been revoked.",
+                headers={"WWW-Authenticate": f'Bearer realm="{REALM}", error="invalid_token"'},
+            )
+        return CurrentTenant(id=tenant.id, name=tenant.name)

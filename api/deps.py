@@ -1,0 +1,75 @@
+"""Dependencies routes declare as plain types: `session: SessionDep`, `tenant: TenantDep`.
+
+Everything comes from the app's `Resources` (opened by the lifespan), never from module
+state, so tests build an app per test and override any of these with
+`app.dependency_overrides`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+import redis
+import redis.asyncio as aioredis
+from fastapi import Depends, Header, Request
+from sqlalchemy.orm import Session
+
+from api.auth import CurrentTenant, authenticate
+from api.resources import LazyProducer, Resources
+from core.settings import Settings
+
+# Longest Idempotency-Key accepted; the column holds 200 characters.
+MAX_IDEMPOTENCY_KEY_CHARS = 200
+
+
+def get_resources(request: Request) -> Resources:
+    """The connections the app's lifespan opened."""
+    resources: Resources = request.app.state.resources
+    return resources
+
+
+ResourcesDep = Annotated[Resources, Depends(get_resources)]
+
+
+def get_app_settings(resources: ResourcesDep) -> Settings:
+    """The settings this app was built with (not necessarily the process's)."""
+    return resources.settings
+
+
+def get_session(resources: ResourcesDep) -> Iterator[Session]:
+    """A database session for one request, closed (rolled back if uncommitted) after it."""
+    with resources.sessions() as session:
+        yield session
+
+
+def get_producer(resources: ResourcesDep) -> LazyProducer:
+    """The Kafka producer handle; it connects on first `get()`."""
+    return resources.producer
+
+
+def get_redis(resources: ResourcesDep) -> redis.Redis:
+    """The synchronous Redis client (publishing events)."""
+    return resources.redis
+
+
+def get_async_redis(resources: ResourcesDep) -> aioredis.Redis:
+    """The asyncio Redis client (long-poll subscriptions)."""
+    return resources.aredis
+
+
+SettingsDep = Annotated[Settings, Depends(get_app_settings)]
+SessionDep = Annotated[Session, Depends(get_session)]
+ProducerDep = Annotated[LazyProducer, Depends(get_producer)]
+RedisDep = Annotated[redis.Redis, Depends(get_redis)]
+AsyncRedisDep = Annotated[aioredis.Redis, Depends(get_async_redis)]
+TenantDep = Annotated[CurrentTenant, Depends(authenticate)]
+IdempotencyKeyDep = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=MAX_IDEMPOTENCY_KEY_CHARS,
+        description="Replaying a request with the same key returns the same job.",
+    ),
+]

@@ -1,0 +1,279 @@
+"""The API's one error shape and the exception handlers that produce it.
+
+Every error response, whatever raised it, has the body OpenAI clients expect:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature",
+               "code": "invalid_value"}}
+
+Responsible for: the `APIError` family that routes raise, turning validation errors into a
+422 that names the offending field, rendering Starlette's HTTP errors (404 for unknown
+URLs, 405, 413 for oversized bodies) and dependency outages (database, Redis, broker →
+503) in the same shape, and a last-resort 500 that never leaks internals.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import redis.exceptions
+import sqlalchemy.exc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from kafka.errors import KafkaError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+RATE_LIMIT = "rate_limit_error"
+
+# What a client should wait before retrying after a dependency outage, seconds.
+UNAVAILABLE_RETRY_AFTER_S = 1
+
+
+def error_body(
+    message: str, *, type: str = INVALID_REQUEST, param: str | None = None,
+    code: str | None = None,
+) -> dict[str, dict[str, str | None]]:
+    """The JSON body of every error response."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class APIError(Exception):
+    """An error the client can act on; rendered with `status_code` and the error shape."""
+
+    status_code = 400
+    type = INVALID_REQUEST
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        status_code: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        if status_code is not None:
+            self.status_code = status_code
+            if status_code >= 500:
+                self.type = SERVER_ERROR
+        self.headers = headers or {}
+
+    def to_response(self) -> JSONResponse:
+        """This error as an HTTP response."""
+        body = error_body(self.message, type=self.type, param=self.param, code=self.code)
+        return JSONResponse(body, status_code=self.status_code, headers=self.headers)
+
+
+class InvalidRequest(APIError):
+    """400: well-formed JSON the service cannot honour (unsupported or inconsistent values)."""
+
+
+class Unauthorized(APIError):
+    """401: no API key, or one that is unknown or revoked."""
+
+    status_code = 401
+    code = "invalid_api_key"
+
+
+class NotFound(APIError):
+    """404: no such resource for this tenant (another tenant's job is not found either)."""
+
+    status_code = 404
+    code = "not_found"
+
+
+class InvalidParameter(APIError):
+    """422: the body does not match the schema (missing, unknown, mistyped or out of range)."""
+
+    status_code = 422
+    code = "invalid_value"
+
+
+class Conflict(APIError):
+    """409: the request contradicts the resource's state (idempotency key reuse, ...)."""
+
+    status_code = 409
+    code = "conflict"
+
+
+class RateLimited(APIError):
+    """429: the tenant is over its request rate or active-job limit; retry after a while."""
+
+    status_code = 429
+    type = RATE_LIMIT
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: float, code: str | None = None) -> None:
+        # Retry-After takes whole seconds; rounding down to 0 would invite a hot retry loop.
+        seconds = max(1, int(retry_after_s + 0.999))
+        super().__init__(message, code=code, headers={"Retry-After": str(seconds)})
+
+
+class ServiceUnavailable(APIError):
+    """503: a dependency (database, broker, Redis) did not answer; nothing was written."""
+
+    status_code = 503
+    type = SERVER_ERROR
+    code = "service_unavailable"
+
+    def __init__(self, dependency: str, detail: str = "") -> None:
+        message = f"The {dependency} is unavailable; retry shortly."
+        if detail:
+            message = f"{message} ({detail})"
+        super().__init__(message, headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
+        self.dependency = dependency
+
+
+class Timeout(APIError):
+    """504: the job did not finish within the synchronous request's time limit."""
+
+    status_code = 504
+    type = SERVER_ERROR
+    code = "timeout"
+
+
+def param_from_loc(loc: Sequence[int | str]) -> str | None:
+    """`("body", "messages", 0, "content")` → `"messages[0].content"`.
+
+    Pydantic puts the member of a union it tried into the location (`"str"`,
+    `"list[ContentPart]"`, ...); those are type names, not fields, and are left out.
+    """
+    parts = list(loc[1:]) if loc and loc[0] in ("body", "query", "path", "header") else list(loc)
+    param = ""
+    for part in parts:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif _is_union_tag(part):
+            continue
+        else:
+            param += f".{part}" if param else part
+    return param or None
+
+
+def _is_union_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool", "list", "dict") or any(
+        c in part for c in "[](),"
+    ) or part[:1].isupper()
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """The client-facing error for pydantic's error list (the first field's problems)."""
+    if not errors:
+        return InvalidParameter("Invalid request.")
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "invalid JSON")
+        return InvalidRequest(
+            f"We could not parse the JSON body of your request ({detail}).", code="invalid_json"
+        )
+    param = param_from_loc(loc)
+    if param is None and loc[:1] == ("body",):
+        return InvalidRequest(
+            "The request body must be a JSON object; send it with "
+            "Content-Type: application/json.",
+            code="invalid_body",
+        )
+    return InvalidParameter(_describe(param, kind, errors), param=param, code=_code_for(kind))
+
+
+def _describe(param: str | None, kind: str, errors: Sequence[Any]) -> str:
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'."
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: '{param}'."
+    # A union reports one message per member; keep the distinct ones for this field.
+    messages: list[str] = []
+    for e in errors:
+        if param_from_loc(tuple(e.get("loc", ()))) == param and e.get("msg") not in messages:
+            messages.append(str(e.get("msg")))
+    return f"Invalid value for '{param}': {'; or '.join(messages)}."
+
+
+def _code_for(kind: str) -> str:
+    return {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}.get(
+        kind, "invalid_value"
+    )
+
+
+def _http_error(status_code: int, detail: str, request: Request) -> APIError:
+    if status_code == 404:
+        return NotFound(
+            f"Unknown request URL: {request.method} {request.url.path}.", code="unknown_url"
+        )
+    if status_code == 405:
+        return APIError(f"Method {request.method} is not allowed on {request.url.path}.",
+                        code="method_not_allowed", status_code=405)
+    if status_code == 413:
+        return APIError(detail or "The request body is too large.", code="request_too_large",
+                        status_code=413)
+    return APIError(detail, status_code=status_code)
+
+
+async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return exc.to_response()
+
+
+async def _validation_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return validation_error(exc.errors()).to_response()
+
+
+async def _http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    error = _http_error(exc.status_code, str(exc.detail), request)
+    response = error.to_response()
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
+
+
+async def _database_handler(request: Request, exc: Exception) -> JSONResponse:
+    logger.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
+    return ServiceUnavailable("database").to_response()
+
+
+async def _redis_handler(request: Request, exc: Exception) -> JSONResponse:
+    logger.warning("redis unavailable on %s %s: %s", request.method, request.url.path, exc)
+    return ServiceUnavailable("cache (Redis)").to_response()
+
+
+async def _broker_handler(request: Request, exc: Exception) -> JSONResponse:
+    logger.warning("broker unavailable on %s %s: %s", request.method, request.url.path, exc)
+    return ServiceUnavailable("message broker").to_response()
+
+
+async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    body = error_body("The server had an error while processing your request.",
+                      type=SERVER_ERROR, code="internal_error")
+    return JSONResponse(body, status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception the API can meet to the one error shape."""
+    app.add_exception_handler(APIError, _api_error_handler)
+    app.add_exception_handler(RequestValidationError, _validation_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_exception_handler)
+    # OperationalError: connection refused, server gone, SQLite locked past its timeout.
+    # TimeoutError: no pooled connection freed in time.
+    app.add_exception_handler(sqlalchemy.exc.OperationalError, _database_handler)
+    app.add_exception_handler(sqlalchemy.exc.TimeoutError, _database_handler)
+    app.add_exception_handler(redis.exceptions.ConnectionError, _redis_handler)
+    app.add_exception_handler(redis.exceptions.TimeoutError, _redis_handler)
+    app.add_exception_handler(KafkaError, _broker_handler)
+    app.add_exception_handler(Exception, _unexpected_handler)

@@ -1,0 +1,60 @@
+"""A job's state as routes need it: read it now, wait for it to finish, cancel it.
+
+Each read uses a session of its own that ends at once, so a long wait never holds a
+database transaction (which on SQLite would also pin an old snapshot of the row).
+"""
+
+from __future__ import annotations
+
+import redis
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from api.resources import Resources
+from api.schemas import JobPublic
+from storage.events import publish_cancel, publish_job_done, wait_job_done
+from storage.jobs import cancel_job, get_job
+from storage.models import Job, JobStatus
+
+
+def load_job(resources: Resources, *, job_id: str, tenant_id: str) -> JobPublic | None:
+    """The tenant's job as the database has it now; None if missing or not theirs."""
+    with resources.sessions() as session:
+        job = get_job(session, job_id=job_id, tenant_id=tenant_id)
+        return JobPublic.from_job(job) if job is not None else None
+
+
+async def wait_for_job(
+    resources: Resources, *, job_id: str, tenant_id: str, timeout: float
+) -> JobPublic | None:
+    """The job once it finishes, or as it is when `timeout` seconds have passed."""
+    view = await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+    if view is None or view.status.is_terminal or timeout <= 0:
+        return view
+
+    async def is_done() -> bool:
+        # Runs once the subscription is confirmed: a completion committed after this
+        # read is published after it, so it wakes the wait (no lost wakeup).
+        fresh = await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+        return fresh is None or fresh.status.is_terminal
+
+    await wait_job_done(resources.aredis, prefix=resources.settings.topic_prefix,
+                        job_id=job_id, timeout=timeout, is_done=is_done)
+    return await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+
+
+def cancel_and_announce(
+    session: Session, redis_client: redis.Redis, *, prefix: str, job_id: str, tenant_id: str
+) -> Job | None:
+    """Cancel the tenant's job if unfinished and commit; None if missing or not theirs.
+
+    The job comes back as it now is: `cancelled`, or the status it had already finished
+    with. Only after the commit are the events published: workers running it abort it,
+    long-polls waiting on it return.
+    """
+    job = cancel_job(session, job_id=job_id, tenant_id=tenant_id)
+    session.commit()
+    if job is not None and job.status is JobStatus.CANCELLED:
+        publish_cancel(redis_client, prefix=prefix, job_id=job_id)
+        publish_job_done(redis_client, prefix=prefix, job_id=job_id, status=JobStatus.CANCELLED)
+    return job

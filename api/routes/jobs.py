@@ -1,0 +1,111 @@
+"""`/v1/jobs`: submit, read (with long-poll), list and cancel a tenant's jobs."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response
+
+from api.deps import (
+    IdempotencyKeyDep,
+    ProducerDep,
+    RedisDep,
+    ResourcesDep,
+    SessionDep,
+    TenantDep,
+)
+from api.errors import Conflict, InvalidRequest, NotFound
+from api.job_state import cancel_and_announce, wait_for_job
+from api.schemas import JobCreate, JobListPublic, JobPublic, job_path
+from api.submission import submit
+from storage.jobs import MAX_LIST_LIMIT, list_jobs
+from storage.models import JobStatus
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+def job_not_found(job_id: str) -> NotFound:
+    """The 404 for a job that does not exist or belongs to another tenant."""
+    return NotFound(f"No job found with id '{job_id}'.", param="job_id", code="job_not_found")
+
+
+@router.post("", status_code=202, response_model=JobPublic)
+def create_job(
+    body: JobCreate,
+    response: Response,
+    tenant: TenantDep,
+    resources: ResourcesDep,
+    producer: ProducerDep,
+    idempotency_key: IdempotencyKeyDep = None,
+) -> JobPublic:
+    """Queue a job; 202 with its id and links (200 when an Idempotency-Key replays one)."""
+    submission = submit(request=body, priority=body.priority, tenant=tenant,
+                        idempotency_key=idempotency_key, resources=resources, producer=producer)
+    response.headers["Location"] = job_path(submission.job.id)
+    if submission.is_replay:
+        response.status_code = 200
+        response.headers["Idempotent-Replayed"] = "true"
+    return JobPublic.from_job(submission.job)
+
+
+@router.get("/{job_id}", response_model=JobPublic)
+async def read_job(
+    job_id: str,
+    tenant: TenantDep,
+    resources: ResourcesDep,
+    wait: Annotated[float, Query(
+        ge=0, description="Seconds to wait for the job to finish (capped by the server's "
+        "long_poll_max_s); returns at once when it does.")] = 0,
+) -> JobPublic:
+    """A job; with `wait`, held open until it finishes or `wait` seconds pass."""
+    view = await wait_for_job(resources, job_id=job_id, tenant_id=tenant.id,
+                              timeout=min(wait, resources.settings.long_poll_max_s))
+    if view is None:
+        raise job_not_found(job_id)
+    return view
+
+
+@router.get("", response_model=JobListPublic)
+def read_jobs(
+    tenant: TenantDep,
+    session: SessionDep,
+    status: JobStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = 20,
+    after: Annotated[str | None, Query(
+        description="The last id of the previous page (its `last_id`).")] = None,
+) -> JobListPublic:
+    """The tenant's jobs, newest first, a page at a time."""
+    try:
+        jobs, has_more = list_jobs(session, tenant_id=tenant.id, status=status, limit=limit,
+                                   after=after)
+    except ValueError as e:
+        raise InvalidRequest(str(e), param="after", code="invalid_cursor") from e
+    data = [JobPublic.from_job(job) for job in jobs]
+    return JobListPublic(
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=has_more,
+    )
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic)
+def cancel(
+    job_id: str,
+    tenant: TenantDep,
+    session: SessionDep,
+    resources: ResourcesDep,
+    redis_client: RedisDep,
+) -> JobPublic:
+    """Cancel a queued or running job; 409 if it already finished otherwise."""
+    job = cancel_and_announce(session, redis_client, prefix=resources.settings.topic_prefix,
+                              job_id=job_id, tenant_id=tenant.id)
+    if job is None:
+        raise job_not_found(job_id)
+    if job.status is not JobStatus.CANCELLED:
+        raise Conflict(f"Job '{job_id}' already {job.status.value}; it can no longer be "
+                       "cancelled.", param="job_id", code="job_not_cancellable")
+    return JobPublic.from_job(job)

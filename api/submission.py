@@ -1,0 +1,189 @@
+"""Accepting a job: validate, replay or admit, store, publish.
+
+Responsible for the one path every submission takes (`POST /v1/jobs` and the
+OpenAI-compatible completions alike):
+
+    validate → Idempotency-Key replay? → rate limit, active-job cap → insert `queued`
+    → commit → produce to `<prefix>.jobs.<priority>` and wait for the ack
+    → mark_published → commit
+
+Nothing is written for a rejected request: every check that can refuse runs before the
+insert. The one failure after the insert is the broker's; see `_withdraw`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+
+from kafka.errors import KafkaError
+from sqlalchemy.orm import Session
+
+from api.auth import CurrentTenant
+from api.capabilities import AnyRequest, check_model, check_supported
+from api.errors import Conflict, InvalidRequest, RateLimited, ServiceUnavailable
+from api.resources import BrokerUnavailable, LazyProducer, Resources
+from core.kafka import publish_job
+from core.messages import JobMessage
+from core.metrics import JOBS_SUBMITTED
+from core.topics import Priority
+from core.webhook_urls import validate_callback_url
+from storage.jobs import (
+    IdempotencyKeyTaken,
+    count_active_jobs,
+    create_job,
+    find_by_idempotency_key,
+    mark_published,
+)
+from storage.models import Job, JobStatus
+
+logger = logging.getLogger(__name__)
+
+# Seconds to wait for the broker to acknowledge (acks=all) a job's record.
+PUBLISH_TIMEOUT_S = 10.0
+# Retry-After for a tenant at its active-job cap: jobs take seconds, not milliseconds.
+ACTIVE_JOBS_RETRY_AFTER_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """The stored job, and whether it is an earlier request's job returned on replay."""
+
+    job: Job
+    is_replay: bool
+
+
+def request_hash(request: AnyRequest) -> str:
+    """SHA-256 of the request's canonical JSON (sorted keys, unset and null fields dropped)."""
+    body = request.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+    canonical = json.dumps({"endpoint": type(request).__name__, "body": body},
+                           sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def submit(
+    *,
+    request: AnyRequest,
+    priority: Priority,
+    tenant: CurrentTenant,
+    idempotency_key: str | None,
+    resources: Resources,
+    producer: LazyProducer,
+) -> Submission:
+    """Store and publish one job, or return the job an identical earlier request made."""
+    settings = resources.settings
+    check_supported(request)
+    check_model(request.model, settings.served_models)
+    callback_url = getattr(request, "callback_url", None)
+    if callback_url is not None:
+        try:
+            validate_callback_url(callback_url, settings)
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="callback_url", code="invalid_callback_url") from e
+    digest = request_hash(request)
+    with resources.sessions() as session:
+        if idempotency_key is not None:
+            earlier = find_by_idempotency_key(session, tenant_id=tenant.id, key=idempotency_key)
+            if earlier is not None:
+                return _replay(earlier, digest, idempotency_key)
+        _admit(session, tenant, resources)
+        try:
+            job = create_job(
+                session,
+                tenant_id=tenant.id,
+                priority=priority,
+                model=request.model,
+                kind=request.kind,
+                request=request.inference_body(),
+                callback_url=callback_url,
+                metadata=request.metadata,
+                idempotency_key=idempotency_key,
+                request_hash=digest,
+                cache_key=request.cache_key,
+            )
+            session.commit()
+        except IdempotencyKeyTaken:
+            # A concurrent request with the same key committed first: answer as its replay.
+            session.rollback()
+            assert idempotency_key is not None
+            earlier = find_by_idempotency_key(session, tenant_id=tenant.id, key=idempotency_key)
+            assert earlier is not None, "the key's unique index held, so its row exists"
+            return _replay(earlier, digest, idempotency_key)
+        message = JobMessage(
+            job_id=job.id,
+            tenant_id=job.tenant_id,
+            priority=job.priority,
+            model=job.model,
+            kind=request.kind,
+            body=job.request,
+            cache_key=job.cache_key,
+        )
+        _publish(session, job, message, resources, producer)
+        JOBS_SUBMITTED.labels(priority=job.priority).inc()
+        logger.debug("job %s queued (%s, %s)", job.id, job.priority, job.model)
+        return Submission(job=job, is_replay=False)
+
+
+def _replay(earlier: Job, digest: str, key: str) -> Submission:
+    if earlier.request_hash != digest:
+        raise Conflict(
+            f"Idempotency-Key {key!r} was already used with a different request body; "
+            "use a new key for a new request.",
+            param="Idempotency-Key", code="idempotency_key_reused")
+    return Submission(job=earlier, is_replay=True)
+
+
+def _admit(session: Session, tenant: CurrentTenant, resources: Resources) -> None:
+    """429 when the tenant is over its submission rate or its active-job cap."""
+    retry_after = resources.limiter.retry_after_s(tenant.id)
+    if retry_after is not None:
+        raise RateLimited(
+            f"Rate limit reached: at most {resources.limiter.rate_per_s:g} submissions per "
+            "second per tenant.", retry_after_s=retry_after)
+    cap = resources.settings.tenant_max_active_jobs
+    if count_active_jobs(session, tenant_id=tenant.id) >= cap:
+        raise RateLimited(
+            f"Too many active jobs: at most {cap} may be queued or running at once; wait for "
+            "some to finish.", retry_after_s=ACTIVE_JOBS_RETRY_AFTER_S,
+            code="too_many_active_jobs")
+
+
+def _publish(
+    session: Session, job: Job, message: JobMessage, resources: Resources,
+    producer: LazyProducer,
+) -> None:
+    """Produce the job and wait for the ack; on failure withdraw it and answer 503."""
+    try:
+        publish_job(producer.get(), resources.settings, message).get(timeout=PUBLISH_TIMEOUT_S)
+    except (BrokerUnavailable, KafkaError) as e:
+        logger.warning("job %s not published (%s); withdrawing it", job.id, e)
+        _withdraw(session, job)
+        raise ServiceUnavailable("message broker") from e
+    mark_published(session, job_ids=[job.id])
+    session.commit()
+
+
+def _withdraw(session: Session, job: Job) -> None:
+    """Delete a job whose record the broker did not acknowledge, so the 503 means "nothing".
+
+    Why delete rather than leave it `queued` for the reconciler: a 503 tells the client
+    the request was not accepted, and clients retry it (the official `openai` client does
+    so on its own, without an Idempotency-Key). A row left behind would run anyway, minutes
+    later, beside the retry's copy. If the record did reach the broker after all (the ack
+    timed out), its worker finds no row and skips it; a job a worker already claimed is
+    left to run. Only when this delete fails too (the database went away as well) does
+    the job stay queued, and then the reconciler re-publishes it: it is never lost, at
+    worst it runs although the client saw a 503.
+    """
+    try:
+        session.rollback()
+        stored = session.get(Job, job.id, populate_existing=True)
+        if stored is not None and stored.status is JobStatus.QUEUED:
+            session.delete(stored)
+            session.commit()
+    except Exception:
+        session.rollback()
+        logger.exception("could not withdraw unpublished job %s; the reconciler will "
+                         "re-publish it", job.id)

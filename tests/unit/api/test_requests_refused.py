@@ -1,0 +1,154 @@
+"""Refused requests: auth, validation, unsupported features, size. Nothing is written."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage.models import ApiKey
+from tests.unit.api.conftest import MODEL, ClientFactory
+from tests.utils.api import CHAT_BODY, RecordingProducer, TenantKey, count_jobs
+
+VALID: dict[str, Any] = {"model": MODEL, **CHAT_BODY}
+
+
+def assert_error_shape(body: dict[str, Any]) -> dict[str, Any]:
+    """The one error shape: exactly message, type, param, code under `error`."""
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def test_missing_key_is_401_with_www_authenticate(client: TestClient) -> None:
+    """No Authorization header: 401, a Bearer challenge, the error shape."""
+    response = client.post("/v1/jobs", json=VALID)
+    assert response.status_code == 401
+    assert response.headers["WWW-Authenticate"].startswith("Bearer")
+    assert assert_error_shape(response.json())["code"] == "missing_api_key"
+
+
+def test_wrong_and_revoked_keys_are_401(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session]
+) -> None:
+    """An unknown key, and a key once valid but revoked, are refused alike."""
+    response = client.get("/v1/jobs", headers={"Authorization": "Bearer bi_nope"})
+    assert response.status_code == 401
+    assert 'error="invalid_token"' in response.headers["WWW-Authenticate"]
+    assert client.get("/v1/jobs", headers=acme.headers).status_code == 200
+    with sessions() as session:
+        from storage.tenants import revoke_api_key
+        key = session.query(ApiKey).filter_by(tenant_id=acme.tenant_id).one()
+        revoke_api_key(session, key_id=key.id)
+        session.commit()
+    assert client.get("/v1/jobs", headers=acme.headers).status_code == 401
+
+
+@pytest.mark.parametrize(("patch", "status", "param"), [
+    ({"temperature": 3}, 422, "temperature"),
+    ({"top_p": 1.5}, 422, "top_p"),
+    ({"model": None}, 422, "model"),
+    ({"messages": [{"role": "user", "content": 5}]}, 422, "messages[0].content"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 422, "messages[0].role"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 422, "stop"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, 422, "metadata"),
+    ({"callback_url": "file:///etc/passwd"}, 422, "callback_url"),
+    ({"surprise": True}, 422, "surprise"),
+    ({"priority": "urgent"}, 422, "priority"),
+    ({"stream": True}, 400, "stream"),
+    ({"n": 3}, 400, "n"),
+    ({"top_logprobs": 5}, 400, "top_logprobs"),
+    ({"presence_penalty": 1}, 400, "presence_penalty"),
+    ({"callback_url": "http://10.1.2.3/hook"}, 400, "callback_url"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
+     "messages[0].content[0].type"),
+    ({"model": "gpt-4o"}, 404, "model"),
+])
+def test_bad_payloads_name_the_field_and_write_nothing(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
+    producer: RecordingProducer, patch: dict[str, Any], status: int, param: str,
+) -> None:
+    """Shape errors are 422, unsupported ones 400, unknown models 404; no row, no message."""
+    body = {k: v for k, v in (VALID | patch).items() if v is not None}
+    response = client.post("/v1/jobs", json=body, headers=acme.headers)
+    assert response.status_code == status, response.text
+    error = assert_error_shape(response.json())
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert count_jobs(sessions) == 0
+    assert producer.records == []
+
+
+def test_missing_field_message_names_it(client: TestClient, acme: TenantKey) -> None:
+    """A missing required field is named in the message too."""
+    response = client.post("/v1/chat/completions", json={"model": MODEL}, headers=acme.headers)
+    assert response.status_code == 422
+    assert response.json()["error"]["message"] == "Missing required parameter: 'messages'."
+
+
+def test_stream_on_completions_is_400(client: TestClient, acme: TenantKey,
+                                      sessions: sessionmaker[Session]) -> None:
+    """OpenAI endpoints refuse streaming plainly."""
+    for path, body in (("/v1/chat/completions", VALID),
+                       ("/v1/completions", {"model": MODEL, "prompt": "hi"})):
+        response = client.post(path, json=body | {"stream": True}, headers=acme.headers)
+        assert response.status_code == 400
+        error = assert_error_shape(response.json())
+        assert error["param"] == "stream"
+        assert error["message"].startswith("stream is not supported")
+    assert count_jobs(sessions) == 0
+
+
+def test_unparseable_and_non_object_bodies_are_400(client: TestClient, acme: TenantKey) -> None:
+    """Broken JSON, and JSON that is not an object, get a 400 saying so."""
+    headers = acme.headers | {"Content-Type": "application/json"}
+    broken = client.post("/v1/jobs", content=b'{"model": ', headers=headers)
+    assert broken.status_code == 400
+    assert assert_error_shape(broken.json())["code"] == "invalid_json"
+    not_object = client.post("/v1/jobs", content=b"[1, 2]", headers=headers)
+    assert not_object.status_code == 400
+    assert "JSON object" in not_object.json()["error"]["message"]
+
+
+def test_oversized_bodies_are_413_before_parsing(
+    make_client: ClientFactory, acme: TenantKey, sessions: sessionmaker[Session]
+) -> None:
+    """Over max_request_bytes: 413 by Content-Length, and by counting a chunked body."""
+    client = make_client(max_request_bytes=2048)
+    headers = acme.headers | {"Content-Type": "application/json"}
+    big = b'{"model": "' + b"x" * 4096 + b'"}'
+    declared = client.post("/v1/jobs", content=big, headers=headers)
+    assert declared.status_code == 413
+    assert "2048 bytes" in assert_error_shape(declared.json())["message"]
+
+    def chunks() -> Any:
+        for i in range(0, len(big), 512):
+            yield big[i:i + 512]
+
+    streamed = client.post("/v1/jobs", content=chunks(), headers=headers)
+    assert streamed.status_code == 413
+    assert assert_error_shape(streamed.json())["code"] == "request_too_large"
+    assert count_jobs(sessions) == 0
+
+
+def test_unknown_urls_and_methods_use_the_error_shape(client: TestClient) -> None:
+    """The framework's own 404 and 405 come in the same shape."""
+    missing = client.get("/v1/nothing")
+    assert missing.status_code == 404
+    assert assert_error_shape(missing.json())["code"] == "unknown_url"
+    wrong = client.delete("/v1/jobs")
+    assert wrong.status_code == 405
+    assert_error_shape(wrong.json())
+
+
+def test_invalid_query_parameters_are_422(client: TestClient, acme: TenantKey) -> None:
+    """limit out of range and an unknown status name the query parameter."""
+    for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("status=done", "status")):
+        response = client.get(f"/v1/jobs?{query}", headers=acme.headers)
+        assert response.status_code == 422
+        assert response.json()["error"]["param"] == param
+    bad_wait = client.get("/v1/jobs/job_x?wait=-1", headers=acme.headers)
+    assert bad_wait.status_code == 422

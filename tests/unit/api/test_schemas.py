@@ -1,0 +1,132 @@
+"""Request parsing, what is refused as unsupported, and the body a worker receives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from api.capabilities import check_model, check_supported
+from api.errors import InvalidRequest, NotFound
+from api.schemas import ChatCompletionRequest, CompletionRequest, JobCreate
+from api.submission import request_hash
+
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_chat_body_is_normalised_for_the_worker() -> None:
+    """Text parts are joined, stop becomes a list, max_completion_tokens is max_tokens."""
+    request = ChatCompletionRequest.model_validate({
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "a"},
+                                         {"type": "text", "text": "b"}]},
+        ],
+        "stop": "END",
+        "max_completion_tokens": 7,
+        "logprobs": True,
+        "seed": 3,
+    })
+    check_supported(request)
+    assert request.kind == "chat.completion"
+    assert request.inference_body() == {
+        "model": "m",
+        "messages": [{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "a\nb"}],
+        "stop": ["END"],
+        "max_tokens": 7,
+        "seed": 3,
+        "logprobs": True,
+    }
+
+
+def test_text_job_with_logprobs_zero_asks_for_sampled_token_logprobs() -> None:
+    """A text request's logprobs=0 means the sampled token's log-probability."""
+    request = JobCreate.model_validate({"model": "m", "prompt": "Once", "logprobs": 0,
+                                        "top_k": 5, "ignore_eos": True, "priority": "low"})
+    check_supported(request)
+    assert request.kind == "text_completion"
+    assert request.inference_body() == {"model": "m", "prompt": "Once", "top_k": 5,
+                                        "ignore_eos": True, "logprobs": True}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", 2.5), ("top_p", 0), ("stop", ["a", "b", "c", "d", "e"]), ("stop", [""]),
+    ("max_tokens", 0), ("n", 0), ("priority", "urgent"), ("callback_url", "ftp://x/y"),
+    ("metadata", {f"k{i}": "v" for i in range(17)}), ("metadata", {"k": 1}), ("top_k", 0),
+    ("unknown_field", 1), ("prompt", ["a", "b"]),
+])
+def test_shape_errors_name_the_field(field: str, value: object) -> None:
+    """Out-of-range, mistyped and unknown fields fail validation at that field."""
+    with pytest.raises(ValidationError) as info:
+        JobCreate.model_validate({**CHAT, field: value})
+    assert info.value.errors()[0]["loc"][0] == field
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"stream": True}, "stream"),
+    ({"n": 2}, "n"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].type"),
+])
+def test_unsupported_features_are_refused_by_name(body: dict[str, Any], param: str) -> None:
+    """Valid OpenAI requests this engine cannot serve get a 400 naming the field."""
+    request = ChatCompletionRequest.model_validate({**CHAT, **body})
+    with pytest.raises(InvalidRequest) as info:
+        check_supported(request)
+    assert info.value.param == param
+    assert info.value.status_code == 400
+
+
+def test_defaults_clients_send_are_accepted() -> None:
+    """Zero penalties, n=1, stream=false and empty tool fields pass."""
+    request = ChatCompletionRequest.model_validate({
+        **CHAT, "n": 1, "stream": False, "presence_penalty": 0, "frequency_penalty": 0,
+        "tools": [], "tool_choice": "none", "logit_bias": {}, "top_logprobs": 0,
+        "response_format": {"type": "text"}, "parallel_tool_calls": True,
+    })
+    check_supported(request)
+
+
+def test_completion_extras_are_refused() -> None:
+    """echo, suffix, best_of > 1 and logprobs > 0 are not supported."""
+    for extra, param in (({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
+                         ({"best_of": 2}, "best_of"), ({"logprobs": 2}, "logprobs")):
+        request = CompletionRequest.model_validate({"model": "m", "prompt": "p", **extra})
+        with pytest.raises(InvalidRequest) as info:
+            check_supported(request)
+        assert info.value.param == param
+
+
+def test_job_needs_exactly_one_of_messages_or_prompt() -> None:
+    """Neither or both is a 400 naming messages."""
+    for body in ({"model": "m"}, {**CHAT, "prompt": "p"}):
+        with pytest.raises(InvalidRequest) as info:
+            check_supported(JobCreate.model_validate(body))
+        assert info.value.param == "messages"
+
+
+def test_unknown_model_is_404_model_not_found() -> None:
+    """As OpenAI answers: 404, code model_not_found, param model."""
+    check_model("a", ["a", "b"])
+    with pytest.raises(NotFound) as info:
+        check_model("gpt-4", ["a"])
+    assert (info.value.param, info.value.code) == ("model", "model_not_found")
+
+
+def test_request_hash_ignores_key_order_and_nulls() -> None:
+    """The same request written differently hashes the same; a changed value does not."""
+    a = JobCreate.model_validate({"model": "m", "prompt": "p", "temperature": 0})
+    b = JobCreate.model_validate({"temperature": 0, "prompt": "p", "model": "m", "seed": None})
+    c = JobCreate.model_validate({"model": "m", "prompt": "p", "temperature": 1})
+    assert request_hash(a) == request_hash(b)
+    assert request_hash(a) != request_hash(c)
