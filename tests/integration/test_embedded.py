@@ -1,0 +1,122 @@
+"""`batchinfer up` end to end: a job over HTTP, clean shutdown, re-publish after restart.
+
+The embedded default runs its own broker, Redis and SQLite, so these tests need none of
+the session's services; they share only the models directory (the model is pulled once).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from scheduler.embedded_services import free_port
+from tests.utils.up_process import UpProcess, start_up
+
+CHAT_JOB = {
+    "model": "smollm2-135m-instruct",
+    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    "max_tokens": 8,
+    "temperature": 0,
+}
+
+
+@pytest.fixture
+def up_runs(tmp_path: Path) -> Iterator[list[UpProcess]]:
+    """Collects started `up` processes and kills any a failing test left behind."""
+    runs: list[UpProcess] = []
+    yield runs
+    for run in runs:
+        if run.process.poll() is None:
+            run.kill_tree()
+
+
+def _wait_for_status(client: httpx.Client, job_id: str, status: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    job: dict = {}
+    while time.monotonic() < deadline:
+        response = client.get(f"/v1/jobs/{job_id}", params={"wait": 10})
+        assert response.status_code == 200, response.text
+        job = response.json()
+        if job["status"] == status:
+            return job
+        assert job["status"] in ("queued", "running"), job
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} not {status} after {timeout}s: {job}")
+
+
+def _stop_and_check_no_orphans(run: UpProcess) -> None:
+    children = run.descendants()
+    assert children, "up should run child processes (broker, Redis, workers)"
+    assert run.stop() == 0, run.log_tail()
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"orphans after SIGTERM: {[p.info for p in alive]}"
+    run.wait_for_line("stopped", 5)
+
+
+def test_up_serves_a_job_and_stops_cleanly(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    """A job submitted over HTTP succeeds; SIGTERM stops every process of the tree."""
+    run = start_up(tmp_path / "data", free_port(), num_workers=1,
+                   log_path=tmp_path / "up.log")
+    up_runs.append(run)
+    assert run.api_key.startswith("bi_")
+    assert (tmp_path / "data" / "batchinfer.db").exists()
+    with run.client() as client:
+        assert client.get("/healthz").status_code == 200
+        response = client.post("/v1/jobs", json=CHAT_JOB)
+        assert response.status_code == 202, response.text
+        job = _wait_for_status(client, response.json()["id"], "succeeded", timeout=600)
+    assert job["result"]["object"] == "chat.completion"
+    assert job["result"]["choices"][0]["message"]["content"]
+    assert job["usage"]["completion_tokens"] > 0
+    _stop_and_check_no_orphans(run)
+
+
+def test_second_start_republishes_a_job_left_queued(tmp_path: Path,
+                                                    up_runs: list[UpProcess]) -> None:
+    """With no workers the job stays queued; the next start re-publishes and runs it."""
+    data_dir = tmp_path / "data"
+    first = start_up(data_dir, free_port(), num_workers=0, log_path=tmp_path / "up1.log")
+    up_runs.append(first)
+    with first.client() as client:
+        response = client.post("/v1/jobs", json=CHAT_JOB)
+        assert response.status_code == 202, response.text
+        job_id = response.json()["id"]
+        time.sleep(1.0)
+        assert client.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
+    _stop_and_check_no_orphans(first)
+
+    second = start_up(data_dir, free_port(), num_workers=1, log_path=tmp_path / "up2.log")
+    up_runs.append(second)
+    assert second.api_key == first.api_key, "the dev key survives a restart"
+    banner = second.wait_for_line("batchinfer is up", 5)
+    match = re.search(r"(\d+) queued job\(s\) re-published", banner)
+    assert match and int(match.group(1)) == 1, banner
+    with second.client() as client:
+        job = _wait_for_status(client, job_id, "succeeded", timeout=600)
+    assert job["result"]["choices"][0]["message"]["content"]
+    _stop_and_check_no_orphans(second)
+
+
+def test_up_refuses_a_port_in_use(tmp_path: Path) -> None:
+    """A busy API port is reported before anything starts."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.utils.up_process import ROOT
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "core.cli", "up", "--port", str(port), "--data-dir",
+             str(tmp_path / "data")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2
+    assert f"port {port}" in result.stderr and "already in use" in result.stderr

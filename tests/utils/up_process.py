@@ -1,0 +1,123 @@
+"""Run `batchinfer up` as a subprocess for tests: start, read its banner, stop, reap."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+API_KEY_PREFIX = "API key: "
+
+
+@dataclass
+class UpProcess:
+    """A running `batchinfer up`, its printed lines and its API key."""
+
+    process: subprocess.Popen[str]
+    port: int
+    log_path: Path
+    lines: list[str] = field(default_factory=list)
+    api_key: str = ""
+    _queue: queue.Queue[str | None] = field(default_factory=queue.Queue)
+
+    @property
+    def url(self) -> str:
+        """Base URL of the API."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Authorization for the development tenant."""
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def wait_for_line(self, prefix: str, timeout: float) -> str:
+        """The first printed line starting with prefix; AssertionError after timeout."""
+        for line in self.lines:
+            if line.startswith(prefix):
+                return line
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            self.lines.append(line)
+            if line.startswith(prefix):
+                return line
+        raise AssertionError(f"`batchinfer up` printed no {prefix!r} line; exit code "
+                             f"{self.process.poll()}; stdout {self.lines}; log:\n"
+                             f"{self.log_tail()}")
+
+    def descendants(self) -> list[psutil.Process]:
+        """Every live process below this one."""
+        try:
+            return psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, timeout: float = 120.0) -> int:
+        """SIGTERM and wait; the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def kill_tree(self) -> None:
+        """SIGKILL this process and everything below it (cleanup after a failed test)."""
+        for proc in [*self.descendants(), psutil.Process(self.process.pid)]:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.process.wait(10)
+
+    def log_tail(self, num_chars: int = 6000) -> str:
+        """The end of its stderr (logs)."""
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+    def client(self) -> httpx.Client:
+        """An HTTP client for the API with the dev key."""
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=60.0)
+
+
+def start_up(data_dir: Path, port: int, *, num_workers: int, log_path: Path,
+             timeout: float = 600.0) -> UpProcess:
+    """Start `batchinfer up` and return once it printed its API key."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHINFER_")}
+    if "BATCHINFER_MODELS_DIR" in os.environ:
+        env["BATCHINFER_MODELS_DIR"] = os.environ["BATCHINFER_MODELS_DIR"]
+    env["PYTHONUNBUFFERED"] = "1"
+    argv = [sys.executable, "-m", "core.cli", "up", "--port", str(port), "--data-dir",
+            str(data_dir), "--workers", str(num_workers)]
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True,
+                                   env=env, cwd=ROOT)
+    up = UpProcess(process=process, port=port, log_path=log_path)
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            up._queue.put(line.rstrip("\n"))
+        up._queue.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        up.api_key = up.wait_for_line(API_KEY_PREFIX, timeout)[len(API_KEY_PREFIX):].strip()
+    except BaseException:
+        up.kill_tree()
+        raise
+    return up
