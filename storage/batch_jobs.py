@@ -1,8 +1,11 @@
 """Queries over the jobs of one batch: counts, usage, streaming reads and stopping them.
 
-All of them ride the `ix_jobs_batch (batch_id, status)` index. Reads that can return a
-whole batch (50,000 jobs) page by job id and return plain rows, not ORM objects, so the
-session's identity map never holds the batch. The caller commits.
+Counts and status updates ride `ix_jobs_batch (batch_id, status)`; streaming a batch's
+jobs in creation order rides `ix_jobs_batch_created (batch_id, created_at, id)`, declared
+here and created by this module's migration (0002), so each page is an index range scan
+rather than a sort of the whole batch. Reads that can return a whole batch (50,000 jobs)
+page and return plain rows, not ORM objects, so the session's identity map never holds
+the batch. The caller commits.
 """
 
 from __future__ import annotations
@@ -12,13 +15,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, literal, select, tuple_, update
+from sqlalchemy import Index, func, literal, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from storage.models import Job, JobStatus, UTCDateTime, utcnow
 
 # Jobs fetched per round trip when streaming a batch's results.
 PAGE_SIZE = 500
+
+# Keyset pages over one batch in creation order (iter_batch_jobs).
+BATCH_CREATED_INDEX = Index("ix_jobs_batch_created", Job.batch_id, Job.created_at, Job.id)
 
 
 @dataclass(frozen=True, slots=True)
