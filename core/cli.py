@@ -172,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
         "reconcile", help="scheduler role: re-publish jobs stuck in queued, advance batches")
     reconcile.add_argument("--once", action="store_true", help="one pass of each, then exit")
     reconcile.set_defaults(func=cmd_reconcile)
+
+    # The batch client imports only argparse-level code until one of its actions runs.
+    from api.batch_cli import add_batch_parser
+
+    add_batch_parser(sub)
     return parser
 
 
