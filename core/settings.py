@@ -95,6 +95,8 @@ class Settings(BaseSettings):
     # A claimed delivery is re-dispatched after this long (a crashed worker's claim).
     webhook_claim_s: float = Field(default=60.0, gt=0)
     webhook_concurrency: int = Field(default=8, ge=1)
+    # How often the dispatcher beat looks for due deliveries (tests shorten it).
+    webhook_dispatch_interval_s: float = Field(default=1.0, gt=0, le=1.0)
     # Port of the callbacks role's Prometheus endpoint; 0 turns it off.
     webhook_metrics_port: int = Field(default=0, ge=0, le=65535)
 

@@ -152,6 +152,7 @@ def record_attempt(
             latency_ms=latency_ms,
             error=error,
             response_body=response_body,
+            next_attempt_at=next_attempt_at,
         )
     )
     finished_at = None if status is DeliveryStatus.PENDING else utcnow()

@@ -1,8 +1,9 @@
 """Webhook events: their types, the payload envelope, and enqueueing one for delivery.
 
-Whoever moves a job or batch to a terminal state calls `enqueue_event` in the same
-transaction as the status write, so the event is stored exactly when the state change
-is: a crash either loses both or keeps both. The callback worker does the rest.
+Whoever moves a job or batch to a terminal state calls `enqueue_job_event` (or
+`enqueue_event`) in the same transaction as the status write, so the event is stored
+exactly when the state change is: a crash either loses both or keeps both. The callback
+worker does the rest.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import enum
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from storage.deliveries import create_delivery
-from storage.models import JobStatus, utcnow
+from storage.models import Job, JobStatus, utcnow
 from storage.webhooks import Delivery
 
 
@@ -87,3 +89,52 @@ def enqueue_event(
         job_id=object_id if kind.is_job_event else None,
         batch_id=None if kind.is_job_event else object_id,
     )
+
+
+def job_event_data(job: Job) -> dict[str, Any]:
+    """The job as `GET /v1/jobs/{id}` shows it (the API's `JobPublic`), as JSON values."""
+    usage: dict[str, Any] | None = None
+    if job.prompt_tokens is not None and job.completion_tokens is not None:
+        usage = {
+            "prompt_tokens": job.prompt_tokens,
+            "completion_tokens": job.completion_tokens,
+            "total_tokens": job.prompt_tokens + job.completion_tokens,
+            "prompt_tokens_details": (
+                {"cached_tokens": job.cached_tokens} if job.cached_tokens is not None else None
+            ),
+        }
+    path = f"/v1/jobs/{job.id}"
+    return {
+        "id": job.id,
+        "object": "job",
+        "status": job.status.value,
+        "priority": job.priority,
+        "model": job.model,
+        "created_at": _unix(job.created_at),
+        "started_at": _unix(job.started_at),
+        "finished_at": _unix(job.finished_at),
+        "result": job.result,
+        "error": job.error,
+        "usage": usage,
+        "metadata": job.metadata_,
+        "links": {"self": path, "cancel": f"{path}/cancel"},
+    }
+
+
+def enqueue_job_event(session: Session, *, job: Job) -> Delivery | None:
+    """Enqueue a finished job's event for its callback_url; None if none is due or it exists."""
+    event_type = JOB_STATUS_TO_EVENT.get(job.status)
+    if not job.callback_url or event_type is None:
+        return None
+    already = session.scalar(
+        select(Delivery.id).where(Delivery.job_id == job.id,
+                                  Delivery.event_type == event_type.value).limit(1)
+    )
+    if already is not None:
+        return None
+    return enqueue_event(session, tenant_id=job.tenant_id, event_type=event_type,
+                         url=job.callback_url, payload=job_event_data(job))
+
+
+def _unix(moment: datetime | None) -> int | None:
+    return int(moment.timestamp()) if moment is not None else None

@@ -101,5 +101,7 @@ class DeliveryAttempt(Base):
     error: Mapped[str | None] = mapped_column(Text, default=None)
     # The first bytes of the receiver's answer (at most webhook_max_response_bytes).
     response_body: Mapped[str | None] = mapped_column(Text, default=None)
+    # When this attempt scheduled the next one; None when it was the last.
+    next_attempt_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
 
     delivery: Mapped[Delivery] = relationship(back_populates="attempts")

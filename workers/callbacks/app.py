@@ -2,8 +2,9 @@
 
 Responsible for: the Celery configuration (Redis broker from settings.redis_url, late
 acks, one prefetched message per worker thread, no result backend), registering the two
-tasks on a `DeliveryRunner`, the beat schedule that runs the dispatcher every second, and
-`run_callbacks`, which runs the worker with beat embedded until SIGTERM.
+tasks on a `DeliveryRunner`, the beat schedule that runs the dispatcher every second (or
+every webhook_dispatch_interval_s), and `run_callbacks`, which runs the worker with beat
+embedded until SIGTERM.
 
 The retry schedule lives in the database, not in the broker: a delivery waits as a row
 with `next_attempt_at`, and the dispatcher turns due rows into short-lived task messages.
@@ -27,9 +28,9 @@ logger = logging.getLogger(__name__)
 
 DISPATCH_TASK = "batchinfer.webhooks.dispatch"
 DELIVER_TASK = "batchinfer.webhooks.deliver"
-DISPATCH_INTERVAL_S = 1.0
 # A dispatch message older than this is dropped unrun: the next beat sends a fresh one.
 DISPATCH_EXPIRES_S = 10.0
+QUIET_CELERY_LOGGERS = ("celery.beat", "celery.worker.strategy", "celery.app.trace")
 
 
 def queue_name(settings: Settings) -> str:
@@ -58,7 +59,7 @@ def create_celery_app(settings: Settings, runner: DeliveryRunner | None = None) 
         beat_schedule={
             "dispatch-due-webhook-deliveries": {
                 "task": DISPATCH_TASK,
-                "schedule": DISPATCH_INTERVAL_S,
+                "schedule": settings.webhook_dispatch_interval_s,
                 "options": {"expires": DISPATCH_EXPIRES_S},
             }
         },
@@ -100,6 +101,11 @@ def run_callbacks(settings: Settings) -> None:
     """Run the callbacks role (Celery worker with beat) until SIGTERM or Ctrl-C."""
     runner = DeliveryRunner(settings)
     app = create_celery_app(settings, runner)
+    if settings.log_level.upper() != "DEBUG":
+        # The runner logs one line per attempt; Celery's lines for every dispatch message,
+        # once a second, would drown them.
+        for name in QUIET_CELERY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
     if settings.webhook_metrics_port:
         start_http_server(settings.webhook_metrics_port)
         logger.info("callbacks metrics on :%d/metrics", settings.webhook_metrics_port)

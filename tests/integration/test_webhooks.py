@@ -1,0 +1,215 @@
+"""Webhook callbacks end to end: real Redis, PostgreSQL, a Celery worker with beat
+(subprocess) and a loopback receiver (127.0.0.1 allow-listed in these settings)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+from standardwebhooks import Webhook
+
+from core.settings import Settings
+from storage.db import create_db_engine, session_factory
+from storage.deliveries import get_delivery
+from storage.jobs import complete_job, create_job, get_job
+from storage.migrate import upgrade
+from storage.models import Job
+from storage.tenants import create_tenant
+from storage.webhook_events import enqueue_job_event, job_event_data
+from storage.webhook_secrets import ensure_webhook_secret
+from storage.webhooks import Delivery, DeliveryStatus
+from tests.utils.callbacks_worker import CallbacksWorker
+from tests.utils.webhook_receiver import ReceivedRequest, Reply, WebhookReceiver, run_receiver
+
+BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+RESULT = {"object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop",
+                                                    "message": {"role": "assistant",
+                                                                "content": "hello"}}]}
+
+MakeSettings = Callable[..., Settings]
+
+
+@pytest.fixture
+def hook_settings(tmp_path: Path, postgres_url: str, redis_url: str) -> MakeSettings:
+    """Settings on this test's database and Redis, with a short schedule; schema at head."""
+    upgrade(postgres_url)
+
+    def make(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "data_dir": tmp_path / "data",
+            "database_url": postgres_url,
+            "redis_url": redis_url,
+            "topic_prefix": f"t{uuid.uuid4().hex[:10]}",
+            "webhook_allowlist": ["127.0.0.1"],
+            "webhook_retry_schedule": [0.5, 1.5, 3.0],
+            "webhook_dispatch_interval_s": 0.2,
+            "webhook_timeout_s": 3.0,
+            "webhook_connect_timeout_s": 1.0,
+            "webhook_claim_s": 4.0,
+            "webhook_concurrency": 2,
+        }
+        values.update(overrides)
+        return Settings(**values)
+
+    return make
+
+
+@pytest.fixture
+def sessions(postgres_url: str) -> Iterator[sessionmaker[Session]]:
+    """Sessions on this test's database."""
+    engine = create_db_engine(postgres_url)
+    try:
+        yield session_factory(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def receiver(request: pytest.FixtureRequest) -> Iterator[WebhookReceiver]:
+    """A loopback receiver; parametrize indirectly with its scripted replies."""
+    with run_receiver(WebhookReceiver(getattr(request, "param", []))) as running:
+        yield running
+
+
+def finished_job_event(sessions: sessionmaker[Session], url: str) -> tuple[Job, Delivery, str]:
+    """A tenant's job that just succeeded with a callback; its event and the secret."""
+    with sessions() as session:
+        tenant = create_tenant(session, name=f"acme-{uuid.uuid4().hex[:6]}")
+        secret = ensure_webhook_secret(session, tenant_id=tenant.id).secret
+        job = create_job(session, tenant_id=tenant.id, priority="normal", model="m",
+                         kind="chat.completion", request=BODY, callback_url=url)
+        assert complete_job(session, job_id=job.id, result=RESULT, prompt_tokens=5,
+                            completion_tokens=2, cached_tokens=0, first_token_at=None)
+        finished = get_job(session, job_id=job.id)
+        assert finished is not None
+        delivery = enqueue_job_event(session, job=finished)
+        assert delivery is not None
+        session.commit()
+        return finished, delivery, secret
+
+
+def wait_for_status(
+    sessions: sessionmaker[Session], delivery_id: str, status: DeliveryStatus, timeout: float
+) -> Delivery:
+    """Poll the delivery row until it has `status`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with sessions() as session:
+            delivery = get_delivery(session, delivery_id=delivery_id)
+            assert delivery is not None
+            if delivery.status is status or time.monotonic() > deadline:
+                assert delivery.status is status, f"delivery still {delivery.status}"
+                return delivery
+        time.sleep(0.1)
+
+
+def verify(secret: str, request: ReceivedRequest) -> dict[str, Any]:
+    """The body, once `standardwebhooks` accepted the request's signature."""
+    payload: dict[str, Any] = Webhook(secret).verify(request.body, request.headers)
+    return payload
+
+
+@pytest.mark.parametrize("receiver", [[Reply(status=204, body=b"")]], indirect=True)
+def test_event_is_delivered_once_and_verifies(
+    hook_settings: MakeSettings, sessions: sessionmaker[Session], receiver: WebhookReceiver,
+    tmp_path: Path,
+) -> None:
+    job, delivery, secret = finished_job_event(sessions, receiver.url)
+    with CallbacksWorker(hook_settings(), tmp_path / "worker.log") as worker:
+        [request] = receiver.wait_for(1, timeout=30)
+        done = wait_for_status(sessions, delivery.id, DeliveryStatus.SUCCEEDED, timeout=10)
+        time.sleep(1.0)  # several dispatch rounds: nothing is sent twice
+        assert len(receiver.requests) == 1, worker.log()
+    payload = verify(secret, request)
+    assert request.headers["webhook-id"] == delivery.webhook_id
+    assert payload["type"] == "job.succeeded"
+    with sessions() as session:
+        fresh = get_job(session, job_id=job.id)
+        assert fresh is not None
+        assert payload["data"] == job_event_data(fresh)
+    assert payload["data"]["result"] == RESULT and payload["data"]["status"] == "succeeded"
+    [attempt] = done.attempts
+    assert attempt.status_code == 204 and attempt.error is None and attempt.latency_ms > 0
+    assert attempt.webhook_timestamp == int(request.headers["webhook-timestamp"])
+
+
+@pytest.mark.parametrize("receiver", [[Reply(status=500), Reply(status=503)]], indirect=True)
+def test_two_failures_then_success_same_id_growing_delays(
+    hook_settings: MakeSettings, sessions: sessionmaker[Session], receiver: WebhookReceiver,
+    tmp_path: Path,
+) -> None:
+    settings = hook_settings()
+    _, delivery, secret = finished_job_event(sessions, receiver.url)
+    with CallbacksWorker(settings, tmp_path / "worker.log"):
+        requests = receiver.wait_for(3, timeout=40)
+        done = wait_for_status(sessions, delivery.id, DeliveryStatus.SUCCEEDED, timeout=10)
+        time.sleep(1.0)
+        assert len(receiver.requests) == 3
+    assert {r.headers["webhook-id"] for r in requests} == {delivery.webhook_id}
+    for request in requests:
+        verify(secret, request)
+    assert [a.status_code for a in done.attempts] == [500, 503, 200]
+    assert done.num_attempts == 3
+    # A timestamp per attempt, as recorded; the first and last are seconds apart.
+    stamps = [int(r.headers["webhook-timestamp"]) for r in requests]
+    assert stamps == [a.webhook_timestamp for a in done.attempts]
+    assert stamps[0] < stamps[2]
+    # The scheduled delays follow the schedule within jitter, and grow.
+    scheduled = [(a.next_attempt_at - a.attempted_at).total_seconds()
+                 for a in done.attempts[:2] if a.next_attempt_at is not None]
+    assert 0.5 * 0.8 - 0.05 <= scheduled[0] <= 0.5 * 1.2 + 0.05
+    assert 1.5 * 0.8 - 0.05 <= scheduled[1] <= 1.5 * 1.2 + 0.05
+    gaps = [b.received_at - a.received_at for a, b in zip(requests, requests[1:], strict=False)]
+    assert gaps[0] >= scheduled[0] - 0.05 and gaps[1] >= scheduled[1] - 0.05
+    assert gaps[0] < gaps[1]
+    assert done.attempts[2].next_attempt_at is None
+
+
+@pytest.mark.parametrize("receiver", [[Reply(status=410)]], indirect=True)
+def test_gone_gets_exactly_one_attempt(
+    hook_settings: MakeSettings, sessions: sessionmaker[Session], receiver: WebhookReceiver,
+    tmp_path: Path,
+) -> None:
+    _, delivery, _ = finished_job_event(sessions, receiver.url)
+    with CallbacksWorker(hook_settings(), tmp_path / "worker.log"):
+        receiver.wait_for(1, timeout=30)
+        done = wait_for_status(sessions, delivery.id, DeliveryStatus.FAILED, timeout=10)
+        time.sleep(2.0)  # longer than the first retry delay would have been
+        assert len(receiver.requests) == 1
+    assert [a.status_code for a in done.attempts] == [410]
+    assert done.attempts[0].error is not None and "gone" in done.attempts[0].error
+    with sessions() as session:
+        again = get_delivery(session, delivery_id=delivery.id)
+        assert again is not None and again.num_attempts == 1
+
+
+@pytest.mark.parametrize("receiver", [[Reply(sleep_s=8.0)]], indirect=True)
+def test_worker_killed_mid_delivery_loses_nothing(
+    hook_settings: MakeSettings, sessions: sessionmaker[Session], receiver: WebhookReceiver,
+    tmp_path: Path,
+) -> None:
+    settings = hook_settings(webhook_timeout_s=6.0, webhook_claim_s=7.0)
+    _, delivery, secret = finished_job_event(sessions, receiver.url)
+    worker = CallbacksWorker(settings, tmp_path / "worker.log").start()
+    try:
+        receiver.wait_for(1, timeout=30)  # the receiver now sleeps: the attempt is in flight
+        worker.kill()
+        with sessions() as session:
+            pending = get_delivery(session, delivery_id=delivery.id)
+            assert pending is not None and pending.status is DeliveryStatus.PENDING
+            assert pending.attempts == []  # the killed attempt never finished
+        worker.start()
+        requests = receiver.wait_for(2, timeout=30)
+        done = wait_for_status(sessions, delivery.id, DeliveryStatus.SUCCEEDED, timeout=10)
+        time.sleep(1.0)
+        assert len(receiver.requests) == 2, worker.log()
+    finally:
+        worker.stop()
+    assert [r.headers["webhook-id"] for r in requests] == [delivery.webhook_id] * 2
+    verify(secret, requests[1])
+    assert [a.status_code for a in done.attempts] == [200]
