@@ -1,0 +1,171 @@
+"""Files and Batches routes: OpenAI objects, streaming upload limits, 409s, isolation."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.testclient import TestClient
+from openai.types import Batch, FileObject
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage.batches import BatchStatus, get_batch
+from tests.unit.api.conftest import MODEL, ClientFactory
+from tests.utils.api import TenantKey
+
+CHAT = "/v1/chat/completions"
+LINE = {"custom_id": "r1", "method": "POST", "url": CHAT,
+        "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}}
+CONTENT = (json.dumps(LINE) + "\n").encode()
+
+
+def upload(client: TestClient, tenant: TenantKey, content: bytes = CONTENT,
+           purpose: str = "batch") -> Any:
+    """POST /v1/files as the openai client does (multipart, purpose before file)."""
+    return client.post("/v1/files", headers=tenant.headers, data={"purpose": purpose},
+                       files={"file": ("in.jsonl", content, "application/jsonl")})
+
+
+def create(client: TestClient, tenant: TenantKey, file_id: str, **extra: Any) -> Any:
+    """POST /v1/batches with OpenAI's fields plus `extra`."""
+    body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h", **extra}
+    return client.post("/v1/batches", headers=tenant.headers, json=body)
+
+
+def test_file_round_trip(client: TestClient, acme: TenantKey) -> None:
+    response = upload(client, acme)
+    assert response.status_code == 200, response.text
+    file = FileObject.model_validate(response.json())
+    assert (file.bytes, file.filename, file.purpose) == (len(CONTENT), "in.jsonl", "batch")
+    got = client.get(f"/v1/files/{file.id}", headers=acme.headers).json()
+    assert got["id"] == file.id
+    content = client.get(f"/v1/files/{file.id}/content", headers=acme.headers)
+    assert content.status_code == 200 and content.content == CONTENT
+    listed = client.get("/v1/files", headers=acme.headers).json()
+    assert [f["id"] for f in listed["data"]] == [file.id] and listed["has_more"] is False
+    assert listed["first_id"] == listed["last_id"] == file.id
+    deleted = client.delete(f"/v1/files/{file.id}", headers=acme.headers).json()
+    assert deleted == {"id": file.id, "object": "file", "deleted": True}
+    assert client.get(f"/v1/files/{file.id}", headers=acme.headers).status_code == 404
+
+
+def test_upload_refusals(make_client: ClientFactory, acme: TenantKey) -> None:
+    client = make_client(max_file_bytes=200)
+    too_big = upload(client, acme, content=b"x" * 5000)
+    assert too_big.status_code == 413
+    assert too_big.json()["error"]["code"] == "file_too_large"
+    wrong_purpose = upload(client, acme, purpose="fine-tune")
+    assert wrong_purpose.status_code == 400
+    assert wrong_purpose.json()["error"]["param"] == "purpose"
+    not_multipart = client.post("/v1/files", headers=acme.headers, content=b"{}")
+    assert not_multipart.status_code == 400
+    assert client.get("/v1/files", headers=acme.headers).json()["data"] == []
+
+
+def test_streamed_upload_over_the_limit_is_cut_off(make_client: ClientFactory,
+                                                   acme: TenantKey) -> None:
+    client = make_client(max_file_bytes=1000)
+
+    def body() -> Any:
+        yield b"--b\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+        yield b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a\"\r\n\r\n"
+        for _ in range(100):
+            yield b"y" * 100
+        yield b"\r\n--b--\r\n"
+
+    # No Content-Length (chunked): the limit is enforced while the bytes stream in.
+    response = client.post("/v1/files", headers={**acme.headers,
+                                                 "Content-Type": "multipart/form-data; "
+                                                 "boundary=b"}, content=body())
+    assert response.status_code == 413
+    assert client.get("/v1/files", headers=acme.headers).json()["data"] == []
+
+
+def test_files_are_private_to_their_tenant(client: TestClient, acme: TenantKey,
+                                           globex: TenantKey) -> None:
+    file_id = upload(client, acme).json()["id"]
+    for method, path in (("GET", f"/v1/files/{file_id}"), ("GET", f"/v1/files/{file_id}/content"),
+                         ("DELETE", f"/v1/files/{file_id}")):
+        assert client.request(method, path, headers=globex.headers).status_code == 404
+    assert create(client, globex, file_id).status_code == 404
+
+
+def test_batch_create_get_list_cancel(client: TestClient, acme: TenantKey,
+                                      sessions: sessionmaker[Session]) -> None:
+    file_id = upload(client, acme).json()["id"]
+    response = create(client, acme, file_id, metadata={"run": "1"})
+    assert response.status_code == 200, response.text
+    batch = Batch.model_validate(response.json())
+    assert batch.status == "validating" and batch.metadata == {"run": "1"}
+    assert batch.expires_at is not None and batch.expires_at - batch.created_at == 86_400
+    assert response.json()["priority"] == "low"
+    got = Batch.model_validate(client.get(f"/v1/batches/{batch.id}", headers=acme.headers)
+                               .json())
+    assert got.id == batch.id
+    # An active batch's input cannot be deleted.
+    conflict = client.delete(f"/v1/files/{file_id}", headers=acme.headers)
+    assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "file_in_use"
+
+    cancelled = client.post(f"/v1/batches/{batch.id}/cancel", headers=acme.headers)
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelling"
+    with sessions() as session:
+        stored = get_batch(session, batch_id=batch.id)
+        assert stored is not None and stored.status is BatchStatus.CANCELLING
+        stored.move_to(BatchStatus.CANCELLED)
+        session.commit()
+    again = client.post(f"/v1/batches/{batch.id}/cancel", headers=acme.headers)
+    assert again.status_code == 200 and again.json()["status"] == "cancelled"
+    assert client.delete(f"/v1/files/{file_id}", headers=acme.headers).status_code == 200
+
+
+def test_batch_list_pages_with_cursor(client: TestClient, acme: TenantKey) -> None:
+    file_id = upload(client, acme).json()["id"]
+    ids = [create(client, acme, file_id).json()["id"] for _ in range(3)]
+    first = client.get("/v1/batches", params={"limit": 2}, headers=acme.headers).json()
+    assert first["has_more"] is True and first["last_id"] == ids[1]
+    rest = client.get("/v1/batches", params={"limit": 2, "after": first["last_id"]},
+                      headers=acme.headers).json()
+    assert [b["id"] for b in first["data"] + rest["data"]] == ids[::-1]
+    assert rest["has_more"] is False
+
+
+def test_batch_create_refusals(client: TestClient, acme: TenantKey) -> None:
+    file_id = upload(client, acme).json()["id"]
+    cases = [
+        ({"input_file_id": "file-nope"}, 404, "input_file_id"),
+        ({"completion_window": "1h"}, 400, "completion_window"),
+        ({"endpoint": "/v1/embeddings"}, 422, "endpoint"),
+        ({"model": "gpt-4o"}, 404, "model"),
+        ({"priority": "urgent"}, 422, "priority"),
+        ({"callback_url": "ftp://example.com/x"}, 422, "callback_url"),
+        ({"metadata": {"callback_url": "http://10.0.0.1/hook"}}, 422, "callback_url"),
+    ]
+    for overrides, status_code, param in cases:
+        body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h",
+                **overrides}
+        response = client.post("/v1/batches", headers=acme.headers, json=body)
+        assert response.status_code == status_code, (overrides, response.text)
+        assert response.json()["error"]["param"] == param, overrides
+    assert client.get("/v1/batches", headers=acme.headers).json()["data"] == []
+
+
+def test_short_completion_windows_when_allowed(make_client: ClientFactory,
+                                               acme: TenantKey) -> None:
+    client = make_client(batch_completion_windows=["24h", "5s"])
+    file_id = upload(client, acme).json()["id"]
+    batch = create(client, acme, file_id, completion_window="5s").json()
+    assert batch["expires_at"] - batch["created_at"] in (4, 5, 6)
+
+
+def test_cancelling_a_finished_batch_is_a_conflict(client: TestClient, acme: TenantKey,
+                                                   sessions: sessionmaker[Session]) -> None:
+    file_id = upload(client, acme).json()["id"]
+    batch_id = create(client, acme, file_id).json()["id"]
+    with sessions() as session:
+        stored = get_batch(session, batch_id=batch_id)
+        assert stored is not None
+        stored.move_to(BatchStatus.FAILED)
+        session.commit()
+    response = client.post(f"/v1/batches/{batch_id}/cancel", headers=acme.headers)
+    assert response.status_code == 409
+    assert client.post("/v1/batches/batch_nope/cancel", headers=acme.headers).status_code == 404
