@@ -131,7 +131,7 @@ def test_batch_list_pages_with_cursor(client: TestClient, acme: TenantKey) -> No
 
 def test_batch_create_refusals(client: TestClient, acme: TenantKey) -> None:
     file_id = upload(client, acme).json()["id"]
-    cases = [
+    cases: list[tuple[dict[str, Any], int, str]] = [
         ({"input_file_id": "file-nope"}, 404, "input_file_id"),
         ({"completion_window": "1h"}, 400, "completion_window"),
         ({"endpoint": "/v1/embeddings"}, 422, "endpoint"),
