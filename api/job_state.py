@@ -15,6 +15,7 @@ from api.schemas import JobPublic
 from storage.events import publish_cancel, publish_job_done, wait_job_done
 from storage.jobs import cancel_job, get_job
 from storage.models import Job, JobStatus
+from storage.webhook_events import enqueue_job_event
 
 
 def load_job(resources: Resources, *, job_id: str, tenant_id: str) -> JobPublic | None:
@@ -53,6 +54,8 @@ def cancel_and_announce(
     long-polls waiting on it return.
     """
     job = cancel_job(session, job_id=job_id, tenant_id=tenant_id)
+    if job is not None and job.status is JobStatus.CANCELLED:
+        enqueue_job_event(session, job=job)  # with the status change; idempotent
     session.commit()
     if job is not None and job.status is JobStatus.CANCELLED:
         publish_cancel(redis_client, prefix=prefix, job_id=job_id)

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from api.auth import CurrentTenant
 from api.capabilities import AnyRequest, check_model, check_supported
-from api.errors import Conflict, InvalidRequest, RateLimited, ServiceUnavailable
+from api.errors import Conflict, InvalidParameter, RateLimited, ServiceUnavailable
 from api.resources import BrokerUnavailable, LazyProducer, Resources
 from core.kafka import publish_job
 from core.messages import JobMessage
@@ -81,7 +81,7 @@ def submit(
         try:
             validate_callback_url(callback_url, settings)
         except ValueError as e:
-            raise InvalidRequest(str(e), param="callback_url", code="invalid_callback_url") from e
+            raise InvalidParameter(str(e), param="callback_url", code="invalid_callback_url") from e
     digest = request_hash(request)
     with resources.sessions() as session:
         if idempotency_key is not None:

@@ -62,7 +62,7 @@ def test_wrong_and_revoked_keys_are_401(
     ({"n": 3}, 400, "n"),
     ({"top_logprobs": 5}, 400, "top_logprobs"),
     ({"presence_penalty": 1}, 400, "presence_penalty"),
-    ({"callback_url": "http://10.1.2.3/hook"}, 400, "callback_url"),
+    ({"callback_url": "http://10.1.2.3/hook"}, 422, "callback_url"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
      "messages[0].content[0].type"),
     ({"model": "gpt-4o"}, 404, "model"),
