@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,26 @@ def add_batch_parser(sub: Any) -> None:
                             help="service URL (default $BATCHINFER_URL or the settings' API)")
         action.add_argument("--api-key", default=None,
                             help="default $BATCHINFER_API_KEY, else `batchinfer up`'s dev key")
+        action.set_defaults(func=_reporting_errors(action.get_default("func")))
+
+
+def _reporting_errors(func: Callable[[argparse.Namespace], int]
+                      ) -> Callable[[argparse.Namespace], int]:
+    """`func`, with the service's error answers and connection failures as one line, exit 1."""
+
+    def run(args: argparse.Namespace) -> int:
+        import httpx
+
+        from api.batch_client import BatchAPIError
+
+        try:
+            return func(args)
+        except (BatchAPIError, httpx.HTTPError) as e:
+            print(f"batchinfer batch {args.batch_command}: {e}", file=sys.stderr)
+            return 1
+
+    run.__doc__ = func.__doc__
+    return run
 
 
 def _client(args: argparse.Namespace) -> Any:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
 from api.batch_cli import RateMeter, add_batch_parser, cmd_run
 from api.batch_client import DEFAULT_ENDPOINT, endpoint_of
 
@@ -19,7 +21,7 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_run_takes_a_file_or_a_batch_id() -> None:
     args = parse("run", "in.jsonl", "-o", "out.jsonl", "--priority", "normal", "--model", "m",
                  "--url", "http://h:1", "--api-key", "k")
-    assert args.func is cmd_run
+    assert args.func.__doc__ == cmd_run.__doc__
     assert (args.input, args.output, args.priority, args.model, args.url, args.api_key) == (
         Path("in.jsonl"), Path("out.jsonl"), "normal", "m", "http://h:1", "k")
     args = parse("run", "-o", "out.jsonl", "--batch-id", "batch_1")
@@ -30,6 +32,12 @@ def test_list_get_cancel_parse() -> None:
     assert parse("list", "--limit", "5").limit == 5
     assert parse("get", "batch_1").batch_id == "batch_1"
     assert parse("cancel", "batch_1", "--url", "http://x").url == "http://x"
+
+
+def test_unreachable_service_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse("get", "batch_1", "--url", "http://127.0.0.1:9", "--api-key", "k")
+    assert args.func(args) == 1
+    assert capsys.readouterr().err.startswith("batchinfer batch get: ")
 
 
 def test_endpoint_comes_from_the_first_request(tmp_path: Path) -> None:
