@@ -13,12 +13,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 import sqlalchemy
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.rate_limit import TokenBucketLimiter
@@ -34,6 +38,10 @@ PRODUCER_MAX_BLOCK_MS = 5_000
 # After a failed connect, fail fast for this long instead of every request waiting out
 # another bootstrap timeout in turn.
 RECONNECT_BACKOFF_S = 2.0
+# Redis is local and quick; one retry rides out a dropped connection, more only delays
+# the fallback (the rate limiter admits, long-polls poll the database).
+REDIS_CONNECT_TIMEOUT_S = 2.0
+REDIS_RETRIES = 1
 
 
 class BrokerUnavailable(ConnectionError):
@@ -82,6 +90,15 @@ class LazyProducer:
                 self._producer = None
 
 
+def _redis_options(retry_class: type[Retry] | type[AsyncRetry]) -> dict[str, Any]:
+    """Fail fast: redis-py's default retries a refused connection for ~4 s per command."""
+    backoff = ExponentialWithJitterBackoff(base=0.01, cap=0.1)
+    return {
+        "socket_connect_timeout": REDIS_CONNECT_TIMEOUT_S,
+        "retry": retry_class(backoff, REDIS_RETRIES),
+    }
+
+
 @dataclass(slots=True)
 class Resources:
     """Connections the routes share; built once per app in its lifespan."""
@@ -100,14 +117,14 @@ class Resources:
     def open(cls, settings: Settings) -> Resources:
         """Create every client; none of them connects before first use."""
         engine = create_db_engine(settings.database_url)
-        sync_redis = redis.Redis.from_url(settings.redis_url)
+        sync_redis = redis.Redis.from_url(settings.redis_url, **_redis_options(Retry))
         return cls(
             settings=settings,
             engine=engine,
             sessions=session_factory(engine),
             producer=LazyProducer(settings),
             redis=sync_redis,
-            aredis=aioredis.Redis.from_url(settings.redis_url),
+            aredis=aioredis.Redis.from_url(settings.redis_url, **_redis_options(AsyncRetry)),
             limiter=TokenBucketLimiter(
                 sync_redis, prefix=settings.topic_prefix,
                 rate_per_s=settings.tenant_rate_limit_per_s,

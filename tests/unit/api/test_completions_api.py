@@ -1,0 +1,133 @@
+"""OpenAI-compatible completions: enqueued high, awaited, answered with the stored object."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage.events import publish_job_done
+from storage.jobs import complete_job, fail_job
+from storage.models import Job, JobStatus
+from tests.unit.api.conftest import MODEL, ClientFactory
+from tests.utils.api import CHAT_BODY, TenantKey
+
+Finisher = Callable[[Job], tuple[str, dict[str, Any]]]
+
+
+def result_for(job: Job) -> dict[str, Any]:
+    """An OpenAI-shaped result of the job's kind, as a worker would store it."""
+    if job.kind == "chat.completion":
+        return {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": 1,
+                "model": job.model, "system_fingerprint": None,
+                "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                             "message": {"role": "assistant", "content": "Hi there"}}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    return {"id": f"cmpl-{job.id}", "object": "text_completion", "created": 1,
+            "model": job.model,
+            "choices": [{"index": 0, "text": " upon a time", "finish_reason": "length",
+                         "logprobs": None}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5}}
+
+
+@pytest.fixture
+def fake_worker(
+    sessions: sessionmaker[Session], redis_url: str
+) -> Iterator[Callable[[str, Finisher], None]]:
+    """Start a thread that finishes every queued job the way `finisher` says."""
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def start(prefix: str, finisher: Finisher) -> None:
+        publisher = redis.Redis.from_url(redis_url)
+
+        def run() -> None:
+            while not stop.wait(0.05):
+                with sessions() as session:
+                    jobs = session.scalars(
+                        select(Job).where(Job.status == JobStatus.QUEUED)).all()
+                    for job in jobs:
+                        outcome, payload = finisher(job)
+                        if outcome == "succeeded":
+                            complete_job(session, job_id=job.id, result=payload,
+                                         prompt_tokens=3, completion_tokens=2,
+                                         cached_tokens=0, first_token_at=None)
+                        else:
+                            fail_job(session, job_id=job.id, error=payload)
+                        session.commit()
+                        publish_job_done(publisher, prefix=prefix, job_id=job.id, status=outcome)
+            publisher.close()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        threads.append(thread)
+
+    yield start
+    stop.set()
+    for thread in threads:
+        thread.join()
+
+
+def prefix_of(client: TestClient) -> str:
+    """The app's topic prefix (names its Redis channels)."""
+    return str(client.app.state.resources.settings.topic_prefix)  # type: ignore[attr-defined]
+
+
+def test_chat_completion_returns_the_stored_object(
+    client: TestClient, acme: TenantKey, fake_worker: Any, sessions: sessionmaker[Session]
+) -> None:
+    """The answer is byte-for-byte the worker's chat.completion; the job ran as high."""
+    fake_worker(prefix_of(client), lambda job: ("succeeded", result_for(job)))
+    response = client.post("/v1/chat/completions", json={"model": MODEL, **CHAT_BODY},
+                           headers=acme.headers)
+    assert response.status_code == 200
+    job_id = response.headers["X-Job-Id"]
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and job.priority == "high"
+        assert response.json() == job.result
+
+
+def test_text_completion_returns_the_stored_object(
+    client: TestClient, acme: TenantKey, fake_worker: Any
+) -> None:
+    """/v1/completions answers with a text_completion."""
+    fake_worker(prefix_of(client), lambda job: ("succeeded", result_for(job)))
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "Once",
+                                                    "max_tokens": 4}, headers=acme.headers)
+    assert response.status_code == 200
+    assert response.json()["object"] == "text_completion"
+    assert response.json()["choices"][0]["text"] == " upon a time"
+
+
+def test_failed_job_maps_to_an_error_response(
+    client: TestClient, acme: TenantKey, fake_worker: Any
+) -> None:
+    """A job the worker refused as invalid is a 400 carrying the worker's message."""
+    error = {"message": "prompt is longer than the model's context", "type":
+             "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
+    fake_worker(prefix_of(client), lambda job: ("failed", error))
+    response = client.post("/v1/chat/completions", json={"model": MODEL, **CHAT_BODY},
+                           headers=acme.headers)
+    assert response.status_code == 400
+    assert response.json() == {"error": error}
+
+
+def test_slow_job_times_out_with_504_and_is_cancelled(
+    make_client: ClientFactory, acme: TenantKey, sessions: sessionmaker[Session]
+) -> None:
+    """No worker: after sync_request_timeout_s the request gets 504 and the job is cancelled."""
+    client = make_client(sync_request_timeout_s=0.5)
+    response = client.post("/v1/chat/completions", json={"model": MODEL, **CHAT_BODY},
+                           headers=acme.headers)
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "timeout"
+    with sessions() as session:
+        statuses = session.scalars(select(Job.status)).all()
+    assert statuses == [JobStatus.CANCELLED]

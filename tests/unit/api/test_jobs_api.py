@@ -1,0 +1,211 @@
+"""The jobs resource: submit, replay, read, long-poll, list, cancel, tenant isolation."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import redis
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.settings import Settings
+from storage.events import publish_job_done
+from storage.jobs import complete_job
+from storage.models import Job, JobStatus
+from tests.unit.api.conftest import MODEL, ClientFactory
+from tests.utils.api import CHAT_BODY, RecordingProducer, TenantKey, count_jobs
+
+VALID: dict[str, Any] = {"model": MODEL, **CHAT_BODY}
+CHAT_RESULT: dict[str, Any] = {
+    "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": MODEL,
+    "choices": [{"index": 0, "finish_reason": "stop",
+                 "message": {"role": "assistant", "content": "Hello!"}}],
+    "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
+}
+
+
+def finish(sessions: sessionmaker[Session], job_id: str) -> None:
+    """Store a result for the job, as a worker would."""
+    with sessions() as session:
+        assert complete_job(session, job_id=job_id, result=CHAT_RESULT, prompt_tokens=4,
+                            completion_tokens=2, cached_tokens=1, first_token_at=None)
+        session.commit()
+
+
+def test_submit_is_202_with_location_links_and_a_published_row(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
+    producer: RecordingProducer,
+) -> None:
+    """The job is stored queued, stamped published, and described in the answer."""
+    response = client.post("/v1/jobs", json=VALID | {"priority": "high",
+                                                      "metadata": {"run": "7"}},
+                           headers=acme.headers)
+    assert response.status_code == 202
+    job = response.json()
+    assert job["object"] == "job"
+    assert job["status"] == "queued"
+    assert job["priority"] == "high"
+    assert job["metadata"] == {"run": "7"}
+    assert response.headers["Location"] == f"/v1/jobs/{job['id']}"
+    assert job["links"] == {"self": f"/v1/jobs/{job['id']}",
+                            "cancel": f"/v1/jobs/{job['id']}/cancel"}
+    with sessions() as session:
+        row = session.get(Job, job["id"])
+        assert row is not None
+        assert row.status is JobStatus.QUEUED
+        assert row.queued_at is not None
+        assert row.tenant_id == acme.tenant_id
+        assert row.request["messages"] == [{"role": "user", "content": "Say hello."}]
+    assert len(producer.records) == 1
+
+
+def test_idempotency_key_replays_and_conflicts(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
+    producer: RecordingProducer,
+) -> None:
+    """Same key + same body: the same job (200); same key + other body: 409."""
+    headers = acme.headers | {"Idempotency-Key": "order-42"}
+    first = client.post("/v1/jobs", json=VALID, headers=headers)
+    assert first.status_code == 202
+    reordered = dict(reversed(list(VALID.items())))
+    replay = client.post("/v1/jobs", json=reordered, headers=headers)
+    assert replay.status_code == 200
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.json()["id"] == first.json()["id"]
+    conflict = client.post("/v1/jobs", json=VALID | {"max_tokens": 9}, headers=headers)
+    assert conflict.status_code == 409
+    assert conflict.json()["error"]["code"] == "idempotency_key_reused"
+    assert count_jobs(sessions) == 1
+    assert len(producer.records) == 1
+
+
+def test_idempotency_keys_are_per_tenant(
+    client: TestClient, acme: TenantKey, globex: TenantKey
+) -> None:
+    """Two tenants may use the same key for different jobs."""
+    a = client.post("/v1/jobs", json=VALID, headers=acme.headers | {"Idempotency-Key": "k"})
+    b = client.post("/v1/jobs", json=VALID, headers=globex.headers | {"Idempotency-Key": "k"})
+    assert a.status_code == b.status_code == 202
+    assert a.json()["id"] != b.json()["id"]
+
+
+def test_another_tenants_job_is_404(client: TestClient, acme: TenantKey,
+                                    globex: TenantKey) -> None:
+    """Reading or cancelling someone else's job looks exactly like a missing one."""
+    job_id = client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+    for response in (client.get(f"/v1/jobs/{job_id}", headers=globex.headers),
+                     client.post(f"/v1/jobs/{job_id}/cancel", headers=globex.headers),
+                     client.get("/v1/jobs/job_missing", headers=globex.headers)):
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "job_not_found"
+    assert client.get("/v1/jobs", headers=globex.headers).json()["data"] == []
+    assert client.get(f"/v1/jobs/{job_id}", headers=acme.headers).status_code == 200
+
+
+def test_finished_job_carries_result_and_usage(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session]
+) -> None:
+    """The stored OpenAI object comes back untouched, with usage and timestamps."""
+    job_id = client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+    finish(sessions, job_id)
+    job = client.get(f"/v1/jobs/{job_id}", headers=acme.headers).json()
+    assert job["status"] == "succeeded"
+    assert job["result"] == CHAT_RESULT
+    assert job["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
+                            "prompt_tokens_details": {"cached_tokens": 1}}
+    assert job["finished_at"] >= job["created_at"]
+
+
+def test_pagination_walks_every_job_once_newest_first(client: TestClient,
+                                                      acme: TenantKey) -> None:
+    """limit/after pages cover all jobs without repeats; status filters."""
+    ids = [client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+           for _ in range(5)]
+    seen: list[str] = []
+    after: str | None = None
+    while True:
+        query = "limit=2" + (f"&after={after}" if after else "")
+        page = client.get(f"/v1/jobs?{query}", headers=acme.headers).json()
+        assert page["object"] == "list"
+        seen += [job["id"] for job in page["data"]]
+        assert page["first_id"] == page["data"][0]["id"]
+        after = page["last_id"]
+        if not page["has_more"]:
+            break
+    assert seen == list(reversed(ids))
+    client.post(f"/v1/jobs/{ids[0]}/cancel", headers=acme.headers)
+    cancelled = client.get("/v1/jobs?status=cancelled", headers=acme.headers).json()
+    assert [job["id"] for job in cancelled["data"]] == [ids[0]]
+    bad = client.get("/v1/jobs?after=job_unknown", headers=acme.headers)
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "after"
+
+
+def test_cancel_queued_then_again_then_finished_is_409(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session]
+) -> None:
+    """Cancel works once and repeats harmlessly; a finished job cannot be cancelled."""
+    job_id = client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+    first = client.post(f"/v1/jobs/{job_id}/cancel", headers=acme.headers)
+    assert first.status_code == 200
+    assert first.json()["status"] == "cancelled"
+    assert client.post(f"/v1/jobs/{job_id}/cancel", headers=acme.headers).status_code == 200
+    done_id = client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+    finish(sessions, done_id)
+    late = client.post(f"/v1/jobs/{done_id}/cancel", headers=acme.headers)
+    assert late.status_code == 409
+    assert late.json()["error"]["code"] == "job_not_cancellable"
+
+
+def test_long_poll_returns_when_the_completion_event_arrives(
+    make_client: ClientFactory, make_settings: Any, acme: TenantKey,
+    sessions: sessionmaker[Session],
+) -> None:
+    """GET ?wait=N answers within moments of the worker's commit + event, not after N."""
+    client = make_client()
+    settings: Settings = client.app.state.resources.settings  # type: ignore[attr-defined]
+    job_id = client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+
+    def worker() -> None:
+        time.sleep(0.5)
+        finish(sessions, job_id)
+        publisher = redis.Redis.from_url(settings.redis_url)
+        publish_job_done(publisher, prefix=settings.topic_prefix, job_id=job_id,
+                         status=JobStatus.SUCCEEDED)
+        publisher.close()
+
+    thread = threading.Thread(target=worker)
+    started = time.monotonic()
+    thread.start()
+    response = client.get(f"/v1/jobs/{job_id}?wait=20", headers=acme.headers)
+    elapsed = time.monotonic() - started
+    thread.join()
+    assert response.json()["status"] == "succeeded"
+    assert 0.4 < elapsed < 3.0
+
+
+def test_long_poll_is_capped_and_returns_the_unfinished_job(
+    make_client: ClientFactory, acme: TenantKey
+) -> None:
+    """wait beyond long_poll_max_s waits only that long, then shows the job as it is."""
+    client = make_client(long_poll_max_s=0.5)
+    job_id = client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+    started = time.monotonic()
+    response = client.get(f"/v1/jobs/{job_id}?wait=30", headers=acme.headers)
+    assert 0.4 < time.monotonic() - started < 3.0
+    assert response.json()["status"] == "queued"
+
+
+def test_cancel_wakes_a_long_poll(client: TestClient, acme: TenantKey) -> None:
+    """A cancel publishes the done event, so a waiting reader returns at once."""
+    job_id = client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+    timer = threading.Timer(
+        0.5, lambda: client.post(f"/v1/jobs/{job_id}/cancel", headers=acme.headers))
+    started = time.monotonic()
+    timer.start()
+    response = client.get(f"/v1/jobs/{job_id}?wait=20", headers=acme.headers)
+    timer.join()
+    assert response.json()["status"] == "cancelled"
+    assert time.monotonic() - started < 3.0

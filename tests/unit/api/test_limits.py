@@ -1,0 +1,78 @@
+"""429s: the per-tenant token bucket and the active-job cap. Refused requests write nothing."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.rate_limit import TokenBucketLimiter
+from tests.unit.api.conftest import MODEL, ClientFactory
+from tests.utils.api import CHAT_BODY, TenantKey, count_jobs
+
+VALID: dict[str, Any] = {"model": MODEL, **CHAT_BODY}
+
+
+def test_bucket_admits_a_burst_then_refuses_then_refills(redis_url: str) -> None:
+    """rate=5/s: five at once pass, the sixth waits about 0.2 s, and later passes."""
+    client = redis.Redis.from_url(redis_url)
+    limiter = TokenBucketLimiter(client, prefix="rl-test-1", rate_per_s=5)
+    assert all(limiter.retry_after_s("t") is None for _ in range(5))
+    wait = limiter.retry_after_s("t")
+    assert wait is not None and 0 < wait <= 0.2 + 1e-6
+    assert limiter.retry_after_s("other-tenant") is None
+    time.sleep(wait + 0.05)
+    assert limiter.retry_after_s("t") is None
+    client.close()
+
+
+def test_without_redis_submissions_are_admitted_and_long_polls_poll(
+    make_client: ClientFactory, acme: TenantKey
+) -> None:
+    """Redis down: the limiter fails open, long-poll falls back to the database, cancel works."""
+    client = make_client(redis_url="redis://127.0.0.1:9/0", tenant_rate_limit_per_s=1)
+    ids = [client.post("/v1/jobs", json=VALID, headers=acme.headers) for _ in range(3)]
+    assert [r.status_code for r in ids] == [202, 202, 202]
+    job_id = ids[0].json()["id"]
+    started = time.monotonic()
+    polled = client.get(f"/v1/jobs/{job_id}?wait=0.5", headers=acme.headers)
+    assert polled.json()["status"] == "queued"
+    assert time.monotonic() - started < 3.0
+    cancelled = client.post(f"/v1/jobs/{job_id}/cancel", headers=acme.headers)
+    assert cancelled.json()["status"] == "cancelled"
+
+
+def test_over_rate_is_429_with_retry_after(
+    make_client: ClientFactory, acme: TenantKey, globex: TenantKey,
+    sessions: sessionmaker[Session],
+) -> None:
+    """Two per second: the third submission in a burst is refused; other tenants are not."""
+    client = make_client(tenant_rate_limit_per_s=2)
+    statuses = [client.post("/v1/jobs", json=VALID, headers=acme.headers).status_code
+                for _ in range(3)]
+    assert statuses == [202, 202, 429]
+    refused = client.post("/v1/jobs", json=VALID, headers=acme.headers)
+    assert refused.status_code == 429
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert client.post("/v1/jobs", json=VALID, headers=globex.headers).status_code == 202
+    assert count_jobs(sessions) == 3
+
+
+def test_active_job_cap_is_429_until_one_finishes(
+    make_client: ClientFactory, acme: TenantKey, sessions: sessionmaker[Session]
+) -> None:
+    """At tenant_max_active_jobs queued or running, the next waits; a cancel frees a slot."""
+    client = make_client(tenant_max_active_jobs=2)
+    ids = [client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+           for _ in range(2)]
+    refused = client.post("/v1/jobs", json=VALID, headers=acme.headers)
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "too_many_active_jobs"
+    assert "Retry-After" in refused.headers
+    assert count_jobs(sessions) == 2
+    client.post(f"/v1/jobs/{ids[0]}/cancel", headers=acme.headers)
+    assert client.post("/v1/jobs", json=VALID, headers=acme.headers).status_code == 202
