@@ -1,0 +1,272 @@
+"""Attention over the paged KV cache: a pure-torch backend and a flash-attn backend.
+
+Each backend is responsible for two things per layer: writing this step's new K/V into the
+pool (one vectorised `index_copy_` per tensor, never a loop over tokens) and attending every
+query to the cached positions of its own sequence, causally.
+
+Pool layout per layer, shared by both backends (it is flash-attn's paged layout):
+`(num_blocks, block_size, num_kv_heads, head_dim)`. Token position p of a sequence lives in
+slot `block_table[p // block_size] * block_size + p % block_size`; e.g. with block_size 16
+and block_table [7, 2], position 20 is slot 2 * 16 + 4 = 36.
+
+Rows of a batch arrive ordered by the model runner: single-query sequences ("decodes",
+though a one-token prefill chunk counts too) first, by ascending sequence length, then the
+longer chunks. The torch backend relies on that order to batch decodes with little padding.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# A new decode group starts when a sequence needs this many times the blocks of the group's
+# shortest one: padding stays under ~1.5x while the number of kernel launches stays small.
+_DECODE_GROUP_GROWTH = 1.5
+
+
+@dataclass(slots=True)
+class BatchLayout:
+    """Host-side description of one step, from which each backend builds its metadata."""
+
+    query_lens: list[int]  # new tokens per sequence this step
+    seq_lens: list[int]  # tokens in the cache after this step (cached + new)
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # (num_tokens,) int64 on the device
+    num_decodes: int  # leading sequences whose query length is 1
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the pool and computes paged causal attention."""
+
+    name: str
+    default_block_size: int
+    supports_cuda_graphs: bool = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be a multiple of "
+                f"num_key_value_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raise ValueError naming block_size when this backend cannot page with it."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+
+    @abstractmethod
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> object:
+        """Turn the step's layout into the tensors forward() needs, once for all layers."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+    ) -> torch.Tensor:
+        """Store k/v, attend q; q (N, H, D), k/v (N, Hkv, D) -> (N, H * D)."""
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter this step's K/V rows (N, Hkv, D) into their pool slots in one op each."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    # (num_blocks, block_size, Hkv, D) -> (num_slots, Hkv, D): a view, the pool is contiguous.
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to `device`; pinned first on CUDA so the copy does not block the host."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    start: int  # first row of the group in the batch
+    end: int
+    num_blocks: int  # blocks gathered per sequence (padded to the longest in the group)
+    block_ids: torch.Tensor  # (rows * num_blocks,) int64; padding points at block 0
+    mask: torch.Tensor  # (rows, 1, 1, num_blocks * block_size) bool: True = attend
+
+
+@dataclass(slots=True)
+class _Chunk:
+    start: int
+    end: int
+    block_ids: torch.Tensor | None  # None: nothing cached before, attend to the chunk itself
+    seq_len: int
+    mask: torch.Tensor | None  # (n, seq_len) bool causal mask offset by the cached length
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata:
+    """What the torch backend needs for one step, shared by every layer."""
+
+    slot_mapping: torch.Tensor
+    block_size: int
+    decode_groups: list[_DecodeGroup] = field(default_factory=list)
+    chunks: list[_Chunk] = field(default_factory=list)
+    max_gather_blocks: int = 0
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Paged attention with torch's SDPA; any device, any block size, fp32 included.
+
+    Decodes are gathered block-wise into a reusable workspace (fresh allocations of tens of
+    MB per layer cost more than the copy itself on CPU) and attended in a few batched SDPA
+    calls, grouped by length; longer chunks are attended one sequence at a time.
+    """
+
+    name = "torch"
+    default_block_size = 16
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self._k_workspace: torch.Tensor | None = None
+        self._v_workspace: torch.Tensor | None = None
+
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchAttentionMetadata:
+        """Group decodes by length and describe each longer chunk."""
+        block_size = layout.block_size
+        meta = TorchAttentionMetadata(slot_mapping=layout.slot_mapping, block_size=block_size)
+        seq_nblocks = [-(-n // block_size) for n in layout.seq_lens]
+        start = 0
+        while start < layout.num_decodes:
+            end = start + 1
+            limit = seq_nblocks[start] * _DECODE_GROUP_GROWTH
+            while end < layout.num_decodes and seq_nblocks[end] <= limit:
+                end += 1
+            meta.decode_groups.append(self._decode_group(layout, seq_nblocks, start, end, device))
+            meta.max_gather_blocks = max(
+                meta.max_gather_blocks, meta.decode_groups[-1].block_ids.numel()
+            )
+            start = end
+        row = layout.num_decodes
+        for i in range(layout.num_decodes, len(layout.query_lens)):
+            n, seq_len = layout.query_lens[i], layout.seq_lens[i]
+            chunk = _Chunk(start=row, end=row + n, block_ids=None, seq_len=seq_len, mask=None)
+            if seq_len > n:  # part of the context is only in the pool
+                num_cached = seq_len - n
+                chunk.block_ids = to_device(
+                    torch.tensor(layout.block_tables[i][: seq_nblocks[i]], dtype=torch.int64),
+                    device,
+                )
+                # Query j sits at position num_cached + j and sees keys 0..num_cached + j.
+                mask = torch.arange(seq_len)[None, :] <= (num_cached + torch.arange(n))[:, None]
+                chunk.mask = to_device(mask, device)
+                meta.max_gather_blocks = max(meta.max_gather_blocks, seq_nblocks[i])
+            meta.chunks.append(chunk)
+            row += n
+        return meta
+
+    @staticmethod
+    def _decode_group(
+        layout: BatchLayout, seq_nblocks: list[int], start: int, end: int, device: torch.device
+    ) -> _DecodeGroup:
+        num_blocks = seq_nblocks[end - 1]  # rows are sorted by length: the last is the longest
+        block_size = layout.block_size
+        ids = [
+            layout.block_tables[i][: seq_nblocks[i]] + [0] * (num_blocks - seq_nblocks[i])
+            for i in range(start, end)
+        ]
+        seq_lens = torch.tensor(layout.seq_lens[start:end])
+        mask = torch.arange(num_blocks * block_size)[None, :] < seq_lens[:, None]
+        return _DecodeGroup(
+            start=start,
+            end=end,
+            num_blocks=num_blocks,
+            block_ids=to_device(torch.tensor(ids, dtype=torch.int64).view(-1), device),
+            mask=to_device(mask[:, None, None, :], device),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+    ) -> torch.Tensor:
+        """Store k/v, then attend decodes in groups and longer chunks one by one."""
+        assert isinstance(metadata, TorchAttentionMetadata)
+        meta = metadata
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        num_tokens = q.shape[0]
+        hkv, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // hkv
+        k_ws, v_ws = self._workspaces(k_cache, meta.max_gather_blocks)
+        out = q.new_empty(num_tokens, self.num_heads, d)
+        for g in meta.decode_groups:
+            rows = g.end - g.start
+            n = g.block_ids.numel()
+            # (rows * nb, block_size, Hkv, D) -> (rows, Hkv, nb * block_size, D), strided view.
+            kg = torch.index_select(k_cache, 0, g.block_ids, out=k_ws[:n])
+            vg = torch.index_select(v_cache, 0, g.block_ids, out=v_ws[:n])
+            kg = kg.view(rows, -1, hkv, d).transpose(1, 2)
+            vg = vg.view(rows, -1, hkv, d).transpose(1, 2)
+            # One query per row: its query heads of one KV head act as `group` query rows of
+            # that head, so GQA needs no repeated K/V. (rows, Hkv, group, D)
+            qg = q[g.start : g.end].view(rows, hkv, group, d)
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale)
+            out[g.start : g.end] = o.reshape(rows, self.num_heads, d)
+        for c in meta.chunks:
+            qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
+            if c.block_ids is None:
+                kc = k[c.start : c.end].transpose(0, 1).unsqueeze(0)  # (1, Hkv, n, D)
+                vc = v[c.start : c.end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=group > 1
+                )
+            else:
+                n = c.block_ids.numel()
+                kc = torch.index_select(k_cache, 0, c.block_ids, out=k_ws[:n])
+                vc = torch.index_select(v_cache, 0, c.block_ids, out=v_ws[:n])
+                kc = kc.view(-1, hkv, d)[: c.seq_len].transpose(0, 1).unsqueeze(0)
+                vc = vc.view(-1, hkv, d)[: c.seq_len].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    qc, kc, vc, attn_mask=c.mask, scale=self.scale, enable_gqa=group > 1
+                )
+            out[c.start : c.end] = o[0].transpose(0, 1)
+        return out.view(num_tokens, self.num_heads * d)
+
+    def _workspaces(
+        self, cache: torch.Tensor, num_blocks: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grow-only gather buffers shaped like `num_blocks` pool blocks."""
+        ws = self._k_workspace
+        if (
+            ws is None
+            or ws.shape[0] < num_blocks
+            or ws.shape[1:] != cache.shape[1:]
+            or ws.dtype != cache.dtype
+            or ws.device != cache.device
+        ):
+            size = max(num_blocks, 1)
+            self._k_workspace = cache.new_empty(size, *cache.shape[1:])
+            self._v_workspace = cache.new_empty(size, *cache.shape[1:])
+        assert self._k_workspace is not None and self._v_workspace is not None
+        return self._k_workspace, self._v_workspace

@@ -1,0 +1,189 @@
+"""Loading weights into the decoder: Hugging Face safetensors directories, and GGUF files
+dequantized once through transformers into such a directory (the cache that makes the
+second load fast)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, PretrainedConfig
+
+from workers.engine.attention import AttentionBackend
+from workers.engine.model import FusedLinear, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# Hugging Face keeps these projections apart; our decoder runs each group as one matmul.
+# checkpoint name -> (our fused module, shard index within its output rows)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# Buffers some checkpoints carry that the decoder recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_hf_config(model_dir: Path) -> PretrainedConfig:
+    """Read config.json of a local model directory (never the hub)."""
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"model directory {model_dir} has no config.json")
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+def read_eos_token_ids(model_dir: Path, hf_config: PretrainedConfig) -> set[int]:
+    """End-of-sequence ids from config.json and generation_config.json, merged."""
+    found: set[int] = set()
+    sources: list[object] = [getattr(hf_config, "eos_token_id", None)]
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.is_file():
+        sources.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            found.add(value)
+        elif isinstance(value, list):
+            found.update(int(v) for v in value)
+    return found
+
+
+def load_model(
+    model_dir: Path,
+    hf_config: PretrainedConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LlamaForCausalLM:
+    """Build the decoder on `device` in `dtype` and fill it from the directory's safetensors."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {model_dir} has no .safetensors files")
+    with torch.device("meta"):  # no init work or memory for weights about to be overwritten
+        model = LlamaForCausalLM(hf_config, backend)
+    model = model.to(dtype).to_empty(device=device)
+    model.rotary.reset_table(device, dtype)
+    params = dict(model.named_parameters())
+    loaded: set[tuple[str, int | None]] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                target = _target_of(name, model.tie_word_embeddings)
+                if target is None:
+                    continue
+                param_name, shard = target
+                if param_name not in params:
+                    raise ValueError(f"model checkpoint has an unexpected weight {name!r}")
+                sizes = _output_sizes(model, param_name)
+                _copy_into(params[param_name], sizes, shard, f.get_tensor(name), name)
+                loaded.add(target)
+    _check_complete(model, params, loaded)
+    model.eval()
+    logger.info("loaded %s (%d files) as %s on %s", model_dir, len(files), dtype, device)
+    return model
+
+
+def _target_of(name: str, tied: bool) -> tuple[str, int | None] | None:
+    """Map a checkpoint tensor name to (our parameter name, shard) or None to skip it."""
+    if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+        return None
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        fused, shard = _FUSED[parts[-2]]
+        return ".".join([*parts[:-2], fused, parts[-1]]), shard
+    return name, None
+
+
+def _output_sizes(model: LlamaForCausalLM, param_name: str) -> list[int] | None:
+    """Row sizes of the checkpoint matrices stacked in a fused parameter, else None."""
+    module = model.get_submodule(param_name.rsplit(".", 1)[0])
+    return module.output_sizes if isinstance(module, FusedLinear) else None
+
+
+def _copy_into(
+    param: torch.Tensor,
+    sizes: list[int] | None,
+    shard: int | None,
+    tensor: torch.Tensor,
+    name: str,
+) -> None:
+    """Copy a checkpoint tensor into a parameter, or into its rows of a fused parameter."""
+    target = param.data
+    if shard is not None:
+        if sizes is None:
+            raise ValueError(f"model checkpoint has an unexpected weight {name!r}")
+        target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+    if target.shape != tensor.shape:
+        raise ValueError(
+            f"model weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+        )
+    target.copy_(tensor)
+
+
+def _check_complete(
+    model: LlamaForCausalLM,
+    params: dict[str, torch.nn.Parameter],
+    loaded: set[tuple[str, int | None]],
+) -> None:
+    """Every parameter (every shard of a fused one) must have come from the checkpoint."""
+    missing = []
+    for name in params:
+        sizes = _output_sizes(model, name)
+        shards: list[int | None] = list(range(len(sizes))) if sizes else [None]
+        missing += [
+            f"{name}[{s}]" if s is not None else name for s in shards if (name, s) not in loaded
+        ]
+    if missing:
+        raise ValueError(f"model checkpoint lacks weights: {', '.join(missing[:8])}")
+
+
+def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF file once into a safetensors model directory with its tokenizer.
+
+    Returns out_dir at once when it is already prepared. Writes into a temporary sibling
+    and renames it into place, so concurrent workers never see a half-written directory.
+    """
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    if not gguf_file.is_file():
+        raise ValueError(f"model file {gguf_file} does not exist")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        logger.info("dequantizing %s into %s (once)", gguf_file, out_dir)
+        kwargs = {"gguf_file": gguf_file.name, "local_files_only": True}
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            gguf_file.parent, dtype=torch.float32, **kwargs
+        )
+        tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
+        state = {
+            name: tensor.contiguous()
+            for name, tensor in hf_model.state_dict().items()
+            if not (tied and name == "lm_head.weight")  # shared with the embedding
+        }
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = hf_model.config.to_dict()
+        config.pop("quantization_config", None)  # the saved weights are plain fp32
+        config["dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        hf_model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)  # tokenizer.json, chat template included
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            if not (out_dir / "config.json").is_file():
+                raise
+            logger.info("%s was prepared concurrently; keeping that copy", out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

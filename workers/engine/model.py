@@ -1,0 +1,261 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) on torch, over a paged KV cache.
+
+Tokens of every sequence in a step are packed along one axis (no padding): the model sees
+`input_ids (N,)` and `positions (N,)`, and attention finds each token's sequence through
+the backend metadata. Projections are fused (q/k/v into `qkv_proj`, gate/up into
+`gate_up_proj`) so a layer runs two large matmuls instead of five; the loader concatenates
+Hugging Face's separate weights into them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from workers.engine.attention import AttentionBackend
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+
+
+def check_supported(hf_config: PretrainedConfig) -> None:
+    """Raise ValueError naming `model` for architectures this decoder cannot run."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model architecture {model_type!r} is not supported; "
+            f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"model hidden_act {hf_config.hidden_act!r} is not supported (silu only)")
+    if model_type == "qwen2" and getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("model uses sliding-window attention, which is not supported")
+    if model_type == "mistral" and getattr(hf_config, "sliding_window", None):
+        raise ValueError("model uses sliding-window attention, which is not supported")
+    rope_inv_freq(hf_config)  # raises for unsupported rope scaling
+
+
+def _rope_parameters(hf_config: PretrainedConfig) -> tuple[float, dict[str, Any]]:
+    """(theta, scaling dict) from either transformers' new `rope_parameters` or the old keys."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    scaling = dict(params) if params.get("rope_type", "default") != "default" else {}
+    legacy = getattr(hf_config, "rope_scaling", None)
+    if not scaling and legacy:
+        scaling = dict(legacy)
+        scaling.setdefault("rope_type", scaling.get("type", "default"))
+    return theta, scaling
+
+
+def rope_inv_freq(hf_config: PretrainedConfig) -> torch.Tensor:
+    """Inverse frequencies (D/2,) float32, with linear or llama3 scaling when configured."""
+    theta, scaling = _rope_parameters(hf_config)
+    dim = head_dim_of(hf_config)
+    # Same arithmetic as Hugging Face so fp32 results match bit for bit.
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (theta**exponents)
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"model rope_scaling type {rope_type!r} is not supported")
+
+
+def head_dim_of(hf_config: PretrainedConfig) -> int:
+    """Per-head size: explicit `head_dim`, else hidden_size / num_attention_heads."""
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+class FusedLinear(nn.Linear):
+    """A Linear whose output rows stack several checkpoint matrices (q/k/v, gate/up)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = output_sizes
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in fp32 as Hugging Face does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension of x (N, hidden)."""
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with a precomputed (max_positions, D) cos/sin table."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
+        super().__init__()
+        self.inv_freq = inv_freq
+        self.max_positions = max_positions
+        self.register_buffer("cos_sin", self._table(), persistent=False)
+
+    def _table(self) -> torch.Tensor:
+        positions = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
+        freqs = positions[:, None] * self.inv_freq[None, :]  # (P, D/2)
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # (P, D): [cos | sin]
+
+    def reset_table(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Recompute the table (after building on the meta device)."""
+        self.cos_sin = self._table().to(device=device, dtype=dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x (N, heads, D) by its token positions (N,), half-split (NeoX) style."""
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # (N, 1, D/2) each
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    """Fused q/k/v projection, RoPE, paged attention and output projection."""
+
+    def __init__(self, hf_config: PretrainedConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(hf_config)
+        hidden = hf_config.hidden_size
+        # Qwen2 biases q/k/v only; Llama's attention_bias covers all four projections.
+        is_qwen2 = hf_config.model_type == "qwen2"
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        qkv_bias, o_bias = is_qwen2 or attention_bias, not is_qwen2 and attention_bias
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.backend = backend
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+    ) -> torch.Tensor:
+        """x (N, hidden) -> (N, hidden)."""
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)  # (N, (H + 2 Hkv) * D)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # Rotate q and k together: one kernel chain for H + Hkv heads. (N, H + Hkv, D)
+        qk = rotary(positions, qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, metadata)  # (N, H * D)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) with gate and up fused."""
+
+    def __init__(self, hf_config: PretrainedConfig) -> None:
+        super().__init__()
+        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        self.gate_up_proj = FusedLinear(hidden, [inter, inter], bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, hidden) -> (N, hidden)."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual."""
+
+    def __init__(self, hf_config: PretrainedConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.self_attn = Attention(hf_config, backend)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.mlp = MLP(hf_config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+    ) -> torch.Tensor:
+        """x (N, hidden) -> (N, hidden)."""
+        x = x + self.self_attn(
+            positions, self.input_layernorm(x), rotary, k_cache, v_cache, metadata
+        )
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the decoder stack and the final norm (Hugging Face's `model.*` weights)."""
+
+    def __init__(self, hf_config: PretrainedConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf_config, backend) for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder; forward() returns hidden states, compute_logits() the vocab scores."""
+
+    def __init__(self, hf_config: PretrainedConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        check_supported(hf_config)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = DecoderModel(hf_config, backend)
+        self.rotary = RotaryEmbedding(rope_inv_freq(hf_config), hf_config.max_position_embeddings)
+        self.lm_head: nn.Linear | None = None
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: object,
+    ) -> torch.Tensor:
+        """input_ids, positions (N,) -> hidden states (N, hidden).
+
+        kv_cache is the whole pool, (2, num_layers, num_blocks, block_size, Hkv, D).
+        """
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(positions, x, self.rotary, kv_cache[0, i], kv_cache[1, i], metadata)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (M, hidden) -> float32 logits (M, vocab), only for the rows that sample."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

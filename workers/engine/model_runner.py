@@ -1,0 +1,315 @@
+"""Runs the model for the scheduler: one forward pass per step over a mixed batch.
+
+Responsible for resolving and loading the model, choosing the attention backend and block
+size, sizing and owning the KV pool, packing (sequences, scheduled token counts) into flat
+tensors with their pool slots, running the forward (eagerly, or from a captured decode CUDA
+graph), computing logits only for the sequences that sample this step, and sampling.
+It reads sequences and never changes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from workers.engine.attention import AttentionBackend, BatchLayout, TorchAttentionBackend, to_device
+from workers.engine.config import EngineConfig
+from workers.engine.cuda_graphs import DecodeGraphs
+from workers.engine.flash_attention import HAS_FLASH_ATTN, FlashAttentionBackend
+from workers.engine.loader import load_hf_config, load_model, read_eos_token_ids
+from workers.engine.model import check_supported, head_dim_of
+from workers.engine.registry import resolve_model
+from workers.engine.sampler import SampledToken, Sampler
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_BYTES = 1 << 30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class _Step:
+    """Host-side packing of one step; rows ordered decodes first (see attention.py)."""
+
+    order: list[int] = field(default_factory=list)  # batch row -> index into seqs
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    num_decodes: int = 0
+    sample_token_rows: list[int] = field(default_factory=list)  # last token of sampling seqs
+    sample_seq_indices: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Owns the model, the KV pool and the sampler; executes scheduled batches."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir: Path = resolve_model(config.model, config.models_dir)
+        self.hf_config: PretrainedConfig = load_hf_config(self.model_dir)
+        check_supported(self.hf_config)
+        self.device = _pick_device(config.device)
+        self.dtype = _pick_dtype(config.dtype, self.hf_config, self.device)
+        self.backend = _pick_backend(
+            config.attention_backend, self.device, self.dtype, self.hf_config
+        )
+        self.block_size = config.block_size or self.backend.default_block_size
+        self.backend.check_block_size(self.block_size)
+        self.max_model_len = min(
+            config.max_model_len or self.hf_config.max_position_embeddings,
+            self.hf_config.max_position_embeddings,
+        )
+        self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
+        self.model = load_model(
+            self.model_dir, self.hf_config, self.backend, self.dtype, self.device
+        )
+        self.sampler = Sampler(config.seed, self.device)
+        self.num_kv_blocks = self._count_kv_blocks()
+        # One extra block at the end: scratch space for padded CUDA-graph rows; the block
+        # manager only ever sees ids 0..num_kv_blocks-1. Zeroed so masked reads stay finite.
+        self.kv_cache = self._new_pool(self.num_kv_blocks + 1)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs()
+        logger.info(
+            "model runner ready: %s, %s on %s, %s attention, %d KV blocks of %d tokens",
+            self.model_dir.name, self.dtype, self.device, self.backend.name,
+            self.num_kv_blocks, self.block_size,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def execute(
+        self, seqs: list[Sequence], num_scheduled_tokens: list[int]
+    ) -> list[SampledToken | None]:
+        """One forward pass over a mixed batch (prefill chunks and decodes together).
+
+        Computes positions c..c+n-1 of each sequence (c = num_computed_tokens,
+        n = num_scheduled_tokens[i]), writes their K/V into the pool, and returns a sampled
+        token for every sequence that reaches its last token (c + n == num_tokens), else None.
+        """
+        if len(seqs) != len(num_scheduled_tokens):
+            raise ValueError("num_scheduled_tokens must have one entry per sequence")
+        if not seqs:
+            return []
+        step = self._pack(seqs, num_scheduled_tokens)
+        graphs = self.graphs
+        max_blocks = max(len(t) for t in step.block_tables)
+        if (
+            graphs is not None
+            and step.num_decodes == len(seqs)
+            and graphs.can_run(len(seqs), max_blocks)
+        ):
+            hidden = graphs.run(
+                step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.block_tables
+            )
+        else:
+            hidden = self._forward_eager(step)
+        results: list[SampledToken | None] = [None] * len(seqs)
+        if not step.sample_seq_indices:
+            return results
+        rows = to_device(torch.tensor(step.sample_token_rows), self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # (M, vocab)
+        sampling_seqs = [seqs[i] for i in step.sample_seq_indices]
+        tokens = self.sampler.sample(
+            logits, [s.params for s in sampling_seqs], [s.num_output_tokens for s in sampling_seqs]
+        )
+        for i, token in zip(step.sample_seq_indices, tokens, strict=True):
+            results[i] = token
+        return results
+
+    def _forward_eager(self, step: _Step) -> torch.Tensor:
+        """Run the model without graphs; hidden states (N, hidden) in batch-row order."""
+        layout = BatchLayout(
+            query_lens=step.query_lens,
+            seq_lens=step.seq_lens,
+            block_tables=step.block_tables,
+            slot_mapping=to_device(torch.tensor(step.slot_mapping), self.device),
+            num_decodes=step.num_decodes,
+            block_size=self.block_size,
+        )
+        metadata = self.backend.build_metadata(layout, self.device)
+        input_ids = to_device(torch.tensor(step.input_ids), self.device)
+        positions = to_device(torch.tensor(step.positions), self.device)
+        return self.model(input_ids, positions, self.kv_cache, metadata)
+
+    def _pack(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> _Step:
+        """Order rows (decodes first, shortest first) and list tokens, positions and slots."""
+        bs = self.block_size
+        decodes = [i for i, n in enumerate(num_scheduled_tokens) if n == 1]
+        decodes.sort(key=lambda i: seqs[i].num_computed_tokens)
+        others = [i for i, n in enumerate(num_scheduled_tokens) if n != 1]
+        step = _Step(order=decodes + others, num_decodes=len(decodes))
+        for i in step.order:
+            seq, n = seqs[i], num_scheduled_tokens[i]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            self._check_scheduled(seq, n, end)
+            step.input_ids += seq.token_ids[start:end]
+            step.positions += range(start, end)
+            # Slots block by block: e.g. block_size 16, positions 14..17 of table [7, 2] ->
+            # 7*16+14, 7*16+15 from block 7, then 2*16+0, 2*16+1 from block 2.
+            pos = start
+            while pos < end:
+                block_end = min(end, (pos // bs + 1) * bs)
+                base = seq.block_table[pos // bs] * bs - (pos // bs) * bs
+                step.slot_mapping += range(base + pos, base + block_end)
+                pos = block_end
+            step.query_lens.append(n)
+            step.seq_lens.append(end)
+            step.block_tables.append(seq.block_table)
+            if end == seq.num_tokens:
+                step.sample_token_rows.append(len(step.input_ids) - 1)
+                step.sample_seq_indices.append(i)
+        return step
+
+    def _check_scheduled(self, seq: Sequence, n: int, end: int) -> None:
+        """Scheduler/runner contract checks, cheap enough to run on every step."""
+        if n < 1 or end > seq.num_tokens:
+            raise ValueError(
+                f"num_scheduled_tokens {n} for {seq.request_id} must be in "
+                f"[1, {seq.num_tokens - seq.num_computed_tokens}]"
+            )
+        if end > self.max_model_len:
+            raise ValueError(
+                f"{seq.request_id} reaches {end} tokens > max_model_len {self.max_model_len}"
+            )
+        if len(seq.block_table) * self.block_size < end:
+            raise ValueError(f"block_table of {seq.request_id} does not cover position {end - 1}")
+
+    def _count_kv_blocks(self) -> int:
+        """Blocks from num_kv_blocks, a byte budget, free CUDA memory, or 1 GiB on CPU."""
+        config = self.config
+        if config.num_kv_blocks is not None:
+            if config.num_kv_blocks < 1:
+                raise ValueError(f"num_kv_blocks must be >= 1, got {config.num_kv_blocks}")
+            return config.num_kv_blocks
+        if config.kv_cache_memory_bytes is not None:
+            budget = config.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = _CPU_KV_BYTES
+        num_blocks = budget // self._block_bytes()
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes ({budget} available) holds no {self._block_bytes()}-byte "
+                f"block; raise it or gpu_memory_utilization"
+            )
+        return int(num_blocks)
+
+    def _block_bytes(self) -> int:
+        layers = self.hf_config.num_hidden_layers
+        kv_heads = getattr(self.hf_config, "num_key_value_heads", None) or (
+            self.hf_config.num_attention_heads
+        )
+        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * layers * self.block_size * kv_heads * head_dim_of(self.hf_config) * itemsize
+
+    def _new_pool(self, num_blocks: int) -> torch.Tensor:
+        """(2, layers, num_blocks, block_size, Hkv, D): K and V of every layer in one tensor."""
+        kv_heads = getattr(self.hf_config, "num_key_value_heads", None) or (
+            self.hf_config.num_attention_heads
+        )
+        shape = (
+            2, self.hf_config.num_hidden_layers, num_blocks, self.block_size,
+            kv_heads, head_dim_of(self.hf_config),
+        )  # fmt: skip
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _cuda_kv_budget(self) -> int:
+        """gpu_memory_utilization of free memory, less what the largest step needs."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._profile_step()
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        # The sampler's (num_seqs, vocab) fp32 temporaries for a full decode batch.
+        sampler_bytes = 4 * 4 * self.config.max_num_seqs * self.hf_config.vocab_size
+        return int(free * self.config.gpu_memory_utilization) - peak - sampler_bytes
+
+    def _profile_step(self) -> None:
+        """Run the largest prefill step once on a throwaway pool to measure activations."""
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len * 64)
+        lengths: list[int] = []
+        while num_tokens > 0 and len(lengths) < self.config.max_num_seqs:
+            lengths.append(min(num_tokens, self.max_model_len))
+            num_tokens -= lengths[-1]
+        blocks = [-(-n // self.block_size) for n in lengths]
+        self.kv_cache = self._new_pool(sum(blocks) + 1)
+        seqs: list[Sequence] = []
+        first = 0
+        for i, (n, nb) in enumerate(zip(lengths, blocks, strict=True)):
+            seq = Sequence(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1, temperature=0))
+            seq.block_table = list(range(first, first + nb))
+            first += nb
+            seqs.append(seq)
+        self.execute(seqs, lengths)
+        del self.kv_cache
+
+    def _capture_graphs(self) -> None:
+        if not isinstance(self.backend, FlashAttentionBackend):
+            logger.info("CUDA graphs need the flash attention backend; running decode eagerly")
+            return
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.backend,
+            self.kv_cache,
+            max_batch_size=min(self.config.max_num_seqs, 512),
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            scratch_block=self.num_kv_blocks,
+            block_size=self.block_size,
+        )
+        self.graphs.capture()
+
+
+def _pick_device(name: str) -> torch.device:
+    """auto: CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def _pick_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """auto: fp32 on CPU; on CUDA the checkpoint's half type, else bfloat16."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(saved, str):
+        saved = _DTYPES.get(saved)
+    return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _pick_backend(
+    name: str, device: torch.device, dtype: torch.dtype, hf_config: PretrainedConfig
+) -> AttentionBackend:
+    """auto: flash-attn on CUDA in fp16/bf16 when it imports, else the torch path."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = head_dim_of(hf_config)
+    is_half = dtype in (torch.float16, torch.bfloat16)
+    if name == "flash":
+        if device.type != "cuda" or not HAS_FLASH_ATTN:
+            raise ValueError(
+                "attention_backend 'flash' needs CUDA and the flash-attn package "
+                "(pip install 'batchinfer[flash]')"
+            )
+        if not is_half:
+            raise ValueError("dtype must be float16 or bfloat16 with attention_backend 'flash'")
+    if name == "flash" or (name == "auto" and device.type == "cuda" and HAS_FLASH_ATTN and is_half):
+        return FlashAttentionBackend(heads, kv_heads, head_dim)
+    return TorchAttentionBackend(heads, kv_heads, head_dim)
