@@ -18,6 +18,9 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 
 def _configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    if logging.getLogger().level > logging.DEBUG:
+        # kafka-python narrates every connection and metadata refresh at INFO.
+        logging.getLogger("kafka").setLevel(logging.WARNING)
 
 
 def _override_env(**values: object) -> None:
@@ -192,7 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return func(args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, ConnectionError) as e:
+    except (ValueError, FileNotFoundError, ConnectionError, RuntimeError) as e:
+        # What a user can act on, without a traceback (which --log-level DEBUG shows).
+        logging.getLogger(__name__).debug("%s failed", args.command, exc_info=True)
         print(f"batchinfer {args.command}: {e}", file=sys.stderr)
         return 2
 

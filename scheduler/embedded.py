@@ -64,10 +64,21 @@ def _install_stop_handlers(stop: threading.Event) -> Callable[[], None]:
 
 
 def ensure_model(name: str, models_dir: Path) -> Path:
-    """The model's local directory, pulling it first when it is not there yet."""
-    from workers.engine.registry import pull_model
+    """The model's local directory, pulling it first when it is not there yet.
 
-    return Path(pull_model(name, models_dir))
+    Runs `batchinfer models pull` in a child process (a no-op when the model is there), so
+    this process never imports torch: only the workers need it.
+    """
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "core.cli", "models", "pull", name, "--models-dir",
+         str(models_dir)],
+        stdout=subprocess.PIPE, stderr=None, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"could not pull model {name!r} (exit code {result.returncode})")
+    return Path(result.stdout.strip().splitlines()[-1])
 
 
 def dev_api_key(data_dir: Path, database_url: str) -> str:
