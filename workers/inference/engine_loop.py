@@ -1,0 +1,173 @@
+"""The engine stepping on its own thread, fed and drained through thread-safe queues.
+
+Responsible for: owning the `LLMEngine` once started (no other thread touches it), taking
+new requests and aborts from the poll thread between steps, so new jobs join the running
+batch at the next step instead of waiting for a batch to fill; handing every finished,
+refused or aborted request back through a queue; refreshing the engine gauges.
+
+Why a thread: a step takes from milliseconds (GPU) to seconds (CPU), and the Kafka poll
+loop must keep polling, committing and reacting to rebalances meanwhile. torch releases
+the GIL inside its kernels, so the two threads share a core well.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from core import metrics
+from workers.engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
+from workers.inference.sampling import Prompt
+
+logger = logging.getLogger(__name__)
+
+# How long the idle engine thread waits for a new request before checking for stop.
+IDLE_WAIT_S = 0.05
+# How often the engine gauges are refreshed.
+STATS_INTERVAL_S = 1.0
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    priority: int
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class FinishedRequest:
+    """A request that left the engine: finished (`output`), refused (`error`) or aborted."""
+
+    request_id: str
+    output: RequestOutput | None = None
+    error: str | None = None
+    aborted: bool = False
+
+
+class EngineLoop:
+    """Runs `engine.step()` continuously on a background thread (see module docstring)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[FinishedRequest] = queue.SimpleQueue()
+        self._live_ids: set[str] = set()  # touched by the engine thread only
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.failure: BaseException | None = None
+        self._last_stats_at = 0.0
+        self._last_stats: EngineStats | None = None
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Ask the thread to finish its current step and end; wait up to `timeout`."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("engine thread still in a step after %.0f s", timeout or 0)
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the engine thread died of an unexpected error."""
+        return self.failure is None
+
+    def add(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int) -> None:
+        """Queue a request; it joins the running batch at the engine's next step."""
+        self._inbox.put(_Add(request_id, prompt, params, priority))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; a FinishedRequest with `aborted=True` follows if it was live."""
+        self._inbox.put(_Abort(request_id))
+
+    def take_finished(self, timeout: float = 0.0) -> list[FinishedRequest]:
+        """Everything finished since the last call; waits up to `timeout` for the first."""
+        finished: list[FinishedRequest] = []
+        try:
+            finished.append(
+                self._outbox.get(timeout=timeout) if timeout > 0 else self._outbox.get_nowait()
+            )
+        except queue.Empty:
+            return finished
+        while True:
+            try:
+                finished.append(self._outbox.get_nowait())
+            except queue.Empty:
+                return finished
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._apply_commands(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        if output.finished:
+                            self._live_ids.discard(output.request_id)
+                            self._outbox.put(FinishedRequest(output.request_id, output=output))
+                self._refresh_gauges()
+        except BaseException as e:  # noqa: BLE001 - reported to the poll thread, which exits
+            logger.exception("engine thread failed; the worker will stop")
+            self.failure = e
+
+    def _apply_commands(self, *, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            if command.request_id in self._live_ids:
+                self.engine.abort(command.request_id)
+                self._live_ids.discard(command.request_id)
+                self._outbox.put(FinishedRequest(command.request_id, aborted=True))
+            return
+        try:
+            self.engine.add_request(
+                command.request_id, command.prompt, command.params, priority=command.priority
+            )
+        except ValueError as e:
+            # Bad input for this request only (too long a prompt, unknown template...).
+            self._outbox.put(FinishedRequest(command.request_id, error=str(e)))
+            return
+        self._live_ids.add(command.request_id)
+
+    def _refresh_gauges(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats_at < STATS_INTERVAL_S:
+            return
+        stats = self.engine.stats()
+        metrics.ENGINE_RUNNING_SEQS.set(stats.num_running)
+        metrics.ENGINE_WAITING_SEQS.set(stats.num_waiting)
+        num_blocks = stats.num_kv_blocks_used + stats.num_kv_blocks_free
+        metrics.KV_CACHE_USAGE.set(stats.num_kv_blocks_used / num_blocks if num_blocks else 0.0)
+        last = self._last_stats
+        if last is not None:
+            elapsed = now - self._last_stats_at
+            generated = stats.num_generated_tokens - last.num_generated_tokens
+            metrics.ENGINE_TOKENS_PER_SECOND.set(generated / elapsed if elapsed > 0 else 0.0)
+            hits = stats.num_prefix_cache_hit_tokens - last.num_prefix_cache_hit_tokens
+            metrics.PREFIX_CACHE_HIT_TOKENS.inc(max(0, hits))
+            metrics.ENGINE_PREEMPTIONS.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        else:
+            metrics.PREFIX_CACHE_HIT_TOKENS.inc(stats.num_prefix_cache_hit_tokens)
+            metrics.ENGINE_PREEMPTIONS.inc(stats.num_preemptions)
+        self._last_stats, self._last_stats_at = stats, now

@@ -1,0 +1,178 @@
+"""The worker's reads and writes of job rows, with the caches and events around them.
+
+Responsible for: loading a job's status before running it (redelivered jobs that already
+finished are skipped), claiming it (`mark_running`), storing its result or error with the
+idempotent storage calls, and, after a write that actually finished the job, filling the
+exact-result cache and announcing completion. A webhook delivery is enqueued in the same
+transaction as the status write, so a crash keeps both or neither.
+
+Every write is its own short transaction: a row is committed before its Kafka offset is
+acknowledged, which is what makes the offset commit safe.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.messages import JobMessage
+from storage import jobs
+from storage.events import publish_job_done
+from storage.models import Job, JobStatus
+from storage.result_cache import ResultCache, result_cache_key
+from storage.webhook_events import JOB_STATUS_TO_EVENT, enqueue_event
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class JobSnapshot:
+    """What the worker needs to know about a job row before running it."""
+
+    status: JobStatus
+    created_at: datetime
+
+
+class JobStore:
+    """Job rows, result cache and completion events, as the inference worker uses them."""
+
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        redis_client: redis.Redis,
+        *,
+        prefix: str,
+        result_cache_ttl_s: int,
+    ) -> None:
+        self._sessions = sessions
+        self._redis = redis_client
+        self._prefix = prefix
+        self._cache = ResultCache(redis_client, prefix=prefix)
+        self._cache_ttl_s = result_cache_ttl_s
+
+    def load(self, job_id: str) -> JobSnapshot | None:
+        """The job's status and creation time, or None if no such row exists."""
+        with self._sessions() as session:
+            job = jobs.get_job(session, job_id=job_id)
+            return None if job is None else JobSnapshot(job.status, job.created_at)
+
+    def claim(self, job_id: str, *, worker_id: str) -> bool:
+        """Mark the job running on this worker; False if it finished meanwhile."""
+        with self._sessions() as session:
+            claimed = jobs.mark_running(session, job_id=job_id, worker_id=worker_id)
+            session.commit()
+            return claimed
+
+    def cached_result(self, message: JobMessage) -> dict[str, Any] | None:
+        """A stored result for an identical deterministic request, or None."""
+        return self._cache.get(self._cache_key(message))
+
+    def succeed(
+        self,
+        message: JobMessage,
+        *,
+        result: dict[str, Any],
+        first_token_at: datetime | None,
+        fill_cache: bool = True,
+    ) -> bool:
+        """Store the result; True only if this call finished the job (then cache and announce).
+
+        Token counts come from the result's OpenAI `usage` object.
+        """
+        usage = result.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        with self._sessions() as session:
+            finished = jobs.complete_job(
+                session,
+                job_id=message.job_id,
+                result=result,
+                prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                completion_tokens=int(usage.get("completion_tokens", 0)),
+                cached_tokens=int(details.get("cached_tokens", 0)),
+                first_token_at=first_token_at,
+            )
+            if finished:
+                self._enqueue_webhook(session, message.job_id, JobStatus.SUCCEEDED)
+            session.commit()
+        if not finished:
+            logger.info("job %s was already finished; result dropped", message.job_id)
+            return False
+        if fill_cache:
+            self._cache.put(self._cache_key(message), result, self._cache_ttl_s)
+        publish_job_done(
+            self._redis, prefix=self._prefix, job_id=message.job_id, status=JobStatus.SUCCEEDED
+        )
+        return True
+
+    def fail(self, message: JobMessage, *, error: dict[str, Any]) -> bool:
+        """Store the error; True only if this call finished the job (then announce)."""
+        with self._sessions() as session:
+            finished = jobs.fail_job(session, job_id=message.job_id, error=error)
+            if finished:
+                self._enqueue_webhook(session, message.job_id, JobStatus.FAILED)
+            session.commit()
+        if finished:
+            publish_job_done(
+                self._redis, prefix=self._prefix, job_id=message.job_id, status=JobStatus.FAILED
+            )
+        return finished
+
+    def _cache_key(self, message: JobMessage) -> str | None:
+        # Salted by tenant: equal requests of one tenant share results, tenants never do.
+        return result_cache_key(message.model, message.body, salt=message.tenant_id)
+
+    def _enqueue_webhook(self, session: Session, job_id: str, status: JobStatus) -> None:
+        job = jobs.get_job(session, job_id=job_id)
+        if job is None or not job.callback_url:
+            return
+        enqueue_event(
+            session,
+            tenant_id=job.tenant_id,
+            event_type=JOB_STATUS_TO_EVENT[status],
+            url=job.callback_url,
+            payload=job_event_payload(job),
+        )
+
+
+def job_event_payload(job: Job) -> dict[str, Any]:
+    """The job as `GET /v1/jobs/{id}` shows it: the `data` of its webhook event."""
+    usage = None
+    if job.prompt_tokens is not None and job.completion_tokens is not None:
+        usage = {
+            "prompt_tokens": job.prompt_tokens,
+            "completion_tokens": job.completion_tokens,
+            "total_tokens": job.prompt_tokens + job.completion_tokens,
+            "prompt_tokens_details": (
+                {"cached_tokens": job.cached_tokens} if job.cached_tokens is not None else None
+            ),
+        }
+    path = f"/v1/jobs/{job.id}"
+    return {
+        "id": job.id,
+        "object": "job",
+        "status": job.status.value,
+        "priority": job.priority,
+        "model": job.model,
+        "created_at": _unix(job.created_at),
+        "started_at": _unix(job.started_at),
+        "finished_at": _unix(job.finished_at),
+        "result": job.result,
+        "error": job.error,
+        "usage": usage,
+        "metadata": job.metadata_,
+        "links": {"self": path, "cancel": f"{path}/cancel"},
+    }
+
+
+def epoch_to_datetime(seconds: float | None) -> datetime | None:
+    """An engine timestamp (seconds since the epoch) as an aware UTC datetime."""
+    return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
+
+
+def _unix(moment: datetime | None) -> int | None:
+    return int(moment.timestamp()) if moment is not None else None

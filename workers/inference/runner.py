@@ -1,0 +1,118 @@
+"""Wiring one inference worker process: build its parts, run it, tear everything down.
+
+Responsible for: the order of start-up (topics, engine load before joining the consumer
+group so a slow load never stalls a rebalance, database, Redis, the cancel subscription,
+the consumer), a `finally` for every part started, SIGTERM/SIGINT turning into a clean
+drain, and the optional Prometheus exporter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from contextlib import ExitStack
+from types import FrameType
+
+import redis
+from prometheus_client import start_http_server
+
+from core.kafka import ensure_topics, make_consumer
+from core.settings import Settings, get_settings
+from storage.db import create_db_engine, session_factory
+from storage.events import CancelSubscription
+from workers.engine import EngineConfig, LLMEngine
+from workers.inference.engine_loop import EngineLoop
+from workers.inference.job_store import JobStore
+from workers.inference.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+# Seconds the engine thread may take to leave its current step at shutdown.
+ENGINE_STOP_TIMEOUT_S = 30.0
+
+
+def build_engine(settings: Settings) -> LLMEngine:
+    """The engine for `settings.model`, sized by the `engine_*` settings."""
+    return LLMEngine(
+        EngineConfig(
+            model=settings.model,
+            models_dir=settings.models_dir,
+            dtype=settings.engine_dtype,
+            device=settings.engine_device,
+            max_num_seqs=settings.engine_max_num_seqs,
+            max_num_batched_tokens=settings.engine_max_num_batched_tokens,
+            kv_cache_memory_bytes=settings.engine_kv_cache_memory_bytes,
+        )
+    )
+
+
+def default_worker_id() -> str:
+    """`<host>-<pid>`: unique per live process, readable in the jobs table."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = None) -> None:
+    """Run one inference worker until SIGTERM/SIGINT (or an engine failure), then drain.
+
+    Returns normally after a clean drain; raises if the engine thread or a dependency
+    failed (unfinished jobs are then redelivered to the next worker).
+    """
+    settings = settings or get_settings()
+    if settings.worker_metrics_port:
+        start_http_server(settings.worker_metrics_port)
+        logger.info("metrics on :%d/metrics", settings.worker_metrics_port)
+    ensure_topics(settings)
+    engine = engine or build_engine(settings)
+    with ExitStack() as stack:
+        db_engine = create_db_engine(settings.database_url)
+        stack.callback(db_engine.dispose)
+        redis_client = redis.Redis.from_url(settings.redis_url)
+        stack.callback(redis_client.close)
+        engine_loop = EngineLoop(engine)
+        engine_loop.start()
+        stack.callback(engine_loop.stop, ENGINE_STOP_TIMEOUT_S)
+        cancels = CancelSubscription(redis_client, prefix=settings.topic_prefix)
+        stack.callback(cancels.close)
+        consumer = make_consumer(settings)
+        stack.callback(consumer.close)
+        worker = Worker(
+            settings,
+            consumer=consumer,
+            engine_loop=engine_loop,
+            store=JobStore(
+                session_factory(db_engine),
+                redis_client,
+                prefix=settings.topic_prefix,
+                result_cache_ttl_s=settings.result_cache_ttl_s,
+            ),
+            cancels=cancels,
+            worker_id=default_worker_id(),
+        )
+        stack.enter_context(_stop_on_signals(worker))
+        worker.run()
+    logger.info("worker stopped cleanly")
+
+
+class _stop_on_signals:  # noqa: N801 - used as a context manager, reads like one
+    """Route SIGTERM and SIGINT to `worker.request_stop` (main thread only), then restore."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach only the main thread; an embedding caller stops us itself
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        logger.info("%s received: draining", signal.Signals(signum).name)
+        self._worker.request_stop()

@@ -1,0 +1,314 @@
+"""The inference worker's poll loop: Kafka → engine → database, at least once.
+
+Responsible for, on the polling thread (the engine steps on its own, see engine_loop):
+- polling the three priority topics with a short timeout, at most as many records as
+  there is room for in flight (everything paused when full, lower priorities paused
+  while a higher one has a backlog, see priority);
+- per record: decode (a malformed record is logged and acknowledged), skip jobs already
+  finished (redelivery), answer from the exact-result cache, refuse bad requests with a
+  stored error, else claim the job and add it to the engine's running batch;
+- per finished request: store the result (idempotent), fill the cache, announce it,
+  then acknowledge its offset; commit every partition up to its first unpersisted offset;
+- cancellations (Redis) abort the job in the engine;
+- after a rebalance, releasing in-flight jobs whose partitions went to another worker;
+- on stop: fetch nothing more, finish in-flight work up to the drain timeout, release the
+  rest (their offsets stay uncommitted, so they are redelivered), commit, return.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import redis
+from kafka import KafkaConsumer, TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
+from kafka.errors import KafkaError
+
+from core import metrics
+from core.messages import JobMessage
+from core.settings import Settings
+from core.topics import Priority
+from storage.events import CancelSubscription
+from storage.models import utcnow
+from workers.inference.engine_loop import EngineLoop, FinishedRequest
+from workers.inference.job_store import JobStore, epoch_to_datetime
+from workers.inference.offsets import OffsetTracker
+from workers.inference.priority import PriorityPauser
+from workers.inference.rebalance import RebalanceListener, offsets_to_commit
+from workers.inference.results import Completion, build_result, error_body, param_of
+from workers.inference.sampling import prompt_from_body, sampling_params_from_body
+
+logger = logging.getLogger(__name__)
+
+# Short, so finished jobs are stored and committed promptly while the engine runs.
+POLL_TIMEOUT_MS = 50
+# Request fields an error message may name (for the stored error's `param`).
+REQUEST_FIELDS = (
+    "max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+    "top_logprobs", "logprobs", "ignore_eos", "messages", "prompt", "model", "n",
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class InFlightJob:
+    """A job handed to the engine and not yet finished."""
+
+    message: JobMessage
+    created_at: datetime
+    # Every record that carried this job (a redelivery or a re-publish adds one).
+    records: set[tuple[TopicPartition, int]] = field(default_factory=set)
+    is_cancelled: bool = False  # aborted because the user cancelled it
+    is_released: bool = False  # aborted so that another worker (or restart) runs it
+
+
+class Worker:
+    """One worker's poll loop over already-built parts (see `run_worker` for wiring)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        consumer: KafkaConsumer,
+        engine_loop: EngineLoop,
+        store: JobStore,
+        cancels: CancelSubscription,
+        worker_id: str,
+    ) -> None:
+        self.settings = settings
+        self.worker_id = worker_id
+        self._consumer = consumer
+        self._engine = engine_loop
+        self._store = store
+        self._cancels = cancels
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._tracker = OffsetTracker()
+        self._inflight: dict[str, InFlightJob] = {}
+        topic_rank = {topic: Priority(p).rank for p, topic in settings.job_topics.items()}
+        self._pauser = PriorityPauser(topic_rank)
+        self._listener = RebalanceListener(consumer, self._tracker, self._lock, self._pauser)
+        self._max_model_len: int | None = getattr(engine_loop.engine, "max_model_len", None)
+
+    @property
+    def num_inflight(self) -> int:
+        """Jobs in the engine right now."""
+        return len(self._inflight)
+
+    def request_stop(self) -> None:
+        """Begin a clean shutdown (safe from a signal handler or another thread)."""
+        self._stop.set()
+
+    def run(self) -> None:
+        """Subscribe, process jobs until asked to stop, then drain and commit."""
+        self._consumer.subscribe(list(self.settings.job_topics.values()), listener=self._listener)
+        logger.info("worker %s consuming %s", self.worker_id, ", ".join(self.settings.job_topics))
+        while not self._stop.is_set():
+            self._check_engine()
+            self._housekeeping()
+            room = self.settings.worker_max_inflight - len(self._inflight)
+            self._pauser.update(self._consumer, is_full=room <= 0)
+            batches = self._consumer.poll(timeout_ms=POLL_TIMEOUT_MS, max_records=max(1, room))
+            for tp, records in batches.items():
+                for record in records:
+                    self._handle_record(tp, record)
+            metrics.WORKER_INFLIGHT.set(len(self._inflight))
+        self._drain()
+
+    def _check_engine(self) -> None:
+        if not self._engine.is_healthy:
+            raise RuntimeError("the engine thread failed; stopping") from self._engine.failure
+
+    def _housekeeping(self, finished_wait_s: float = 0.0) -> None:
+        self._handle_finished(self._engine.take_finished(finished_wait_s))
+        self._handle_cancels()
+        self._release_moved_jobs()
+        self._commit()
+
+    def _drain(self) -> None:
+        """Stop fetching, let in-flight jobs finish until the drain timeout, then give up."""
+        self._pauser.pause_all(self._consumer)
+        deadline = time.monotonic() + self.settings.worker_drain_timeout_s
+        logger.info(
+            "draining %d in-flight jobs (up to %.0f s)",
+            len(self._inflight),
+            self.settings.worker_drain_timeout_s,
+        )
+        while self._inflight and time.monotonic() < deadline and self._engine.is_healthy:
+            self._housekeeping(finished_wait_s=0.1)
+            # Keeps taking part in rebalances; everything is paused, so nothing is fetched.
+            self._consumer.poll(timeout_ms=0)
+        for job in self._inflight.values():
+            job.is_released = True
+            self._engine.abort(job.message.job_id)
+        if self._inflight:
+            logger.warning("released %d unfinished jobs for redelivery", len(self._inflight))
+        self._inflight.clear()
+        self._commit()
+        metrics.WORKER_INFLIGHT.set(0)
+
+    def _handle_record(self, tp: TopicPartition, record: ConsumerRecord) -> None:
+        with self._lock:
+            self._tracker.track(tp, record.offset)
+        try:
+            message = JobMessage.decode(record.value)
+        except ValueError as e:
+            logger.warning(
+                "skipping malformed record %s/%d@%d: %s", tp.topic, tp.partition, record.offset, e
+            )
+            self._ack({(tp, record.offset)})
+            return
+        running = self._inflight.get(message.job_id)
+        if running is not None:
+            running.records.add((tp, record.offset))
+            return
+        if not self._start(message, (tp, record.offset)):
+            self._ack({(tp, record.offset)})
+
+    def _start(self, message: JobMessage, record: tuple[TopicPartition, int]) -> bool:
+        """Put a job into the engine; False when it needs no engine (done, cached, refused)."""
+        snapshot = self._store.load(message.job_id)
+        if snapshot is None:
+            logger.warning("job %s has no row; skipping its record", message.job_id)
+            return False
+        if snapshot.status.is_terminal:
+            logger.debug("job %s already %s; skipping", message.job_id, snapshot.status.value)
+            return False
+        cached = self._store.cached_result(message)
+        if cached is not None:
+            self._finish_from_cache(message, cached, snapshot.created_at)
+            return False
+        try:
+            self._check_model(message)
+            prompt = prompt_from_body(message.kind, message.body)
+            params = sampling_params_from_body(
+                message.kind, message.body, max_model_len=self._max_model_len
+            )
+        except ValueError as e:
+            self._fail(message, str(e))
+            return False
+        if not self._store.claim(message.job_id, worker_id=self.worker_id):
+            return False
+        metrics.QUEUE_WAIT_SECONDS.labels(message.priority).observe(
+            max(0.0, (utcnow() - snapshot.created_at).total_seconds())
+        )
+        self._inflight[message.job_id] = InFlightJob(message, snapshot.created_at, {record})
+        self._engine.add(message.job_id, prompt, params, priority=Priority(message.priority).rank)
+        return True
+
+    def _check_model(self, message: JobMessage) -> None:
+        if message.model != self.settings.model:
+            raise ValueError(
+                f"model {message.model!r} is not served by this worker "
+                f"(it serves {self.settings.model!r})"
+            )
+
+    def _handle_finished(self, finished: list[FinishedRequest]) -> None:
+        for done in finished:
+            job = self._inflight.pop(done.request_id, None)
+            if job is None:
+                continue
+            if done.aborted or (done.output is not None and done.output.finish_reason == "abort"):
+                if job.is_cancelled:
+                    metrics.JOBS_CANCELLED.labels(job.message.priority).inc()
+                    self._ack(job.records)
+                continue  # released jobs stay unacknowledged: they are redelivered
+            if done.error is not None or done.output is None:
+                self._fail(job.message, done.error or "the engine returned no output")
+            else:
+                self._succeed(job, done)
+            self._ack(job.records)
+
+    def _succeed(self, job: InFlightJob, done: FinishedRequest) -> None:
+        output = done.output
+        assert output is not None
+        completion = Completion(
+            text=output.text,
+            token_ids=list(output.token_ids),
+            finish_reason=output.finish_reason or "stop",
+            num_prompt_tokens=output.num_prompt_tokens,
+            num_cached_tokens=output.num_cached_tokens,
+            logprobs=output.logprobs,
+        )
+        result = build_result(
+            job.message.kind,
+            job_id=job.message.job_id,
+            model=job.message.model,
+            completion=completion,
+            created=int(time.time()),
+            token_text=self._token_text,
+        )
+        first_token_at = epoch_to_datetime(output.metrics.first_token_time)
+        if self._store.succeed(job.message, result=result, first_token_at=first_token_at):
+            self._count_success(job.message, job.created_at)
+
+    def _finish_from_cache(
+        self, message: JobMessage, cached: dict[str, object], created_at: datetime
+    ) -> None:
+        result = dict(cached)
+        prefix = "chatcmpl" if message.kind == "chat.completion" else "cmpl"
+        result.update(id=f"{prefix}-{message.job_id}", created=int(time.time()))
+        if self._store.succeed(message, result=result, first_token_at=None, fill_cache=False):
+            metrics.RESULT_CACHE_HITS.labels(message.priority).inc()
+            self._count_success(message, created_at)
+
+    def _count_success(self, message: JobMessage, created_at: datetime) -> None:
+        metrics.JOBS_COMPLETED.labels(message.priority).inc()
+        metrics.END_TO_END_SECONDS.labels(message.priority).observe(
+            max(0.0, (utcnow() - created_at).total_seconds())
+        )
+
+    def _fail(self, message: JobMessage, reason: str) -> None:
+        logger.info("job %s failed: %s", message.job_id, reason)
+        error = error_body(reason, param=param_of(reason, REQUEST_FIELDS))
+        if self._store.fail(message, error=error):
+            metrics.JOBS_FAILED.labels(message.priority).inc()
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = getattr(self._engine.engine, "tokenizer", None)
+        return str(token_id) if tokenizer is None else str(tokenizer.decode([token_id]))
+
+    def _handle_cancels(self) -> None:
+        try:
+            job_ids = self._cancels.poll(0.0)
+        except redis.RedisError as e:
+            logger.warning("cannot read cancellations from Redis: %s", e)
+            return
+        for job_id in job_ids:
+            job = self._inflight.get(job_id)
+            if job is not None and not job.is_cancelled:
+                logger.info("cancelling job %s", job_id)
+                job.is_cancelled = True
+                self._engine.abort(job_id)
+
+    def _release_moved_jobs(self) -> None:
+        assignment = self._listener.take_new_assignment()
+        if assignment is None:
+            return
+        for job in self._inflight.values():
+            if not job.is_released and not any(tp in assignment for tp, _ in job.records):
+                # Its partition now belongs to another worker, which will run it again.
+                job.is_released = True
+                self._engine.abort(job.message.job_id)
+                logger.info("released job %s: its partition moved", job.message.job_id)
+
+    def _ack(self, records: set[tuple[TopicPartition, int]]) -> None:
+        with self._lock:
+            for tp, offset in records:
+                self._tracker.ack(tp, offset)
+
+    def _commit(self) -> None:
+        with self._lock:
+            points = self._tracker.committable()
+        if not points:
+            return
+        try:
+            self._consumer.commit(offsets_to_commit(points))
+        except KafkaError as e:
+            logger.warning("offset commit failed (%s); will retry with the next commit", e)
+            return
+        with self._lock:
+            self._tracker.mark_committed(points)
