@@ -8,11 +8,14 @@ it at once:
    (claimed_until IS NULL OR claimed_until < now)`; only the dispatcher whose statement
    changed the row enqueues a task, carrying T.
 2. `start_attempt` (worker): `UPDATE ... SET claim_token = NULL, claimed_until = now +
-   lease WHERE id = :id AND claim_token = T`; a duplicate or stale task message (the
-   broker redelivering, a claim that expired and was taken again) finds no row and stops.
+   lease, next_attempt_at = NULL WHERE id = :id AND claim_token = T`; a duplicate or
+   stale task message (the broker redelivering, a claim that expired and was taken again)
+   finds no row and stops.
 
 A worker that dies mid-attempt leaves `claimed_until` in the future; once it passes, the
-dispatcher claims the row again. Functions flush but never commit.
+dispatcher claims the row again (a pending row without `next_attempt_at` is one whose
+attempt never reported back). A retry requested while an attempt runs sets
+`next_attempt_at`, which `record_attempt` then keeps. Functions flush but never commit.
 """
 
 from __future__ import annotations
@@ -22,10 +25,21 @@ import secrets
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import CursorResult, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    CursorResult,
+    case,
+    cast,
+    func,
+    literal,
+    null,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.orm import Session, selectinload
 
-from storage.models import utcnow
+from storage.models import UTCDateTime, utcnow
 from storage.webhooks import Delivery, DeliveryAttempt, DeliveryStatus
 
 logger = logging.getLogger(__name__)
@@ -80,7 +94,7 @@ def due_delivery_ids(session: Session, *, now: datetime, limit: int) -> list[str
         select(Delivery.id)
         .where(
             Delivery.status == DeliveryStatus.PENDING,
-            Delivery.next_attempt_at <= now,
+            _is_due(now),
             or_(Delivery.claimed_until.is_(None), Delivery.claimed_until < now),
         )
         .order_by(Delivery.next_attempt_at)
@@ -99,7 +113,7 @@ def claim_delivery(
         .where(
             Delivery.id == delivery_id,
             Delivery.status == DeliveryStatus.PENDING,
-            Delivery.next_attempt_at <= now,
+            _is_due(now),
             or_(Delivery.claimed_until.is_(None), Delivery.claimed_until < now),
         )
         .values(claimed_until=now + lease, claim_token=token)
@@ -119,7 +133,7 @@ def start_attempt(
             Delivery.claim_token == claim_token,
             Delivery.status == DeliveryStatus.PENDING,
         )
-        .values(claim_token=None, claimed_until=utcnow() + lease)
+        .values(claim_token=None, claimed_until=utcnow() + lease, next_attempt_at=None)
         .execution_options(synchronize_session=False)
     )
     if _rowcount(session.execute(statement)) != 1:
@@ -156,14 +170,22 @@ def record_attempt(
         )
     )
     finished_at = None if status is DeliveryStatus.PENDING else utcnow()
+    # Set only by a retry requested during this attempt (start_attempt cleared it): then
+    # the delivery stays pending, due when the retry asked, whatever this attempt did.
+    retry_requested = Delivery.next_attempt_at.is_not(None)
+    status_type = Delivery.__table__.c.status.type
     session.execute(
         update(Delivery)
         .where(Delivery.id == delivery_id)
         .values(
             num_attempts=Delivery.num_attempts + 1,
-            status=status,
-            next_attempt_at=next_attempt_at,
-            finished_at=finished_at,
+            # The CAST: PostgreSQL types a CASE of parameters as text, not as the enum.
+            status=cast(case((retry_requested, DeliveryStatus.PENDING.value),
+                             else_=status.value), status_type),
+            next_attempt_at=func.coalesce(Delivery.next_attempt_at,
+                                          literal(next_attempt_at, UTCDateTime)),
+            finished_at=case((retry_requested, null()),
+                             else_=literal(finished_at, UTCDateTime)),
             claimed_until=None,
             claim_token=None,
         )
@@ -232,6 +254,11 @@ def request_retry(session: Session, *, delivery_id: str, tenant_id: str) -> Deli
     )
     logger.info("retry requested for delivery %s", delivery_id)
     return get_delivery(session, delivery_id=delivery_id, tenant_id=tenant_id)
+
+
+def _is_due(now: datetime) -> ColumnElement[bool]:
+    """Next attempt due, or an attempt that never reported back (its claim decides)."""
+    return or_(Delivery.next_attempt_at.is_(None), Delivery.next_attempt_at <= now)
 
 
 def _rowcount(result: object) -> int:

@@ -68,7 +68,7 @@ class Delivery(Base):
         default=DeliveryStatus.PENDING,
     )
     num_attempts: Mapped[int] = mapped_column("attempts", Integer, default=0)
-    # None once finished; a retry sets it again.
+    # None while an attempt runs and once finished; a retry request sets it again.
     next_attempt_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
     # A dispatcher's claim: nobody else dispatches the row before this instant.
     claimed_until: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)

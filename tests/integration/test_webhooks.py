@@ -10,16 +10,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
+from api.app import create_app
 from core.settings import Settings
 from storage.db import create_db_engine, session_factory
 from storage.deliveries import get_delivery
 from storage.jobs import complete_job, create_job, get_job
 from storage.migrate import upgrade
 from storage.models import Job
-from storage.tenants import create_tenant
+from storage.tenants import create_api_key, create_tenant
 from storage.webhook_events import enqueue_job_event, job_event_data
 from storage.webhook_secrets import ensure_webhook_secret
 from storage.webhooks import Delivery, DeliveryStatus
@@ -159,11 +161,12 @@ def test_two_failures_then_success_same_id_growing_delays(
     stamps = [int(r.headers["webhook-timestamp"]) for r in requests]
     assert stamps == [a.webhook_timestamp for a in done.attempts]
     assert stamps[0] < stamps[2]
-    # The scheduled delays follow the schedule within jitter, and grow.
-    scheduled = [(a.next_attempt_at - a.attempted_at).total_seconds()
+    # The scheduled delays (counted from the attempt's end) follow the schedule within
+    # jitter, and grow.
+    scheduled = [(a.next_attempt_at - a.attempted_at).total_seconds() - a.latency_ms / 1000
                  for a in done.attempts[:2] if a.next_attempt_at is not None]
-    assert 0.5 * 0.8 - 0.05 <= scheduled[0] <= 0.5 * 1.2 + 0.05
-    assert 1.5 * 0.8 - 0.05 <= scheduled[1] <= 1.5 * 1.2 + 0.05
+    assert 0.5 * 0.8 - 0.1 <= scheduled[0] <= 0.5 * 1.2 + 0.1
+    assert 1.5 * 0.8 - 0.1 <= scheduled[1] <= 1.5 * 1.2 + 0.1
     gaps = [b.received_at - a.received_at for a, b in zip(requests, requests[1:], strict=False)]
     assert gaps[0] >= scheduled[0] - 0.05 and gaps[1] >= scheduled[1] - 0.05
     assert gaps[0] < gaps[1]
@@ -213,3 +216,94 @@ def test_worker_killed_mid_delivery_loses_nothing(
     assert [r.headers["webhook-id"] for r in requests] == [delivery.webhook_id] * 2
     verify(secret, requests[1])
     assert [a.status_code for a in done.attempts] == [200]
+
+
+@pytest.fixture
+def api_settings(settings: Callable[..., Settings]) -> Settings:
+    """Settings on every real service (the API publishes to the broker); schema at head."""
+    made = settings(webhook_allowlist=["127.0.0.1"], webhook_retry_schedule=[0.5, 1.5, 3.0],
+                    webhook_dispatch_interval_s=0.2, webhook_timeout_s=3.0,
+                    webhook_claim_s=4.0, webhook_concurrency=2)
+    upgrade(made.database_url)
+    return made
+
+
+@pytest.fixture
+def api_key(api_settings: Settings) -> str:
+    """A tenant's API key on the test database."""
+    engine = create_db_engine(api_settings.database_url)
+    try:
+        with session_factory(engine)() as session:
+            tenant = create_tenant(session, name="acme")
+            _, key = create_api_key(session, tenant_id=tenant.id)
+            session.commit()
+    finally:
+        engine.dispose()
+    return key
+
+
+def test_cancelled_job_webhook_matches_get_then_retry_after_rotation(
+    api_settings: Settings, api_key: str, receiver: WebhookReceiver, tmp_path: Path,
+) -> None:
+    auth = {"Authorization": f"Bearer {api_key}"}
+    with TestClient(create_app(api_settings)) as client:
+        submitted = client.post("/v1/jobs", headers=auth, json={
+            "model": api_settings.model, "messages": BODY["messages"], "max_tokens": 4,
+            "callback_url": receiver.url})
+        assert submitted.status_code == 202, submitted.text
+        job_id = submitted.json()["id"]
+        assert client.post(f"/v1/jobs/{job_id}/cancel", headers=auth).status_code == 200
+        # Cancelling again changes nothing and enqueues nothing.
+        assert client.post(f"/v1/jobs/{job_id}/cancel", headers=auth).status_code == 200
+        old_secret = client.get("/v1/webhook-secret", headers=auth).json()["secret"]
+
+        with CallbacksWorker(api_settings, tmp_path / "worker.log"):
+            [first] = receiver.wait_for(1, timeout=30)
+            payload = verify(old_secret, first)
+            assert payload["type"] == "job.cancelled"
+            assert payload["data"] == client.get(f"/v1/jobs/{job_id}", headers=auth).json()
+            listed = client.get(f"/v1/jobs/{job_id}/deliveries", headers=auth).json()["data"]
+            assert len(listed) == 1
+            delivery = listed[0]
+            assert delivery["webhook_id"] == first.headers["webhook-id"]
+
+            rotated = client.post("/v1/webhook-secret/rotate", headers=auth).json()
+            assert rotated["previous_secret"] == old_secret != rotated["secret"]
+            retried = client.post(f"/v1/deliveries/{delivery['id']}/retry", headers=auth)
+            assert retried.status_code == 202
+            requests = receiver.wait_for(2, timeout=30)
+            time.sleep(1.0)
+            assert len(receiver.requests) == 2
+
+        second = requests[1]
+        assert second.headers["webhook-id"] == first.headers["webhook-id"]
+        assert len(second.headers["webhook-signature"].split(" ")) == 2
+        verify(rotated["secret"], second)
+        verify(old_secret, second)
+        [after] = client.get(f"/v1/jobs/{job_id}/deliveries", headers=auth).json()["data"]
+        assert after["status"] == "succeeded" and after["num_attempts"] == 2
+        assert [a["status_code"] for a in after["attempts"]] == [200, 200]
+        assert client.post("/v1/deliveries/dlv_nope/retry", headers=auth).status_code == 404
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.5/hook", "http://169.254.169.254/latest",
+                                 "http://[::1]:8080/hook", "http://localhost/hook"])
+def test_private_callback_url_is_refused_with_422(settings: Callable[..., Settings],
+                                                  tmp_path: Path, url: str) -> None:
+    made = settings()
+    upgrade(made.database_url)
+    engine = create_db_engine(made.database_url)
+    with session_factory(engine)() as session:
+        tenant = create_tenant(session, name="acme")
+        _, key = create_api_key(session, tenant_id=tenant.id)
+        session.commit()
+    engine.dispose()
+    auth = {"Authorization": f"Bearer {key}"}
+    with TestClient(create_app(made)) as client:
+        response = client.post("/v1/jobs", headers=auth, json={
+            "model": made.model, "messages": BODY["messages"], "callback_url": url})
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["param"] == "callback_url"
+        assert "public addresses only" in error["message"]
+        assert client.get("/v1/jobs", headers=auth).json()["data"] == []

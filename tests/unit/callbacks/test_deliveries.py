@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
@@ -88,12 +88,24 @@ def test_stale_or_duplicate_task_message_does_nothing(session: Session, tenant: 
     assert start_attempt(session, delivery_id=delivery.id, claim_token=token, lease=LEASE) is None
 
 
+def begin(session: Session, delivery_id: str, *, at: datetime | None = None) -> None:
+    """Claim and start an attempt, as the dispatcher and a worker do."""
+    token = claim_delivery(session, delivery_id=delivery_id, now=at or utcnow(), lease=LEASE)
+    assert token is not None
+    assert start_attempt(session, delivery_id=delivery_id, claim_token=token, lease=LEASE)
+    session.commit()
+
+
 def test_attempts_are_recorded_and_release_the_claim(session: Session, tenant: Tenant) -> None:
     delivery = enqueue(session, tenant)
     due = utcnow() + timedelta(seconds=5)
+    begin(session, delivery.id)
     record_attempt(session, delivery_id=delivery.id, attempted_at=utcnow(), webhook_timestamp=1,
                    status_code=503, latency_ms=12.5, error="HTTP 503", response_body="busy",
                    status=DeliveryStatus.PENDING, next_attempt_at=due)
+    session.commit()
+    assert due_delivery_ids(session, now=utcnow(), limit=10) == []
+    begin(session, delivery.id, at=due + timedelta(seconds=1))
     done = record_attempt(session, delivery_id=delivery.id, attempted_at=utcnow(),
                           webhook_timestamp=2, status_code=200, latency_ms=3.0, error=None,
                           response_body=None, status=DeliveryStatus.SUCCEEDED,
@@ -114,6 +126,7 @@ def test_attempts_are_recorded_and_release_the_claim(session: Session, tenant: T
 def test_list_and_retry_stay_within_the_tenant(session: Session, tenant: Tenant) -> None:
     other = create_tenant(session, name="globex")
     delivery = enqueue(session, tenant)
+    begin(session, delivery.id)
     record_attempt(session, delivery_id=delivery.id, attempted_at=utcnow(), webhook_timestamp=1,
                    status_code=410, latency_ms=1.0, error="gone", response_body=None,
                    status=DeliveryStatus.FAILED, next_attempt_at=None)
@@ -144,3 +157,30 @@ def test_secret_rotation_signs_with_both_during_the_overlap(
     assert signing_secrets(session, tenant_id=tenant.id, now=after) == [row.secret]
     with pytest.raises(ValueError, match="unknown tenant"):
         ensure_webhook_secret(session, tenant_id="ten_missing")
+
+
+def test_retry_requested_during_an_attempt_is_kept(session: Session, tenant: Tenant) -> None:
+    delivery = enqueue(session, tenant)
+    begin(session, delivery.id)
+    assert request_retry(session, delivery_id=delivery.id, tenant_id=tenant.id) is not None
+    session.commit()
+    done = record_attempt(session, delivery_id=delivery.id, attempted_at=utcnow(),
+                          webhook_timestamp=1, status_code=200, latency_ms=1.0, error=None,
+                          response_body=None, status=DeliveryStatus.SUCCEEDED,
+                          next_attempt_at=None)
+    session.commit()
+    assert done.status is DeliveryStatus.PENDING and done.finished_at is None
+    assert done.num_attempts == 1 and done.claimed_until is None
+    assert due_delivery_ids(session, now=utcnow(), limit=10) == [delivery.id]
+
+
+def test_an_attempt_that_never_reported_back_is_due_after_the_lease(
+    session: Session, tenant: Tenant
+) -> None:
+    delivery = enqueue(session, tenant)
+    begin(session, delivery.id)  # ... and the worker dies here
+    now = utcnow()
+    assert due_delivery_ids(session, now=now, limit=10) == []
+    later = now + LEASE + timedelta(seconds=1)
+    assert due_delivery_ids(session, now=later, limit=10) == [delivery.id]
+    assert claim_delivery(session, delivery_id=delivery.id, now=later, lease=LEASE) is not None
