@@ -9,12 +9,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
 from api.app import create_app
+from core.kafka import ensure_topics
 from core.settings import Settings
 from storage.db import create_db_engine, session_factory
 from storage.deliveries import get_delivery
@@ -26,6 +28,7 @@ from storage.webhook_events import enqueue_job_event, job_event_data
 from storage.webhook_secrets import ensure_webhook_secret
 from storage.webhooks import Delivery, DeliveryStatus
 from tests.utils.callbacks_worker import CallbacksWorker
+from tests.utils.service import WorkerProcess, running_api
 from tests.utils.webhook_receiver import ReceivedRequest, Reply, WebhookReceiver, run_receiver
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -307,3 +310,59 @@ def test_private_callback_url_is_refused_with_422(settings: Callable[..., Settin
         assert error["param"] == "callback_url"
         assert "public addresses only" in error["message"]
         assert client.get("/v1/jobs", headers=auth).json()["data"] == []
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Llama directory for a real inference worker (fast on a CPU)."""
+    from tests.unit.engine.tiny_models import save_tiny_llama
+
+    model_dir = tmp_path_factory.mktemp("tiny-llama-webhooks")
+    save_tiny_llama(model_dir)
+    return model_dir
+
+
+@pytest.mark.parametrize("receiver", [[Reply(status=200)]], indirect=True)
+def test_job_through_the_service_calls_back_once_with_what_get_shows(
+    settings: Callable[..., Settings], tiny_model_dir: Path, receiver: WebhookReceiver,
+    tmp_path: Path,
+) -> None:
+    made = settings(model=str(tiny_model_dir), topic_partitions=1,
+                    kafka_session_timeout_ms=6000, worker_max_inflight=2,
+                    engine_max_num_seqs=2, engine_kv_cache_memory_bytes=16 * 1024 * 1024,
+                    webhook_allowlist=["127.0.0.1"], webhook_dispatch_interval_s=0.2,
+                    webhook_timeout_s=3.0, webhook_claim_s=4.0, webhook_concurrency=2)
+    upgrade(made.database_url)
+    ensure_topics(made)
+    engine = create_db_engine(made.database_url)
+    with session_factory(engine)() as session:
+        tenant = create_tenant(session, name="acme")
+        _, key = create_api_key(session, tenant_id=tenant.id)
+        secret = ensure_webhook_secret(session, tenant_id=tenant.id).secret
+        session.commit()
+    engine.dispose()
+    auth = {"Authorization": f"Bearer {key}"}
+    worker = WorkerProcess(made, tmp_path / "inference.log")
+    try:
+        with running_api(made) as base_url, httpx.Client(base_url=base_url,
+                                                         headers=auth) as client, \
+                CallbacksWorker(made, tmp_path / "callbacks.log"):
+            submitted = client.post("/v1/jobs", json={
+                "model": made.model, "messages": BODY["messages"], "max_tokens": 4,
+                "temperature": 0, "callback_url": receiver.url})
+            assert submitted.status_code == 202, submitted.text
+            job_id = submitted.json()["id"]
+            [request] = receiver.wait_for(1, timeout=180)
+            time.sleep(1.0)
+            assert len(receiver.requests) == 1
+            shown = client.get(f"/v1/jobs/{job_id}").json()
+            deliveries = client.get(f"/v1/jobs/{job_id}/deliveries").json()["data"]
+    finally:
+        worker.stop()
+    payload = verify(secret, request)
+    assert payload["type"] == "job.succeeded"
+    assert payload["data"] == shown and shown["status"] == "succeeded"
+    assert payload["data"]["result"]["object"] == "chat.completion"
+    [delivery] = deliveries
+    assert delivery["status"] == "succeeded" and delivery["num_attempts"] == 1
+    assert delivery["webhook_id"] == request.headers["webhook-id"]

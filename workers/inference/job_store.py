@@ -23,9 +23,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.messages import JobMessage
 from storage import jobs
 from storage.events import publish_job_done
-from storage.models import Job, JobStatus
+from storage.models import JobStatus
 from storage.result_cache import ResultCache, result_cache_key
-from storage.webhook_events import JOB_STATUS_TO_EVENT, enqueue_event
+from storage.webhook_events import enqueue_job_event
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class JobStore:
                 first_token_at=first_token_at,
             )
             if finished:
-                self._enqueue_webhook(session, message.job_id, JobStatus.SUCCEEDED)
+                self._enqueue_webhook(session, message.job_id)
             session.commit()
         if not finished:
             logger.info("job %s was already finished; result dropped", message.job_id)
@@ -114,7 +114,7 @@ class JobStore:
         with self._sessions() as session:
             finished = jobs.fail_job(session, job_id=message.job_id, error=error)
             if finished:
-                self._enqueue_webhook(session, message.job_id, JobStatus.FAILED)
+                self._enqueue_webhook(session, message.job_id)
             session.commit()
         if finished:
             publish_job_done(
@@ -126,53 +126,13 @@ class JobStore:
         # Salted by tenant: equal requests of one tenant share results, tenants never do.
         return result_cache_key(message.model, message.body, salt=message.tenant_id)
 
-    def _enqueue_webhook(self, session: Session, job_id: str, status: JobStatus) -> None:
+    def _enqueue_webhook(self, session: Session, job_id: str) -> None:
         job = jobs.get_job(session, job_id=job_id)
-        if job is None or not job.callback_url:
-            return
-        enqueue_event(
-            session,
-            tenant_id=job.tenant_id,
-            event_type=JOB_STATUS_TO_EVENT[status],
-            url=job.callback_url,
-            payload=job_event_payload(job),
-        )
-
-
-def job_event_payload(job: Job) -> dict[str, Any]:
-    """The job as `GET /v1/jobs/{id}` shows it: the `data` of its webhook event."""
-    usage = None
-    if job.prompt_tokens is not None and job.completion_tokens is not None:
-        usage = {
-            "prompt_tokens": job.prompt_tokens,
-            "completion_tokens": job.completion_tokens,
-            "total_tokens": job.prompt_tokens + job.completion_tokens,
-            "prompt_tokens_details": (
-                {"cached_tokens": job.cached_tokens} if job.cached_tokens is not None else None
-            ),
-        }
-    path = f"/v1/jobs/{job.id}"
-    return {
-        "id": job.id,
-        "object": "job",
-        "status": job.status.value,
-        "priority": job.priority,
-        "model": job.model,
-        "created_at": _unix(job.created_at),
-        "started_at": _unix(job.started_at),
-        "finished_at": _unix(job.finished_at),
-        "result": job.result,
-        "error": job.error,
-        "usage": usage,
-        "metadata": job.metadata_,
-        "links": {"self": path, "cancel": f"{path}/cancel"},
-    }
+        if job is not None:
+            enqueue_job_event(session, job=job)
 
 
 def epoch_to_datetime(seconds: float | None) -> datetime | None:
     """An engine timestamp (seconds since the epoch) as an aware UTC datetime."""
     return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
 
-
-def _unix(moment: datetime | None) -> int | None:
-    return int(moment.timestamp()) if moment is not None else None
