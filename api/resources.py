@@ -35,6 +35,11 @@ logger = logging.getLogger(__name__)
 # Kafka waits (bootstrap, metadata, buffer space) bounded well below a client's patience:
 # with the broker down, a submission should get its 503 in seconds, not kafka-python's 60.
 PRODUCER_MAX_BLOCK_MS = 5_000
+# How long a job's record may take to be acknowledged (acks=all). The producer gives up
+# on the record at the same moment the request stops waiting for it, so a record whose
+# job was withdrawn (see api.submission) is not delivered later by a retry.
+PUBLISH_TIMEOUT_S = 10.0
+PRODUCER_REQUEST_TIMEOUT_MS = 5_000
 # After a failed connect, fail fast for this long instead of every request waiting out
 # another bootstrap timeout in turn.
 RECONNECT_BACKOFF_S = 2.0
@@ -71,6 +76,11 @@ class LazyProducer:
                     self._settings,
                     bootstrap_timeout_ms=PRODUCER_MAX_BLOCK_MS,
                     max_block_ms=PRODUCER_MAX_BLOCK_MS,
+                    request_timeout_ms=PRODUCER_REQUEST_TIMEOUT_MS,
+                    delivery_timeout_ms=int(PUBLISH_TIMEOUT_S * 1000),
+                    # Topics come from ensure_topics, with the configured partitions; an
+                    # auto-created one would get the broker's default instead.
+                    allow_auto_create_topics=False,
                 )
                 # The broker answered, so this is quick; without it a first publish to a
                 # missing topic could auto-create it with the broker's default partitions.
@@ -85,9 +95,14 @@ class LazyProducer:
     def close(self) -> None:
         """Flush pending sends and close the connection, if one was made."""
         with self._lock:
-            if self._producer is not None:
-                self._producer.close(timeout=PRODUCER_MAX_BLOCK_MS / 1000)
-                self._producer = None
+            producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        try:
+            producer.close(timeout=PUBLISH_TIMEOUT_S)
+        except KafkaError as e:
+            # Only records already given up on (their requests got a 503) can be pending.
+            logger.warning("kafka producer closed with unsent records: %s", e)
 
 
 def _redis_options(retry_class: type[Retry] | type[AsyncRetry]) -> dict[str, Any]:

@@ -3,12 +3,13 @@
 Responsible for the one path every submission takes (`POST /v1/jobs` and the
 OpenAI-compatible completions alike):
 
-    validate → Idempotency-Key replay? → rate limit, active-job cap → insert `queued`
-    → commit → produce to `<prefix>.jobs.<priority>` and wait for the ack
-    → mark_published → commit
+    validate → Idempotency-Key replay? → rate limit, active-job cap → broker connected?
+    → insert `queued` → commit → produce to `<prefix>.jobs.<priority>` and wait for the
+    ack → mark_published → commit
 
 Nothing is written for a rejected request: every check that can refuse runs before the
-insert. The one failure after the insert is the broker's; see `_withdraw`.
+insert. The one failure after the insert is a send the broker does not acknowledge; see
+`_withdraw`.
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ import json
 import logging
 from dataclasses import dataclass
 
+from kafka import KafkaProducer
 from kafka.errors import KafkaError
 from sqlalchemy.orm import Session
 
 from api.auth import CurrentTenant
 from api.capabilities import AnyRequest, check_model, check_supported
 from api.errors import Conflict, InvalidParameter, RateLimited, ServiceUnavailable
-from api.resources import BrokerUnavailable, LazyProducer, Resources
+from api.resources import PUBLISH_TIMEOUT_S, BrokerUnavailable, LazyProducer, Resources
 from core.kafka import publish_job
 from core.messages import JobMessage
 from core.metrics import JOBS_SUBMITTED
+from core.settings import Settings
 from core.topics import Priority
 from core.webhook_urls import validate_callback_url
 from storage.jobs import (
@@ -41,8 +44,6 @@ from storage.models import Job, JobStatus
 
 logger = logging.getLogger(__name__)
 
-# Seconds to wait for the broker to acknowledge (acks=all) a job's record.
-PUBLISH_TIMEOUT_S = 10.0
 # Retry-After for a tenant at its active-job cap: jobs take seconds, not milliseconds.
 ACTIVE_JOBS_RETRY_AFTER_S = 5.0
 
@@ -89,6 +90,7 @@ def submit(
             if earlier is not None:
                 return _replay(earlier, digest, idempotency_key)
         _admit(session, tenant, resources)
+        kafka = _connect(producer)
         try:
             job = create_job(
                 session,
@@ -120,7 +122,7 @@ def submit(
             body=job.request,
             cache_key=job.cache_key,
         )
-        _publish(session, job, message, resources, producer)
+        _publish(session, job, message, resources.settings, kafka)
         JOBS_SUBMITTED.labels(priority=job.priority).inc()
         logger.debug("job %s queued (%s, %s)", job.id, job.priority, job.model)
         return Submission(job=job, is_replay=False)
@@ -150,14 +152,22 @@ def _admit(session: Session, tenant: CurrentTenant, resources: Resources) -> Non
             code="too_many_active_jobs")
 
 
+def _connect(producer: LazyProducer) -> KafkaProducer:
+    """The connected producer; 503 before anything is written when the broker is down."""
+    try:
+        return producer.get()
+    except BrokerUnavailable as e:
+        logger.warning("broker unavailable, submission refused: %s", e)
+        raise ServiceUnavailable("message broker") from e
+
+
 def _publish(
-    session: Session, job: Job, message: JobMessage, resources: Resources,
-    producer: LazyProducer,
+    session: Session, job: Job, message: JobMessage, settings: Settings, kafka: KafkaProducer
 ) -> None:
     """Produce the job and wait for the ack; on failure withdraw it and answer 503."""
     try:
-        publish_job(producer.get(), resources.settings, message).get(timeout=PUBLISH_TIMEOUT_S)
-    except (BrokerUnavailable, KafkaError) as e:
+        publish_job(kafka, settings, message).get(timeout=PUBLISH_TIMEOUT_S)
+    except KafkaError as e:
         logger.warning("job %s not published (%s); withdrawing it", job.id, e)
         _withdraw(session, job)
         raise ServiceUnavailable("message broker") from e

@@ -209,3 +209,17 @@ def test_cancel_wakes_a_long_poll(client: TestClient, acme: TenantKey) -> None:
     timer.join()
     assert response.json()["status"] == "cancelled"
     assert time.monotonic() - started < 3.0
+
+
+def test_unacknowledged_send_is_503_and_the_job_is_withdrawn(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
+    producer: RecordingProducer,
+) -> None:
+    """The broker refuses the record after the insert: 503, and no row is left behind."""
+    producer.is_down = True
+    response = client.post("/v1/jobs", json=VALID, headers=acme.headers)
+    assert response.status_code == 503
+    assert response.json()["error"]["type"] == "server_error"
+    assert count_jobs(sessions) == 0
+    producer.is_down = False
+    assert client.post("/v1/jobs", json=VALID, headers=acme.headers).status_code == 202
