@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import redis
 from kafka import TopicPartition
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.kafka import ensure_topics, make_consumer
@@ -29,7 +32,7 @@ from storage.jobs import complete_job
 from storage.migrate import upgrade
 from storage.models import Job, JobStatus
 from tests.utils.api import TenantKey, count_jobs, make_tenant_key
-from tests.utils.service import running_api
+from tests.utils.service import WorkerProcess, running_api
 
 MODEL = "smollm2-135m-instruct"
 CHAT: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "temperature": 0,
@@ -296,3 +299,45 @@ def test_readyz_and_metrics_with_everything_up(service: Service) -> None:
     assert ready.status_code == 200, ready.text
     assert ready.json()["checks"] == {"database": "ok", "broker": "ok", "redis": "ok"}
     assert 'batchinfer_jobs_submitted_total{priority="high"}' in metrics
+
+
+def test_official_openai_client_works_unchanged(service: Service, tmp_path: Path) -> None:
+    """`openai.OpenAI(base_url=.../v1)` against uvicorn + a worker on the real model."""
+    worker = WorkerProcess(service.settings, tmp_path / "worker.log")
+    try:
+        client = openai.OpenAI(base_url=f"{service.url}/v1", api_key=service.acme.key,
+                               max_retries=0, timeout=600)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+            max_tokens=8, temperature=0)
+        chat = raw.parse()
+        assert isinstance(chat, ChatCompletion), f"worker log:\n{worker.log_tail()}"
+        assert chat.object == "chat.completion"
+        assert chat.choices[0].message.role == "assistant"
+        assert chat.choices[0].message.content
+        assert chat.usage is not None and 0 < chat.usage.completion_tokens <= 8
+        with service.client() as http:
+            job = http.get(f"/v1/jobs/{raw.headers['x-job-id']}").json()
+        assert job["priority"] == "high"
+        assert job["result"] == raw.http_response.json()
+
+        text = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                         max_tokens=5, temperature=0)
+        assert isinstance(text, Completion)
+        assert text.object == "text_completion" and text.choices[0].text
+
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="gpt-4o", messages=[{"role": "user",
+                                                                      "content": "x"}])
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, n=2,
+                                           messages=[{"role": "user", "content": "x"}])
+        assert refused.value.param == "n"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{service.url}/v1", api_key="bi_wrong",
+                          max_retries=0).models.list()
+    finally:
+        code = worker.stop()
+    assert code == 0, f"worker exit code {code}; log:\n{worker.log_tail()}"
