@@ -84,6 +84,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     from core.settings import get_settings
     from storage.db import create_db_engine, session_factory
     from storage.tenants import create_api_key, create_tenant, tenant_by_name
+    from storage.webhook_secrets import ensure_webhook_secret
 
     engine = create_db_engine(get_settings().database_url)
     try:
@@ -92,10 +93,12 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
             if tenant is None:
                 tenant = create_tenant(session, name=args.tenant)
             _, key = create_api_key(session, tenant_id=tenant.id)
+            webhook_secret = ensure_webhook_secret(session, tenant_id=tenant.id).secret
             session.commit()
     finally:
         engine.dispose()
     print(f"tenant: {tenant.name} ({tenant.id})", file=sys.stderr)
+    print(f"Webhook secret: {webhook_secret}", file=sys.stderr)
     print(key)
     return 0
 

@@ -108,6 +108,24 @@ def dev_api_key(data_dir: Path, database_url: str) -> str:
     return key
 
 
+def dev_webhook_secret(database_url: str) -> str:
+    """The development tenant's webhook signing secret, created on first start."""
+    from storage.db import create_db_engine, session_factory
+    from storage.tenants import DEV_TENANT_NAME, tenant_by_name
+    from storage.webhook_secrets import ensure_webhook_secret
+
+    engine = create_db_engine(database_url)
+    try:
+        with session_factory(engine)() as session:
+            tenant = tenant_by_name(session, name=DEV_TENANT_NAME)
+            assert tenant is not None, "dev_api_key created the development tenant"
+            secret = ensure_webhook_secret(session, tenant_id=tenant.id).secret
+            session.commit()
+    finally:
+        engine.dispose()
+    return secret
+
+
 def _start_api(host: str, port: int, stack: ExitStack) -> threading.Thread:
     """Serve the API on a thread; registers its shutdown on stack."""
     import uvicorn
@@ -193,6 +211,7 @@ def run_embedded(*, num_workers: int = 1, host: str = "127.0.0.1") -> int:
             settings = get_settings()
             upgrade(settings.database_url)
             api_key = dev_api_key(data_dir, settings.database_url)
+            webhook_secret = dev_webhook_secret(settings.database_url)
             num_republished = _start_scheduler(stop, stack)
             _start_api(host, settings.api_port, stack)
             callbacks = Supervisor([sys.executable, "-m", "workers.callbacks"], num_workers=1,
@@ -210,6 +229,7 @@ def run_embedded(*, num_workers: int = 1, host: str = "127.0.0.1") -> int:
         print(f"batchinfer is up: {url}  (data dir {data_dir}, {num_workers} worker(s), "
               f"{num_republished} queued job(s) re-published)", flush=True)
         print(f"API key: {api_key}", flush=True)
+        print(f"Webhook secret: {webhook_secret}", flush=True)
         print("Press Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):
             workers.poll()

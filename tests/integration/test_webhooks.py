@@ -18,6 +18,7 @@ from standardwebhooks import Webhook
 from api.app import create_app
 from core.kafka import ensure_topics
 from core.settings import Settings
+from scheduler.embedded_services import free_port
 from storage.db import create_db_engine, session_factory
 from storage.deliveries import get_delivery
 from storage.jobs import complete_job, create_job, get_job
@@ -29,6 +30,7 @@ from storage.webhook_secrets import ensure_webhook_secret
 from storage.webhooks import Delivery, DeliveryStatus
 from tests.utils.callbacks_worker import CallbacksWorker
 from tests.utils.service import WorkerProcess, running_api
+from tests.utils.up_process import start_up
 from tests.utils.webhook_receiver import ReceivedRequest, Reply, WebhookReceiver, run_receiver
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -366,3 +368,29 @@ def test_job_through_the_service_calls_back_once_with_what_get_shows(
     [delivery] = deliveries
     assert delivery["status"] == "succeeded" and delivery["num_attempts"] == 1
     assert delivery["webhook_id"] == request.headers["webhook-id"]
+
+
+def test_up_prints_the_webhook_secret_and_runs_the_callbacks_role(
+    tmp_path: Path, receiver: WebhookReceiver
+) -> None:
+    run = start_up(tmp_path / "data", free_port(), num_workers=0, log_path=tmp_path / "up.log",
+                   extra_env={"BATCHINFER_WEBHOOK_ALLOWLIST": "127.0.0.1"})
+    try:
+        line = run.wait_for_line("Webhook secret: ", 30)
+        secret = line.removeprefix("Webhook secret: ").strip()
+        with run.client() as client:
+            assert client.get("/v1/webhook-secret").json()["secret"] == secret
+            submitted = client.post("/v1/jobs", json={
+                "model": "smollm2-135m-instruct", "messages": BODY["messages"],
+                "callback_url": receiver.url})
+            assert submitted.status_code == 202, submitted.text
+            job_id = submitted.json()["id"]
+            assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
+            [request] = receiver.wait_for(1, timeout=60)
+            shown = client.get(f"/v1/jobs/{job_id}").json()
+        payload = verify(secret, request)
+        assert payload["type"] == "job.cancelled" and payload["data"] == shown
+        assert run.stop() == 0, run.log_tail()
+    finally:
+        if run.process.poll() is None:
+            run.kill_tree()

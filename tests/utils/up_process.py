@@ -95,12 +95,13 @@ class UpProcess:
 
 
 def start_up(data_dir: Path, port: int, *, num_workers: int, log_path: Path,
-             timeout: float = 600.0) -> UpProcess:
-    """Start `batchinfer up` and return once it printed its API key."""
+             timeout: float = 600.0, extra_env: dict[str, str] | None = None) -> UpProcess:
+    """Start `batchinfer up` (extra_env on top) and return once it printed its API key."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHINFER_")}
     if "BATCHINFER_MODELS_DIR" in os.environ:
         env["BATCHINFER_MODELS_DIR"] = os.environ["BATCHINFER_MODELS_DIR"]
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra_env or {})
     argv = [sys.executable, "-m", "core.cli", "up", "--port", str(port), "--data-dir",
             str(data_dir), "--workers", str(num_workers)]
     with log_path.open("ab") as log:
