@@ -34,6 +34,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        """Open the shared resources for the app's lifetime; close them at shutdown."""
         resources = Resources.open(app_settings)
         app.state.resources = resources
         logger.info("API ready: database %s, broker %s, redis %s, models %s",

@@ -68,6 +68,7 @@ class BodyLimitMiddleware:
         num_received = 0
 
         async def receive_counted() -> Message:
+            """The next body chunk; BodyTooLarge once the total passes the limit."""
             nonlocal num_received
             message = await receive()
             if message["type"] == "http.request":

@@ -34,6 +34,7 @@ async def wait_for_job(
         return view
 
     async def is_done() -> bool:
+        """Whether the database shows the job finished (or gone)."""
         # Runs once the subscription is confirmed: a completion committed after this
         # read is published after it, so it wakes the wait (no lost wakeup).
         fresh = await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)

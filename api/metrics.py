@@ -41,6 +41,7 @@ class HTTPMetricsMiddleware:
         status = 500
 
         async def send_and_note_status(message: Message) -> None:
+            """Pass the message on, noting the response status as it goes by."""
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]

@@ -57,7 +57,7 @@ async def _timed(check: Any) -> str:
     except TimeoutError:
         return f"no answer within {READY_CHECK_TIMEOUT_S:g} s"
     except Exception as e:
-        return f"{type(e).__name__}: {e}"
+        return f"{type(e).__name__}: {e}".rstrip(".")
     return "ok"
 
 
