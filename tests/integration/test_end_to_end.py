@@ -73,21 +73,18 @@ def service(settings, tmp_path: Path):
 
 def _wait_all(client: httpx.Client, job_ids: list[str], worker: WorkerProcess,
               timeout: float) -> dict[str, dict[str, Any]]:
-    done: dict[str, dict[str, Any]] = {}
+    """Poll the job list until every job has finished; then each job as read by id."""
     deadline = time.monotonic() + timeout
-    while len(done) < len(job_ids):
+    while True:
+        page = client.get("/v1/jobs", params={"limit": 100}).json()["data"]
+        active = [j["id"] for j in page if j["status"] in ("queued", "running")]
+        if len(page) == len(job_ids) and not active:
+            break
         assert time.monotonic() < deadline, (
-            f"{len(job_ids) - len(done)} jobs unfinished after {timeout}s; worker log:\n"
-            f"{worker.log_tail()}")
+            f"{len(active)} jobs unfinished after {timeout}s; worker log:\n{worker.log_tail()}")
         assert worker.process.poll() is None, f"worker died:\n{worker.log_tail()}"
-        for job_id in job_ids:
-            if job_id in done:
-                continue
-            job = client.get(f"/v1/jobs/{job_id}", params={"wait": 5}).json()
-            if job["status"] not in ("queued", "running"):
-                done[job_id] = job
-            break  # one long-poll at a time; the loop comes back for the rest
-    return done
+        time.sleep(0.5)
+    return {job_id: client.get(f"/v1/jobs/{job_id}").json() for job_id in job_ids}
 
 
 def test_sixty_mixed_priority_jobs_succeed_with_offline_greedy_results(service) -> None:
