@@ -10,7 +10,7 @@ Hugging Face's separate weights into them.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -238,6 +238,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        """The decoder layers, in order."""
+        return [cast(DecoderLayer, layer) for layer in self.model.layers]
 
     def forward(
         self,

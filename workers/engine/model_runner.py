@@ -96,10 +96,31 @@ class ModelRunner:
         n = num_scheduled_tokens[i]), writes their K/V into the pool, and returns a sampled
         token for every sequence that reaches its last token (c + n == num_tokens), else None.
         """
+        indices, logits = self.compute_logits(seqs, num_scheduled_tokens)
+        results: list[SampledToken | None] = [None] * len(seqs)
+        if not indices:
+            return results
+        sampling = [seqs[i] for i in indices]
+        tokens = self.sampler.sample(
+            logits, [s.params for s in sampling], [s.num_output_tokens for s in sampling]
+        )
+        for i, token in zip(indices, tokens, strict=True):
+            results[i] = token
+        return results
+
+    @torch.inference_mode()
+    def compute_logits(
+        self, seqs: list[Sequence], num_scheduled_tokens: list[int]
+    ) -> tuple[list[int], torch.Tensor]:
+        """The forward pass of execute(), without sampling.
+
+        Returns the ascending indices (into seqs) of the sequences that reach their last
+        token, and float32 logits (len(indices), vocab) of that token, one row per index.
+        """
         if len(seqs) != len(num_scheduled_tokens):
             raise ValueError("num_scheduled_tokens must have one entry per sequence")
         if not seqs:
-            return []
+            return [], torch.empty(0, self.hf_config.vocab_size, device=self.device)
         step = self._pack(seqs, num_scheduled_tokens)
         graphs = self.graphs
         max_blocks = max(len(t) for t in step.block_tables)
@@ -113,18 +134,11 @@ class ModelRunner:
             )
         else:
             hidden = self._forward_eager(step)
-        results: list[SampledToken | None] = [None] * len(seqs)
         if not step.sample_seq_indices:
-            return results
+            return [], hidden.new_empty(0, self.hf_config.vocab_size, dtype=torch.float32)
         rows = to_device(torch.tensor(step.sample_token_rows), self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # (M, vocab)
-        sampling_seqs = [seqs[i] for i in step.sample_seq_indices]
-        tokens = self.sampler.sample(
-            logits, [s.params for s in sampling_seqs], [s.num_output_tokens for s in sampling_seqs]
-        )
-        for i, token in zip(step.sample_seq_indices, tokens, strict=True):
-            results[i] = token
-        return results
+        # Only the last token of each sampling sequence reaches the vocab projection.
+        return step.sample_seq_indices, self.model.compute_logits(hidden.index_select(0, rows))
 
     def _forward_eager(self, step: _Step) -> torch.Tensor:
         """Run the model without graphs; hidden states (N, hidden) in batch-row order."""
@@ -168,6 +182,10 @@ class ModelRunner:
             if end == seq.num_tokens:
                 step.sample_token_rows.append(len(step.input_ids) - 1)
                 step.sample_seq_indices.append(i)
+        # Logits rows follow the caller's sequence order, not the internal row order.
+        pairs = sorted(zip(step.sample_seq_indices, step.sample_token_rows, strict=True))
+        step.sample_seq_indices = [i for i, _ in pairs]
+        step.sample_token_rows = [row for _, row in pairs]
         return step
 
     def _check_scheduled(self, seq: Sequence, n: int, end: int) -> None:

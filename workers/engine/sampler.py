@@ -96,7 +96,7 @@ class Sampler:
         targets = (uniforms * cdf[:, -1]).unsqueeze(1)
         picked = torch.searchsorted(cdf, targets, right=True)
         # Rounding can put the target at the total; fall back to the last token with mass.
-        last_with_mass = torch.searchsorted(cdf, cdf[:, -1:])
+        last_with_mass = torch.searchsorted(cdf, cdf[:, -1:].contiguous())
         picked = torch.minimum(picked, last_with_mass).squeeze(1)
         return greedy.index_copy(0, index, picked)
 

@@ -1,0 +1,187 @@
+"""Paged attention backends against dense causal attention computed in float64."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.unit.engine.checkpoints import make_seq, place, save_llama
+from workers.engine.attention import (
+    AttentionBackend,
+    BatchLayout,
+    TorchAttentionBackend,
+    write_kv,
+)
+from workers.engine.config import EngineConfig
+from workers.engine.flash_attention import HAS_FLASH_ATTN, FlashAttentionBackend
+from workers.engine.model_runner import ModelRunner
+
+HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
+# (cached tokens, new tokens) per sequence: decodes of many lengths, then chunks with and
+# without a cached prefix.
+SHAPES = [(0, 1), (1, 1), (4, 1), (16, 1), (39, 1), (40, 1), (99, 1), (0, 12), (20, 7), (3, 30)]
+
+
+def dense_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int
+) -> torch.Tensor:
+    """q (n, H, D) over k/v (L, Hkv, D), query j at position num_cached + j; float64."""
+    group = HEADS // KV_HEADS
+    k = k.double().repeat_interleave(group, dim=1)  # (L, H, D)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * HEAD_DIM**-0.5
+    n, length = q.shape[0], k.shape[0]
+    allowed = torch.arange(length)[None, :] <= (num_cached + torch.arange(n))[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v).reshape(n, HEADS * HEAD_DIM)
+
+
+def run_backend(
+    backend: AttentionBackend, block_size: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One paged step over SHAPES; returns (backend output, float64 reference)."""
+    gen = torch.Generator().manual_seed(0)
+    # Rows ordered as the runner orders them: single queries first, shortest first.
+    shapes = sorted((s for s in SHAPES if s[1] == 1), key=lambda s: s[0])
+    shapes += [s for s in SHAPES if s[1] != 1]
+    seq_lens = [c + n for c, n in shapes]
+    needed = [-(-n // block_size) for n in seq_lens]
+    ids = list(range(sum(needed)))
+    random.Random(1).shuffle(ids)
+    tables = []
+    for n in needed:
+        tables.append(ids[:n])
+        ids = ids[n:]
+    num_blocks = sum(needed) + 1
+    k_cache = torch.zeros(num_blocks, block_size, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    qs, ks, vs, slots, refs = [], [], [], [], []
+    for (c, n), table in zip(shapes, tables, strict=True):
+        length = c + n
+        q = torch.randn(n, HEADS, HEAD_DIM, generator=gen)
+        k = torch.randn(length, KV_HEADS, HEAD_DIM, generator=gen)
+        v = torch.randn(length, KV_HEADS, HEAD_DIM, generator=gen)
+        seq_slots = [table[p // block_size] * block_size + p % block_size for p in range(length)]
+        # The cached prefix is already in the pool; the new tokens go through forward().
+        cached = torch.tensor(seq_slots[:c], dtype=torch.int64, device=device)
+        write_kv(k[:c].to(device, dtype), v[:c].to(device, dtype), k_cache, v_cache, cached)
+        qs.append(q)
+        ks.append(k[c:])
+        vs.append(v[c:])
+        slots += seq_slots[c:]
+        refs.append(dense_reference(q.to(dtype).double(), k.to(dtype), v.to(dtype), c))
+    layout = BatchLayout(
+        query_lens=[n for _, n in shapes],
+        seq_lens=seq_lens,
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        num_decodes=sum(1 for _, n in shapes if n == 1),
+        block_size=block_size,
+    )
+    meta = backend.build_metadata(layout, device)
+    out = backend.forward(
+        torch.cat(qs).to(device, dtype),
+        torch.cat(ks).to(device, dtype),
+        torch.cat(vs).to(device, dtype),
+        k_cache,
+        v_cache,
+        meta,
+    )
+    return out.double().cpu(), torch.cat(refs)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_torch_backend_matches_dense_attention(block_size: int) -> None:
+    """Decodes in length groups and chunks with or without a cached prefix, GQA, fp32."""
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM)
+    out, ref = run_backend(backend, block_size, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_write_kv_fills_exactly_the_given_slots() -> None:
+    """Rows land in their slots; every other slot keeps its value."""
+    k_cache = torch.zeros(4, 2, KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.randn(3, KV_HEADS, HEAD_DIM)
+    v = torch.randn(3, KV_HEADS, HEAD_DIM)
+    write_kv(k, v, k_cache, v_cache, torch.tensor([7, 0, 3]))
+    flat_k, flat_v = k_cache.view(8, KV_HEADS, HEAD_DIM), v_cache.view(8, KV_HEADS, HEAD_DIM)
+    assert torch.equal(flat_k[[7, 0, 3]], k) and torch.equal(flat_v[[7, 0, 3]], v)
+    assert flat_k[[1, 2, 4, 5, 6]].abs().sum() == 0
+
+
+def test_decode_groups_bound_padding() -> None:
+    """Decodes split into groups whose longest needs at most 1.5x the shortest's blocks."""
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM)
+    seq_lens = [16, 20, 24, 32, 33, 100, 160]
+    layout = BatchLayout(
+        query_lens=[1] * len(seq_lens),
+        seq_lens=seq_lens,
+        block_tables=[list(range(-(-n // 16))) for n in seq_lens],
+        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.int64),
+        num_decodes=len(seq_lens),
+        block_size=16,
+    )
+    meta = backend.build_metadata(layout, torch.device("cpu"))
+    groups = [(g.start, g.end, g.num_blocks) for g in meta.decode_groups]
+    assert groups == [(0, 1, 1), (1, 5, 3), (5, 7, 10)]  # blocks: 1 | 2 2 2 3 | 7 10
+
+
+def test_backends_check_block_size() -> None:
+    """flash-attn pages only in multiples of 256; the torch path takes any size."""
+    TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM).check_block_size(1)
+    flash = FlashAttentionBackend(HEADS, KV_HEADS, HEAD_DIM)
+    flash.check_block_size(512)
+    with pytest.raises(ValueError, match="block_size"):
+        flash.check_block_size(16)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        TorchAttentionBackend(6, 4, HEAD_DIM)
+
+
+def test_flash_backend_refused_without_cuda(tmp_path: Path) -> None:
+    """Asking for flash attention where it cannot run names the option."""
+    if torch.cuda.is_available() and HAS_FLASH_ATTN:
+        pytest.skip("flash attention is available here")
+    save_llama(tmp_path)
+    with pytest.raises(ValueError, match="attention_backend"):
+        ModelRunner(EngineConfig(model=str(tmp_path), attention_backend="flash"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["torch", "flash"])
+def test_cuda_backends_match_dense_attention(backend_name: str) -> None:
+    """Both backends on CUDA in bf16, within bf16 rounding of the float64 reference."""
+    if backend_name == "flash" and not HAS_FLASH_ATTN:
+        pytest.skip("flash-attn is not installed")
+    cls = FlashAttentionBackend if backend_name == "flash" else TorchAttentionBackend
+    backend = cls(HEADS, KV_HEADS, HEAD_DIM)
+    block_size = backend.default_block_size
+    out, ref = run_backend(backend, block_size, torch.device("cuda"), torch.bfloat16)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
+    """Decode logits replayed from a CUDA graph equal the eager forward's."""
+    if not HAS_FLASH_ATTN:
+        pytest.skip("CUDA graphs run with the flash attention backend")
+    save_llama(tmp_path, head_dim=64, num_attention_heads=2, num_key_value_heads=1, hidden_size=128)
+    runners = [
+        ModelRunner(
+            EngineConfig(model=str(tmp_path), dtype="bfloat16", enforce_eager=eager, max_num_seqs=8)
+        )
+        for eager in (False, True)
+    ]
+    assert runners[0].graphs is not None and runners[1].graphs is None
+    results = []
+    for runner in runners:
+        seqs = [make_seq([3 + i] * (5 + 40 * i), f"s{i}") for i in range(3)]
+        place(seqs, [s.num_tokens for s in seqs], runner.block_size)
+        runner.compute_logits(seqs, [s.num_tokens - 1 for s in seqs])
+        for s in seqs:
+            s.num_computed_tokens = s.num_tokens - 1
+        results.append(runner.compute_logits(seqs, [1, 1, 1])[1].cpu())
+    torch.testing.assert_close(results[0], results[1], atol=1e-2, rtol=0)
