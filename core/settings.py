@@ -49,7 +49,7 @@ class Settings(BaseSettings):
 
     # The model workers serve by default, and the names the API accepts.
     model: str = "smollm2-135m-instruct"
-    served_models: list[str] = Field(default_factory=list)
+    served_models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     models_dir: Path = Path.home() / ".cache" / "batchinfer" / "models"
 
     # Inference worker.
@@ -76,7 +76,9 @@ class Settings(BaseSettings):
     max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1)
     batch_max_requests: int = Field(default=50_000, ge=1)
     # Accepted `completion_window` values ("<n>s|m|h|d"); tests add short ones.
-    batch_completion_windows: list[str] = Field(default_factory=lambda: ["24h"])
+    batch_completion_windows: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["24h"]
+    )
     # How often the batch loop validates, fans out, counts and finalizes.
     batch_poll_interval_s: float = Field(default=1.0, gt=0)
 
@@ -102,7 +104,13 @@ class Settings(BaseSettings):
 
     log_level: str = "INFO"
 
-    @field_validator("webhook_allowlist", "webhook_retry_schedule", mode="before")
+    @field_validator(
+        "served_models",
+        "batch_completion_windows",
+        "webhook_allowlist",
+        "webhook_retry_schedule",
+        mode="before",
+    )
     @classmethod
     def _split_list(cls, value: object) -> object:
         if isinstance(value, str):
@@ -110,13 +118,6 @@ class Settings(BaseSettings):
             if text.startswith("["):
                 return json.loads(text)
             return [item.strip() for item in text.split(",") if item.strip()]
-        return value
-
-    @field_validator("served_models", mode="before")
-    @classmethod
-    def _split_models(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [m.strip() for m in value.split(",") if m.strip()]
         return value
 
     @model_validator(mode="after")
