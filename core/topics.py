@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import Enum
 
 
-class Priority(str, Enum):
+class Priority(str, Enum):  # noqa: UP042 (StrEnum would change str(priority))
     """Job priority; each has its own Kafka topic."""
 
     HIGH = "high"

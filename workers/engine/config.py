@@ -43,7 +43,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.models_dir = Path(self.models_dir)
         if self.dtype not in {"auto", "float32", "bfloat16", "float16"}:
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         if self.attention_backend not in {"auto", "torch", "flash"}:
             raise ValueError(
                 f"attention_backend must be auto, torch or flash, got {self.attention_backend!r}"
