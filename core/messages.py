@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-MESSAGE_VERSION = 1
+MESSAGE_VERSION: Final = 1
 
 # Prompts that share their first this-many characters share a partition, so a worker's
 # prefix cache sees them all. Long enough to cover a typical system prompt's first block.

@@ -48,14 +48,14 @@ class UpProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                line = self._queue.get(timeout=0.2)
+                item = self._queue.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if line is None:
+            if item is None:
                 break
-            self.lines.append(line)
-            if line.startswith(prefix):
-                return line
+            self.lines.append(item)
+            if item.startswith(prefix):
+                return item
         raise AssertionError(f"`batchinfer up` printed no {prefix!r} line; exit code "
                              f"{self.process.poll()}; stdout {self.lines}; log:\n"
                              f"{self.log_tail()}")
