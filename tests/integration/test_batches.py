@@ -1,0 +1,228 @@
+"""OpenAI Batch API end to end: the official `openai` client against the running service.
+
+Real PostgreSQL, Redis and broker; the API, the scheduler (batch loop) and an inference
+worker each run as their own process (tests.utils.batch_service) on a tiny random-weight
+model, so what is checked is the service's plumbing: files in and out, validation, fan-out,
+counts, cancellation, expiry and the output line format.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kafka import TopicPartition
+
+from core.kafka import make_consumer
+from core.settings import Settings
+from storage.models import JobStatus
+from tests.unit.engine.tiny_models import save_tiny_llama
+from tests.utils.batch_service import (
+    CHAT,
+    TERMINAL,
+    BatchService,
+    batch_service,
+    chat_line,
+    jsonl,
+    parse_jsonl,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Llama directory: the engine's real code, fast on a CPU."""
+    model_dir = tmp_path_factory.mktemp("tiny-llama-batches")
+    save_tiny_llama(model_dir)
+    return model_dir
+
+
+@pytest.fixture
+def service(settings: Callable[..., Settings], tmp_path: Path,
+            tiny_model: Path) -> Iterator[Callable[..., BatchService]]:
+    """Factory: `service(**setting_overrides)` starts the roles; they stop after the test."""
+    with ExitStack() as stack:
+        yield lambda **overrides: stack.enter_context(
+            batch_service(settings, tmp_path, tiny_model, **overrides))
+
+
+def test_openai_client_runs_a_batch_end_to_end(service: Callable[..., BatchService]) -> None:
+    svc = service()
+    model = svc.settings.model
+    lines = [chat_line(f"req-{i}", model, content=f"Question {i}?") for i in range(12)]
+    # Parses, but the worker refuses it: a per-request failure, the batch still completes.
+    lines.insert(5, chat_line("req-bad", model, n=2))
+    client = svc.openai()
+
+    uploaded = client.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(lines))
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
+                                  completion_window="24h", metadata={"suite": "e2e"})
+    assert batch.status == "validating" and batch.metadata == {"suite": "e2e"}
+    done = svc.wait_batch(client, batch.id, lambda b: b.status in TERMINAL)
+
+    assert done.status == "completed", done
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed,
+            done.request_counts.failed) == (13, 12, 1)
+    assert done.in_progress_at and done.finalizing_at and done.completed_at
+    assert done.model == model
+    assert done.usage is not None and done.usage.input_tokens > 0
+    assert 0 < done.usage.output_tokens <= 2 * 12
+    assert done.output_file_id and done.error_file_id
+
+    output = parse_jsonl(client.files.content(done.output_file_id).content)
+    assert [line["custom_id"] for line in output] == [f"req-{i}" for i in range(12)]
+    for line in output:
+        assert line["id"].startswith("batch_req_") and line["error"] is None
+        response = line["response"]
+        assert response["status_code"] == 200 and response["request_id"].startswith("job_")
+        body = response["body"]
+        assert body["object"] == "chat.completion"
+        assert body["usage"]["completion_tokens"] <= 2
+        assert body["choices"][0]["message"]["role"] == "assistant"
+    [error] = parse_jsonl(client.files.content(done.error_file_id).content)
+    assert error["custom_id"] == "req-bad"
+    assert error["response"]["status_code"] == 400
+    assert "n must be 1" in error["response"]["body"]["error"]["message"]
+
+    second = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
+                                   completion_window="24h")
+    # Auto-pagination with one batch per page walks `after` / `has_more`.
+    listed = [b.id for b in client.batches.list(limit=1)]
+    assert listed == [second.id, batch.id]
+    cancelled = client.batches.cancel(second.id)
+    assert cancelled.status in ("cancelling", "cancelled")
+    svc.wait_batch(client, second.id, lambda b: b.status == "cancelled")
+
+    purposes = {f.id: f.purpose for f in client.files.list()}
+    assert purposes[done.output_file_id] == purposes[done.error_file_id] == "batch_output"
+    assert client.files.delete(uploaded.id).deleted
+    assert client.files.delete(done.output_file_id).deleted
+
+
+def test_invalid_files_fail_validation_by_line_and_enqueue_nothing(
+    service: Callable[..., BatchService],
+) -> None:
+    svc = service(batch_max_requests=20)
+    model = svc.settings.model
+    streaming = chat_line("d", model, stream=True)
+    lines: list[dict[str, object] | str] = [
+        chat_line("a", model),                        # 1: fine
+        '{"custom_id": "b", "method": "POST",',       # 2: malformed JSON
+        {**chat_line("c", model), "custom_id": None},  # 3: missing custom_id
+        chat_line("a", model),                        # 4: duplicate custom_id
+        {**chat_line("e", model), "url": "/v1/completions"},  # 5: other endpoint
+        streaming,                                    # 6: stream: true
+        chat_line("f", "another-model"),              # 7: a second model
+        {**chat_line("g", model), "method": "GET"},   # 8: not POST
+    ]
+    client = svc.openai()
+    file = client.files.create(file=("bad.jsonl", jsonl(lines)), purpose="batch")
+    unknown = client.files.create(file=("unknown.jsonl", jsonl(
+        [chat_line("x", "gpt-4o-mini")])), purpose="batch")
+    too_many = client.files.create(file=("many.jsonl", jsonl(
+        [chat_line(f"m{i}", model) for i in range(21)])), purpose="batch")
+
+    failures = {}
+    for name, file_id in (("bad", file.id), ("unknown", unknown.id), ("many", too_many.id)):
+        created = client.batches.create(input_file_id=file_id, endpoint=CHAT,
+                                        completion_window="24h")
+        failures[name] = svc.wait_batch(client, created.id, lambda b: b.status in TERMINAL)
+
+    def errors_of(name: str) -> list[tuple[str | None, int | None]]:
+        batch = failures[name]
+        assert batch.status == "failed" and batch.failed_at, batch
+        assert batch.errors is not None and batch.errors.data is not None
+        return [(e.code, e.line) for e in batch.errors.data]
+
+    assert errors_of("bad") == [
+        ("invalid_json_line", 2), ("missing_custom_id", 3), ("duplicate_custom_id", 4),
+        ("invalid_url", 5), ("invalid_stream", 6), ("mismatched_model", 7),
+        ("invalid_method", 8)]
+    assert errors_of("unknown") == [("model_not_found", 1)]
+    assert errors_of("many") == [("too_many_requests", 21)]
+    for batch in failures.values():
+        assert svc.job_statuses(batch.id) == {}
+        assert batch.output_file_id is None and batch.error_file_id is None
+    # Nothing reached the broker either.
+    consumer = make_consumer(svc.settings, group_id=f"{svc.settings.topic_prefix}.check")
+    try:
+        partitions = [TopicPartition(topic, p) for topic in svc.settings.job_topics.values()
+                      for p in range(svc.settings.topic_partitions)]
+        assert sum(consumer.end_offsets(partitions).values()) == 0
+    finally:
+        consumer.close()
+
+
+def test_cancel_mid_run_stops_the_rest_and_keeps_partial_output(
+    service: Callable[..., BatchService],
+) -> None:
+    # Few sequences at a time and long answers: the batch takes a while.
+    svc = service(engine_max_num_seqs=4, worker_max_inflight=8)
+    model = svc.settings.model
+    num_lines = 300
+    lines = [chat_line(f"c{i}", model, max_tokens=48, ignore_eos=True)
+             for i in range(num_lines)]
+    client = svc.openai()
+    file = client.files.create(file=("long.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+    svc.wait_batch(client, batch.id,
+                   lambda b: b.request_counts is not None and b.request_counts.completed >= 4)
+
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    done = svc.wait_batch(client, batch.id, lambda b: b.status in TERMINAL, timeout=120)
+    assert done.status == "cancelled" and done.cancelling_at and done.cancelled_at
+    counts = done.request_counts
+    assert counts is not None and counts.total == num_lines
+    assert 4 <= counts.completed < num_lines
+    assert counts.completed + counts.failed == num_lines
+
+    output = parse_jsonl(client.files.content(done.output_file_id or "").content)
+    errors = parse_jsonl(client.files.content(done.error_file_id or "").content)
+    assert len(output) == counts.completed and len(errors) == counts.failed
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    custom_ids = [line["custom_id"] for line in output + errors]
+    assert sorted(custom_ids) == sorted(f"c{i}" for i in range(num_lines))
+
+    statuses = svc.job_statuses(batch.id)
+    assert statuses.get(JobStatus.QUEUED, 0) == statuses.get(JobStatus.RUNNING, 0) == 0
+    assert statuses[JobStatus.SUCCEEDED] == counts.completed
+    # Nothing ran on after the cancel.
+    time.sleep(2.0)
+    assert svc.job_statuses(batch.id) == statuses
+
+
+def test_expiry_keeps_what_finished_and_marks_the_rest_batch_expired(
+    service: Callable[..., BatchService],
+) -> None:
+    svc = service(engine_max_num_seqs=4, worker_max_inflight=8)
+    model = svc.settings.model
+    num_lines = 1000
+    lines = [chat_line(f"e{i}", model, max_tokens=48, ignore_eos=True)
+             for i in range(num_lines)]
+    client = svc.openai()
+    file = client.files.create(file=("slow.jsonl", jsonl(lines)), purpose="batch")
+    # Shorter than OpenAI's one window; the test settings allow it.
+    window: Any = "8s"
+    batch = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window=window)
+    assert batch.expires_at is not None and batch.expires_at - batch.created_at == 8
+
+    done = svc.wait_batch(client, batch.id, lambda b: b.status in TERMINAL, timeout=120)
+    assert done.status == "expired" and done.expired_at, done
+    counts = done.request_counts
+    assert counts is not None and counts.total == num_lines
+    assert 0 < counts.completed < num_lines
+    assert counts.completed + counts.failed == num_lines
+    output = parse_jsonl(client.files.content(done.output_file_id or "").content)
+    errors = parse_jsonl(client.files.content(done.error_file_id or "").content)
+    assert all(line["response"]["status_code"] == 200 for line in output)
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert all(e["response"] is None for e in errors)
+    custom_ids = [line["custom_id"] for line in output + errors]
+    assert sorted(custom_ids) == sorted(f"e{i}" for i in range(num_lines))
+    statuses = svc.job_statuses(batch.id)
+    assert statuses.get(JobStatus.QUEUED, 0) == statuses.get(JobStatus.RUNNING, 0) == 0
