@@ -1,24 +1,26 @@
 """Pausing lower-priority partitions while higher-priority ones have a backlog.
 
-Responsible for: the pause decision (a pure function), and `PriorityPauser`, which measures
+Responsible for: the pause decision (pure functions), and `PriorityPauser`, which measures
 backlogs on the consumer, applies the decision after every poll with `pause/resume`, and
 re-applies the last decision to a fresh assignment from the rebalance listener, because a
 rebalance forgets pauses and an unpaused low-priority partition would be fetched at once.
 
-Rules, in order:
-1. The worker is full (in-flight jobs at the bound): pause everything. Polls continue,
-   keeping the group membership alive, but fetch nothing.
-2. Otherwise find the most urgent priority with a backlog on an assigned partition;
-   pause every partition of a strictly lower priority. Partitions of that priority and
-   above stay fetchable, so new urgent work is seen at once.
-3. No backlog anywhere: pause nothing, whatever arrives is taken.
+Rules:
+1. Find the most urgent priority with a backlog on an assigned partition; pause every
+   partition of a strictly lower priority. That priority and the ones above stay
+   fetchable, so new urgent work is seen at once.
+2. Pause every partition whose prefetch buffer is full (the worker polled records it has
+   no room to start yet). When the worker is at its in-flight bound, its buffers fill and
+   everything ends up paused; polls continue, keeping the group membership alive.
+3. Otherwise pause nothing, whatever arrives is taken.
 
 Example: assigned high/0, normal/0, low/0 with backlogs 3, 0, 500 → pause normal/0 and
 low/0; once high/0's backlog is 0 the most urgent backlog is low's, nothing is paused.
 
-Backlog is the fetch high-water mark minus the consumer's position, both known locally
-after a fetch (no broker round trip per poll). A partition not fetched since it was
-assigned keeps the backlog last measured for it.
+A partition's backlog is what it holds in the prefetch buffer plus what the broker holds
+beyond the consumer's position (the fetch high-water mark minus the position, both known
+locally after a fetch: no broker round trip per poll). A partition not fetched since it
+was assigned keeps the backlog last measured for it.
 """
 
 from __future__ import annotations
@@ -51,17 +53,16 @@ def partitions_to_pause(
     backlog: Mapping[TopicPartition, int | None],
     topic_rank: Mapping[str, int],
     *,
-    is_full: bool,
+    full: set[TopicPartition] | None = None,
 ) -> set[TopicPartition]:
     """The partitions to keep paused now (see the module docstring for the rules).
 
     `backlog` maps a partition to its unread record count (None: not known yet);
-    `topic_rank` maps a topic to its priority rank (0 is most urgent).
+    `topic_rank` maps a topic to its priority rank (0 is most urgent); `full` holds the
+    partitions whose prefetch buffer is at its limit.
     """
-    if is_full:
-        return set(assigned)
     rank = most_urgent_backlog_rank(assigned, backlog, topic_rank)
-    return _below(assigned, topic_rank, rank)
+    return _below(assigned, topic_rank, rank) | (set(full or ()) & assigned)
 
 
 def _below(
@@ -77,39 +78,50 @@ class PriorityPauser:
 
     def __init__(self, topic_rank: Mapping[str, int]) -> None:
         self.topic_rank = dict(topic_rank)
-        self._backlog: dict[TopicPartition, int] = {}
+        self._unfetched: dict[TopicPartition, int] = {}
         self._urgent_rank: int | None = None
-        self._is_full = False
+        self._is_draining = False
 
-    def update(self, consumer: KafkaConsumer, *, is_full: bool) -> None:
-        """Measure backlogs and pause/resume so that only the right partitions are fetched."""
+    def update(
+        self, consumer: KafkaConsumer, *, prefetched: Mapping[TopicPartition, int], limit: int
+    ) -> None:
+        """Measure backlogs and pause/resume so that only the right partitions are fetched.
+
+        `prefetched` counts the records each partition has waiting in the worker; a
+        partition with `limit` or more is paused until the worker takes some.
+        """
         assigned = set(consumer.assignment())
         for tp in assigned:
-            measured = _backlog_of(consumer, tp)
+            measured = _unfetched_of(consumer, tp)
             if measured is not None:
-                self._backlog[tp] = measured
-        self._is_full = is_full
-        self._urgent_rank = most_urgent_backlog_rank(assigned, self._backlog, self.topic_rank)
-        wanted = partitions_to_pause(assigned, self._backlog, self.topic_rank, is_full=is_full)
-        _apply(consumer, assigned, wanted)
+                self._unfetched[tp] = measured
+        backlog = {tp: self._unfetched.get(tp, 0) + prefetched.get(tp, 0) for tp in assigned}
+        self._urgent_rank = most_urgent_backlog_rank(assigned, backlog, self.topic_rank)
+        full = {tp for tp in assigned if prefetched.get(tp, 0) >= limit}
+        if self._is_draining:
+            full = assigned
+        _apply(
+            consumer, assigned, partitions_to_pause(assigned, backlog, self.topic_rank, full=full)
+        )
 
     def reapply(self, consumer: KafkaConsumer, assigned: set[TopicPartition]) -> None:
         """Pause a fresh assignment as the last decision said (from the rebalance listener)."""
-        wanted = (
-            set(assigned) if self._is_full else _below(assigned, self.topic_rank, self._urgent_rank)
-        )
+        if self._is_draining:
+            wanted = set(assigned)
+        else:
+            wanted = _below(assigned, self.topic_rank, self._urgent_rank)
         if wanted:
             consumer.pause(*wanted)
             logger.debug("re-paused %d partitions after rebalance", len(wanted))
 
     def pause_all(self, consumer: KafkaConsumer) -> None:
-        """Stop fetching everything (draining for shutdown)."""
-        self._is_full = True
+        """Stop fetching everything from now on (draining for shutdown)."""
+        self._is_draining = True
         assigned = set(consumer.assignment())
         _apply(consumer, assigned, assigned)
 
 
-def _backlog_of(consumer: KafkaConsumer, tp: TopicPartition) -> int | None:
+def _unfetched_of(consumer: KafkaConsumer, tp: TopicPartition) -> int | None:
     highwater = consumer.highwater(tp)
     if highwater is None:
         return None

@@ -1,9 +1,10 @@
 """The inference worker's poll loop: Kafka → engine → database, at least once.
 
 Responsible for, on the polling thread (the engine steps on its own, see engine_loop):
-- polling the three priority topics with a short timeout, at most as many records as
-  there is room for in flight (everything paused when full, lower priorities paused
-  while a higher one has a backlog, see priority);
+- polling the three priority topics with a short timeout into a prefetch buffer, and
+  starting jobs from it most urgent first while there is room in flight (lower
+  priorities paused while a higher one has a backlog, partitions paused while their
+  prefetch is full, so everything is paused when the worker is full; see priority);
 - per record: decode (a malformed record is logged and acknowledged), skip jobs already
   finished (redelivery), answer from the exact-result cache, refuse bad requests with a
   stored error, else claim the job and add it to the engine's running batch;
@@ -37,6 +38,7 @@ from storage.models import utcnow
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
 from workers.inference.job_store import JobStore, epoch_to_datetime
 from workers.inference.offsets import OffsetTracker
+from workers.inference.prefetch import PrefetchBuffer
 from workers.inference.priority import PriorityPauser
 from workers.inference.rebalance import RebalanceListener, offsets_to_commit
 from workers.inference.results import Completion, build_result, error_body, param_of
@@ -90,6 +92,10 @@ class Worker:
         self._inflight: dict[str, InFlightJob] = {}
         topic_rank = {topic: Priority(p).rank for p, topic in settings.job_topics.items()}
         self._pauser = PriorityPauser(topic_rank)
+        self._prefetch: PrefetchBuffer[ConsumerRecord] = PrefetchBuffer(topic_rank)
+        # Records a partition may hold here before it is paused: enough to refill the
+        # whole in-flight bound from one partition without waiting for a fetch.
+        self._prefetch_limit = settings.worker_max_inflight
         self._listener = RebalanceListener(consumer, self._tracker, self._lock, self._pauser)
         self._max_model_len: int | None = getattr(engine_loop.engine, "max_model_len", None)
 
@@ -109,14 +115,27 @@ class Worker:
         while not self._stop.is_set():
             self._check_engine()
             self._housekeeping()
-            room = self.settings.worker_max_inflight - len(self._inflight)
-            self._pauser.update(self._consumer, is_full=room <= 0)
-            batches = self._consumer.poll(timeout_ms=POLL_TIMEOUT_MS, max_records=max(1, room))
-            for tp, records in batches.items():
-                for record in records:
-                    self._handle_record(tp, record)
+            self._start_prefetched()
+            self._pauser.update(
+                self._consumer, prefetched=self._prefetch.counts(), limit=self._prefetch_limit
+            )
+            batches = self._consumer.poll(timeout_ms=POLL_TIMEOUT_MS)
+            self._on_new_assignment()
+            with self._lock:
+                for tp, records in batches.items():
+                    for record in records:
+                        self._tracker.track(tp, record.offset)
+                        self._prefetch.add(tp, record)
+            self._start_prefetched()
             metrics.WORKER_INFLIGHT.set(len(self._inflight))
         self._drain()
+
+    def _start_prefetched(self) -> None:
+        while len(self._inflight) < self.settings.worker_max_inflight:
+            item = self._prefetch.pop_most_urgent()
+            if item is None:
+                return
+            self._handle_record(*item)
 
     def _check_engine(self) -> None:
         if not self._engine.is_healthy:
@@ -125,12 +144,13 @@ class Worker:
     def _housekeeping(self, finished_wait_s: float = 0.0) -> None:
         self._handle_finished(self._engine.take_finished(finished_wait_s))
         self._handle_cancels()
-        self._release_moved_jobs()
+        self._on_new_assignment()
         self._commit()
 
     def _drain(self) -> None:
         """Stop fetching, let in-flight jobs finish until the drain timeout, then give up."""
         self._pauser.pause_all(self._consumer)
+        self._prefetch.clear()  # never started, never acknowledged: redelivered
         deadline = time.monotonic() + self.settings.worker_drain_timeout_s
         logger.info(
             "draining %d in-flight jobs (up to %.0f s)",
@@ -151,8 +171,8 @@ class Worker:
         metrics.WORKER_INFLIGHT.set(0)
 
     def _handle_record(self, tp: TopicPartition, record: ConsumerRecord) -> None:
-        with self._lock:
-            self._tracker.track(tp, record.offset)
+        if not self._tracker.owns(tp):
+            return  # its partition moved during a rebalance; the new owner has it
         try:
             message = JobMessage.decode(record.value)
         except ValueError as e:
@@ -284,10 +304,13 @@ class Worker:
                 job.is_cancelled = True
                 self._engine.abort(job_id)
 
-    def _release_moved_jobs(self) -> None:
+    def _on_new_assignment(self) -> None:
         assignment = self._listener.take_new_assignment()
         if assignment is None:
             return
+        # Every assigned partition restarts from its committed offset, so buffered
+        # records would come twice; those of partitions that moved belong to others.
+        self._prefetch.clear()
         for job in self._inflight.values():
             if not job.is_released and not any(tp in assignment for tp, _ in job.records):
                 # Its partition now belongs to another worker, which will run it again.
