@@ -1,0 +1,88 @@
+"""core.kafka against the real broker: idempotent topics, keyed publishing, consumer lag."""
+
+from __future__ import annotations
+
+from kafka import KafkaAdminClient, TopicPartition
+from kafka.structs import OffsetAndMetadata
+
+from core.kafka import consumer_lag, ensure_topics, make_consumer, make_producer, publish_job
+from core.messages import JobMessage
+
+
+def _message(job_id: str, priority: str, prompt: str) -> JobMessage:
+    return JobMessage(
+        job_id=job_id,
+        tenant_id="ten",
+        priority=priority,
+        model="m",
+        kind="text_completion",
+        body={"prompt": prompt},
+    )
+
+
+def test_ensure_topics_is_idempotent_and_uses_the_partition_setting(settings) -> None:
+    s = settings(topic_partitions=2)
+    ensure_topics(s)
+    ensure_topics(s)  # a second process starting: no error, nothing changes
+    admin = KafkaAdminClient(bootstrap_servers=s.kafka_bootstrap_servers)
+    try:
+        described = {
+            t["topic"] if "topic" in t else t["name"]: t
+            for t in admin.describe_topics(list(s.job_topics.values()))
+        }
+    finally:
+        admin.close()
+    assert set(described) == set(s.job_topics.values())
+    assert all(len(t["partitions"]) == 2 for t in described.values())
+
+
+def test_jobs_sharing_a_prompt_prefix_share_a_partition(settings) -> None:
+    s = settings(topic_partitions=3)
+    ensure_topics(s)
+    producer = make_producer(s)
+    try:
+        system = "You are a careful assistant. " * 20  # longer than the affinity prefix
+        same = [
+            publish_job(producer, s, _message(f"j{i}", "normal", system + f"question {i}"))
+            for i in range(6)
+        ]
+        partitions = {future.get(timeout=30).partition for future in same}
+    finally:
+        producer.close()
+    assert len(partitions) == 1
+
+
+def test_consumer_lag_is_latest_minus_committed_per_topic(settings) -> None:
+    s = settings(topic_partitions=2)
+    ensure_topics(s)
+    group = f"{s.topic_prefix}.lag"
+    high, low = s.job_topics["high"], s.job_topics["low"]
+    # batch_size=0: one record per produce request, because the embedded broker's latest
+    # offset counts a multi-record batch as one (real Kafka would not care).
+    producer = make_producer(s, batch_size=0)
+    try:
+        for i in range(5):
+            producer.send(high, value=b"h%d" % i, partition=0)
+        for i in range(3):
+            producer.send(low, value=b"l%d" % i, partition=1)
+        producer.flush()
+    finally:
+        producer.close()
+
+    # Nothing committed yet: every record counts (workers start from the earliest offset).
+    assert consumer_lag(s, group_id=group) == {high: 5, s.job_topics["normal"]: 0, low: 3}
+
+    committer = make_consumer(s, group_id=group)
+    try:
+        committer.assign([TopicPartition(high, 0), TopicPartition(low, 1)])
+        committer.commit(
+            {
+                TopicPartition(high, 0): OffsetAndMetadata(2, "", -1),
+                TopicPartition(low, 1): OffsetAndMetadata(3, "", -1),
+            }
+        )
+    finally:
+        committer.close()
+    assert consumer_lag(s, group_id=group) == {high: 3, s.job_topics["normal"]: 0, low: 0}
+    # Another group's commits are its own.
+    assert consumer_lag(s, group_id=f"{group}.other")[high] == 5

@@ -1,0 +1,385 @@
+"""The inference worker on the real broker, Redis and PostgreSQL, with a real (tiny) model.
+
+Workers run as `python -m workers.inference` child processes, so SIGTERM and SIGKILL are
+the real thing. The model is a random-weight 2-layer Llama with a trained tokenizer: fast
+on a CPU, and exercising the same engine code as any model. Jobs are written to the
+database and produced to Kafka as the API does; results are read back from the database.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any, Literal
+
+import httpx
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.kafka import consumer_lag, ensure_topics, make_producer, publish_job
+from core.messages import JobMessage
+from core.settings import Settings
+from scheduler.embedded_services import free_port
+from storage import jobs
+from storage.db import create_db_engine, session_factory
+from storage.events import publish_cancel
+from storage.migrate import upgrade
+from storage.models import Job, JobStatus, utcnow
+from storage.tenants import create_tenant
+from tests.unit.engine.tiny_models import save_tiny_llama
+from tests.utils.service import WorkerProcess
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Llama directory (safetensors + tokenizer + chat template)."""
+    model_dir = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_llama(model_dir)
+    return model_dir
+
+
+@dataclass
+class Service:
+    """Settings, database sessions and a producer for one test, plus its workers."""
+
+    settings: Settings
+    sessions: sessionmaker[Session]
+    tenant_id: str
+    tmp_path: Path
+    workers: list[WorkerProcess]
+
+    def submit(self, priority: str, bodies: list[dict[str, Any]]) -> list[str]:
+        """Create queued jobs, then produce them (the API's order); their ids."""
+        with self.sessions() as session:
+            rows = [
+                jobs.create_job(
+                    session,
+                    tenant_id=self.tenant_id,
+                    priority=priority,
+                    model=self.settings.model,
+                    kind=_kind(body),
+                    request=body,
+                )
+                for body in bodies
+            ]
+            jobs.mark_published(session, job_ids=[r.id for r in rows])
+            session.commit()
+            messages = [
+                JobMessage(
+                    job_id=r.id,
+                    tenant_id=r.tenant_id,
+                    priority=priority,
+                    model=r.model,
+                    kind=_kind(r.request),
+                    body=r.request,
+                )
+                for r in rows
+            ]
+        # One record per request: lag assertions count records on the embedded broker.
+        producer = make_producer(self.settings, batch_size=0)
+        try:
+            for future in [publish_job(producer, self.settings, m) for m in messages]:
+                future.get(timeout=30)
+        finally:
+            producer.close()
+        return [m.job_id for m in messages]
+
+    def start_worker(self) -> WorkerProcess:
+        """Start one more worker process."""
+        log = self.tmp_path / f"worker-{len(self.workers)}.log"
+        worker = WorkerProcess(self.settings, log)
+        self.workers.append(worker)
+        return worker
+
+    def jobs(self, job_ids: list[str]) -> dict[str, Job]:
+        """Fresh rows for these ids."""
+        with self.sessions() as session:
+            rows = session.scalars(sa.select(Job).where(Job.id.in_(job_ids))).all()
+            return {row.id: row for row in rows}
+
+    def wait_for(self, what: str, check: Callable[[], bool], timeout: float = 120.0) -> None:
+        """Poll `check` until true; fail with the workers' logs after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                logs = "\n".join(f"--- {w.log_path.name}\n{w.log_tail()}" for w in self.workers)
+                pytest.fail(f"timed out waiting for {what}\n{logs}")
+            time.sleep(0.2)
+
+    def wait_terminal(self, job_ids: list[str], timeout: float = 180.0) -> dict[str, Job]:
+        """Wait until every job is finished; their rows."""
+        self.wait_for(
+            f"{len(job_ids)} jobs to finish",
+            lambda: all(j.status.is_terminal for j in self.jobs(job_ids).values()),
+            timeout,
+        )
+        return self.jobs(job_ids)
+
+    def count_status(self, job_ids: list[str], status: JobStatus) -> int:
+        """How many of these jobs are in `status`."""
+        return sum(j.status == status for j in self.jobs(job_ids).values())
+
+
+@pytest.fixture
+def service(settings, tmp_path: Path, tiny_model: Path) -> Iterator[Callable[..., Service]]:
+    """Factory: `service(**setting_overrides)` → a migrated database, topics and a tenant."""
+    made: list[tuple[Service, sa.Engine]] = []
+
+    def make(**overrides: Any) -> Service:
+        values: dict[str, Any] = {
+            "model": str(tiny_model),
+            "topic_partitions": 2,
+            # The embedded broker completes a group join in about half the session timeout.
+            "kafka_session_timeout_ms": 6000,
+            "engine_kv_cache_memory_bytes": 32 * 1024 * 1024,
+            "worker_max_inflight": 4,
+            "engine_max_num_seqs": 4,
+            "log_level": "INFO",
+        }
+        values.update(overrides)
+        s: Settings = settings(**values)
+        upgrade(s.database_url)
+        ensure_topics(s)
+        engine = create_db_engine(s.database_url)
+        sessions = session_factory(engine)
+        with sessions() as session:
+            tenant = create_tenant(session, name="worker-tests")
+            session.commit()
+        svc = Service(s, sessions, tenant.id, tmp_path, [])
+        made.append((svc, engine))
+        return svc
+
+    yield make
+    for svc, engine in made:
+        for worker in svc.workers:
+            worker.kill()
+        engine.dispose()
+
+
+def _kind(body: dict[str, Any]) -> Literal["chat.completion", "text_completion"]:
+    return "chat.completion" if "messages" in body else "text_completion"
+
+
+def _bodies(n: int, *, tag: str, max_tokens: int, **extra: Any) -> list[dict[str, Any]]:
+    """Distinct greedy requests (distinct, so no result-cache hits), chat and text mixed."""
+    bodies = []
+    for i in range(n):
+        body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0, **extra}
+        if i % 2:
+            body["messages"] = [{"role": "user", "content": f"{tag} question {i}"}]
+        else:
+            body["prompt"] = f"{tag} prompt number {i}:"
+        bodies.append(body)
+    return bodies
+
+
+def _metric(port: int, name: str, labels: str = "") -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.split("{")[0].split(" ")[0] == name and labels in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_worker_runs_jobs_end_to_end(service) -> None:
+    """Results, errors, a malformed record, a cache hit, cancellation and metrics."""
+    port = free_port()
+    svc = service(worker_metrics_port=port)
+    good = svc.submit("normal", _bodies(6, tag="e2e", max_tokens=6))
+    bad = svc.submit("high", [{"prompt": "x", "max_tokens": 4, "temperature": 0, "top_p": 7}])
+    producer = make_producer(svc.settings)
+    producer.send(svc.settings.job_topics["low"], value=b"{not a job")
+    producer.flush()
+    producer.close()
+    worker = svc.start_worker()
+
+    done = svc.wait_terminal(good + bad)
+    for job_id in good:
+        job = done[job_id]
+        assert job.status == JobStatus.SUCCEEDED, job.error
+        result = job.result
+        assert result is not None
+        choice = result["choices"][0]
+        if job.kind == "chat.completion":
+            assert result["object"] == "chat.completion"
+            assert choice["message"]["role"] == "assistant"
+        else:
+            assert result["object"] == "text_completion" and "text" in choice
+        assert choice["finish_reason"] in ("stop", "length")
+        usage = result["usage"]
+        assert usage["completion_tokens"] == job.completion_tokens <= 6
+        assert usage["prompt_tokens"] == job.prompt_tokens > 0
+        assert usage["prompt_tokens_details"]["cached_tokens"] == job.cached_tokens
+        assert job.attempts == 1 and job.started_at and job.finished_at and job.worker_id
+    failed = done[bad[0]]
+    assert failed.status == JobStatus.FAILED
+    assert failed.error is not None and failed.error["param"] == "top_p"
+
+    # The same deterministic request again is answered from the exact-result cache.
+    first = done[good[0]]
+    (again,) = svc.submit("normal", [dict(first.request)])
+    repeat = svc.wait_terminal([again])[again]
+    assert repeat.status == JobStatus.SUCCEEDED and repeat.result is not None
+    assert first.result is not None
+    assert repeat.result["choices"] == first.result["choices"]
+    assert repeat.result["id"].endswith(again)
+    assert _metric(port, "batchinfer_result_cache_hits_total") == 1
+
+    # A long job is aborted in the engine when its cancellation is announced.
+    (long_job,) = svc.submit(
+        "high", [{"prompt": "go on", "max_tokens": 800, "ignore_eos": True, "temperature": 0}]
+    )
+    svc.wait_for(
+        "the long job to run", lambda: svc.count_status([long_job], JobStatus.RUNNING) == 1
+    )
+    with svc.sessions() as session:
+        assert jobs.cancel_job(session, job_id=long_job, tenant_id=svc.tenant_id)
+        session.commit()
+    publish_cancel(
+        redis.Redis.from_url(svc.settings.redis_url),
+        prefix=svc.settings.topic_prefix,
+        job_id=long_job,
+    )
+    svc.wait_for(
+        "the cancel to reach the engine",
+        lambda: _metric(port, "batchinfer_jobs_cancelled_total") == 1,
+        timeout=30,
+    )
+    (after,) = svc.submit("high", _bodies(1, tag="after-cancel", max_tokens=4))
+    assert svc.wait_terminal([after])[after].status == JobStatus.SUCCEEDED
+    assert svc.jobs([long_job])[long_job].status == JobStatus.CANCELLED
+
+    assert _metric(port, "batchinfer_jobs_completed_total") == len(good) + 2
+    assert _metric(port, "batchinfer_jobs_failed_total", 'priority="high"') == 1
+    assert _metric(port, "batchinfer_end_to_end_seconds_count") == len(good) + 2
+    assert _metric(port, "batchinfer_queue_wait_seconds_count") >= len(good) + 2
+    assert _metric(port, "batchinfer_kv_cache_usage_ratio") >= 0
+    assert worker.stop() == 0, worker.log_tail()
+    # Everything processed was committed, the malformed record included.
+    assert sum(consumer_lag(svc.settings, group_id=svc.settings.consumer_group).values()) == 0
+
+
+def test_high_priority_jobs_overtake_a_low_priority_flood(service) -> None:
+    """High jobs produced after a flood of low ones finish before most of the flood."""
+    svc = service(worker_max_inflight=2, engine_max_num_seqs=2)
+    worker = svc.start_worker()
+    low = svc.submit("low", _bodies(24, tag="flood", max_tokens=160, ignore_eos=True))
+    svc.wait_for(
+        "the worker to start on the flood",
+        lambda: svc.count_status(low, JobStatus.QUEUED) < len(low),
+        timeout=120,
+    )
+    high = svc.submit("high", _bodies(4, tag="urgent", max_tokens=160, ignore_eos=True))
+    produced_high_at = utcnow()
+    done = svc.wait_terminal(low + high)
+    assert all(j.status == JobStatus.SUCCEEDED for j in done.values())
+
+    finished = {i: j.finished_at for i, j in done.items() if j.finished_at is not None}
+    pending_low = [i for i in low if finished[i] > produced_high_at]
+    assert len(pending_low) >= 8, "the flood finished too fast for the comparison to mean much"
+    last_high = max(finished[i] for i in high)
+    overtaken = [i for i in pending_low if finished[i] > last_high]
+    # Allowed to finish first: the low jobs in flight when the high ones became visible,
+    # and one refill polled together with them.
+    assert len(overtaken) >= len(pending_low) - 2 * svc.settings.worker_max_inflight, (
+        f"{len(pending_low) - len(overtaken)} of {len(pending_low)} pending low jobs "
+        "finished before the last high one"
+    )
+    assert median(finished[i].timestamp() for i in high) < median(
+        finished[i].timestamp() for i in low
+    )
+    assert worker.stop() == 0, worker.log_tail()
+
+
+def _count_completion_writes(svc: Service) -> None:
+    """A trigger that records every UPDATE leaving a job row `succeeded`."""
+    with svc.sessions() as session:
+        session.execute(sa.text("CREATE TABLE completion_writes (job_id text NOT NULL)"))
+        session.execute(
+            sa.text(
+                "CREATE FUNCTION record_completion() RETURNS trigger AS $$ BEGIN "
+                "INSERT INTO completion_writes (job_id) VALUES (NEW.id); RETURN NEW; END $$ "
+                "LANGUAGE plpgsql"
+            )
+        )
+        session.execute(
+            sa.text(
+                "CREATE TRIGGER jobs_completion_writes AFTER UPDATE ON jobs FOR EACH ROW "
+                "WHEN (NEW.status = 'succeeded') EXECUTE FUNCTION record_completion()"
+            )
+        )
+        session.commit()
+
+
+def test_sigkill_mid_run_loses_and_duplicates_nothing(service) -> None:
+    """Kill -9 a busy worker, start another: every job succeeds exactly once."""
+    svc = service()
+    _count_completion_writes(svc)
+    job_ids = (
+        svc.submit("high", _bodies(6, tag="k-high", max_tokens=24, ignore_eos=True))
+        + svc.submit("normal", _bodies(6, tag="k-normal", max_tokens=24, ignore_eos=True))
+        + svc.submit("low", _bodies(6, tag="k-low", max_tokens=24, ignore_eos=True))
+    )
+    first = svc.start_worker()
+    svc.wait_for(
+        "some jobs done and some running",
+        lambda: (
+            svc.count_status(job_ids, JobStatus.SUCCEEDED) >= 2
+            and svc.count_status(job_ids, JobStatus.RUNNING) >= 1
+        ),
+    )
+    first.kill()
+    at_kill = svc.jobs(job_ids)
+    running_at_kill = [i for i, j in at_kill.items() if j.status == JobStatus.RUNNING]
+    assert running_at_kill and len(running_at_kill) < len(job_ids)
+
+    second = svc.start_worker()
+    done = svc.wait_terminal(job_ids)
+    assert all(j.status == JobStatus.SUCCEEDED and j.result for j in done.values())
+    with svc.sessions() as session:
+        rows = session.execute(
+            sa.text("SELECT job_id, count(*) FROM completion_writes GROUP BY job_id")
+        ).all()
+    writes = dict(rows)
+    assert set(writes) == set(job_ids)
+    assert all(count == 1 for count in writes.values()), writes
+    for job_id in running_at_kill:  # re-run by the second worker after redelivery
+        assert done[job_id].attempts == 2
+        assert done[job_id].worker_id != at_kill[job_id].worker_id
+    finished_before_kill = [i for i, j in at_kill.items() if j.status == JobStatus.SUCCEEDED]
+    for job_id in finished_before_kill:  # redelivered but skipped: never claimed again
+        assert done[job_id].attempts == 1
+    assert second.stop() == 0, second.log_tail()
+    assert sum(consumer_lag(svc.settings, group_id=svc.settings.consumer_group).values()) == 0
+
+
+def test_sigterm_drains_in_flight_jobs_and_commits(service) -> None:
+    """SIGTERM: in-flight jobs finish, nothing new starts, offsets cover exactly the done."""
+    svc = service(worker_drain_timeout_s=120)
+    job_ids = svc.submit("normal", _bodies(12, tag="drain", max_tokens=32, ignore_eos=True))
+    worker = svc.start_worker()
+    svc.wait_for("jobs running", lambda: svc.count_status(job_ids, JobStatus.RUNNING) >= 2)
+    worker.process.terminate()
+    running_at_term = [i for i, j in svc.jobs(job_ids).items() if j.status == JobStatus.RUNNING]
+    assert worker.process.wait(120) == 0, worker.log_tail()
+    assert "draining" in worker.log_tail()
+
+    after = svc.jobs(job_ids)
+    assert not any(j.status == JobStatus.RUNNING for j in after.values())
+    for job_id in running_at_term:
+        assert after[job_id].status == JobStatus.SUCCEEDED
+    queued = [i for i, j in after.items() if j.status == JobStatus.QUEUED]
+    assert queued, "the drain should leave work it had not started"
+    lag = consumer_lag(svc.settings, group_id=svc.settings.consumer_group)
+    assert sum(lag.values()) == len(queued)
+
+    successor = svc.start_worker()
+    done = svc.wait_terminal(job_ids)
+    assert all(j.status == JobStatus.SUCCEEDED and j.attempts == 1 for j in done.values())
+    assert successor.stop() == 0, successor.log_tail()
