@@ -84,6 +84,8 @@ class SchedulerDriver:
                 assert seq.num_computed_tokens + n == seq.num_tokens
         for seq in out.preempted:
             assert seq in s.waiting and not seq.block_table
+        for seq in s.running + s.waiting:
+            assert seq.num_output_tokens < seq.params.max_tokens, "ran past max_tokens"
         assert s.waiting == sorted(s.waiting, key=lambda q: (q.priority, q.arrival_order))
 
     def check_ref_counts(self) -> None:
