@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -80,6 +81,8 @@ def _client(args: argparse.Namespace) -> Any:
     from core.settings import get_settings
 
     settings = get_settings()
+    # One line per poll would bury the progress bar.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     url = args.url or os.environ.get("BATCHINFER_URL") or (
         f"http://{settings.api_host}:{settings.api_port}")
     key = args.api_key or os.environ.get("BATCHINFER_API_KEY")
@@ -92,20 +95,31 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    """Print a table of recent batches."""
+    """Print recent batches: a table on a terminal, tab-separated lines when piped."""
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
 
     with _client(args) as client:
         page = client.list_batches(limit=args.limit)
-    table = Table("id", "status", "completed", "failed", "total", "model", "created")
+    header = ("id", "status", "completed", "failed", "total", "model", "created")
+    rows = []
     for batch in page["data"]:
         counts = batch.get("request_counts") or {}
-        table.add_row(batch["id"], batch["status"], str(counts.get("completed", 0)),
-                      str(counts.get("failed", 0)), str(counts.get("total", 0)),
-                      batch.get("model") or "", time.strftime(
-                          "%Y-%m-%d %H:%M:%S", time.localtime(batch["created_at"])))
-    Console().print(table)
+        rows.append((batch["id"], batch["status"], str(counts.get("completed", 0)),
+                     str(counts.get("failed", 0)), str(counts.get("total", 0)),
+                     batch.get("model") or "",
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(batch["created_at"]))))
+    console = Console()
+    if not console.is_terminal:
+        for row in (header, *rows):
+            print("\t".join(row))
+        return 0
+    # Ids are what users copy into the next command: never cut short.
+    table = Table(Column(header[0], no_wrap=True), *header[1:5],
+                  Column(header[5], overflow="fold"), header[6])
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
     return 0
 
 

@@ -8,6 +8,7 @@ counts, cancellation, expiry and the output line format.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 from kafka import TopicPartition
+from openai.types import Batch
 
 from core.kafka import make_consumer
 from core.settings import Settings
@@ -30,6 +32,8 @@ from tests.utils.batch_service import (
     jsonl,
     parse_jsonl,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @pytest.fixture(scope="session")
@@ -226,3 +230,51 @@ def test_expiry_keeps_what_finished_and_marks_the_rest_batch_expired(
     assert sorted(custom_ids) == sorted(f"e{i}" for i in range(num_lines))
     statuses = svc.job_statuses(batch.id)
     assert statuses.get(JobStatus.QUEUED, 0) == statuses.get(JobStatus.RUNNING, 0) == 0
+
+
+@pytest.mark.slow
+def test_ten_thousand_lines_complete_once_each_with_flat_api_memory(
+    service: Callable[..., BatchService],
+) -> None:
+    svc = service(engine_max_num_seqs=128, worker_max_inflight=256)
+    model = svc.settings.model
+    num_lines = 10_000
+    lines = [chat_line(f"row-{i:05d}", model, content=f"Item {i}.", max_tokens=1)
+             for i in range(num_lines)]
+    client = svc.openai()
+    # Warm the API's code paths first, so the baseline is the steady state.
+    warm = client.files.create(file=("warm.jsonl", jsonl(lines[:10])), purpose="batch")
+    client.files.content(warm.id).read()
+    baseline = svc.api.rss_bytes
+    started = time.monotonic()
+
+    file = client.files.create(file=("ten-thousand.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+    samples = [svc.api.rss_bytes]
+
+    def sample_and_check(b: Batch) -> bool:
+        samples.append(svc.api.rss_bytes)
+        return b.status in TERMINAL
+
+    done = svc.wait_batch(client, batch.id, sample_and_check, timeout=1500)
+    elapsed = time.monotonic() - started
+    output = parse_jsonl(client.files.content(done.output_file_id or "").content)
+    samples.append(svc.api.rss_bytes)
+
+    assert done.status == "completed", done
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed,
+            done.request_counts.failed) == (num_lines, num_lines, 0)
+    assert done.error_file_id is None
+    custom_ids = [line["custom_id"] for line in output]
+    assert len(custom_ids) == len(set(custom_ids)) == num_lines
+    assert set(custom_ids) == {f"row-{i:05d}" for i in range(num_lines)}
+    assert svc.job_statuses(batch.id) == {JobStatus.SUCCEEDED: num_lines}
+
+    mib = 1024 * 1024
+    peak_growth = max(samples) - baseline
+    report = (f"10k batch: {elapsed:.1f}s, API RSS baseline {baseline / mib:.1f} MiB, "
+              f"peak {max(samples) / mib:.1f} MiB (+{peak_growth / mib:.1f}), end "
+              f"{samples[-1] / mib:.1f} MiB, {len(samples)} samples")
+    logger.info(report)
+    assert peak_growth < 40 * mib, report
