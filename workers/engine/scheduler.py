@@ -31,10 +31,14 @@ class Sampled(Protocol):
     """What the model runner returns per sequence: one token and maybe its logprob."""
 
     @property
-    def token_id(self) -> int: ...
+    def token_id(self) -> int:
+        """The sampled token."""
+        ...
 
     @property
-    def logprob(self) -> float | None: ...
+    def logprob(self) -> float | None:
+        """Its log-probability, when the request asked for it."""
+        ...
 
 
 @dataclass(slots=True)
