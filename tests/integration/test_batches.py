@@ -34,6 +34,8 @@ from tests.utils.batch_service import (
 )
 
 logger = logging.getLogger(__name__)
+# Stored for delivery only: no callbacks worker runs in these tests.
+HOOK = "http://127.0.0.1:9/hook"
 
 
 @pytest.fixture(scope="session")
@@ -63,9 +65,11 @@ def test_openai_client_runs_a_batch_end_to_end(service: Callable[..., BatchServi
 
     uploaded = client.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch")
     assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(lines))
+    # The batch's webhook URL rides in metadata (the official client has no field for it).
+    metadata = {"suite": "e2e", "callback_url": HOOK}
     batch = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
-                                  completion_window="24h", metadata={"suite": "e2e"})
-    assert batch.status == "validating" and batch.metadata == {"suite": "e2e"}
+                                  completion_window="24h", metadata=metadata)
+    assert batch.status == "validating" and batch.metadata == metadata
     done = svc.wait_batch(client, batch.id, lambda b: b.status in TERMINAL)
 
     assert done.status == "completed", done
@@ -93,14 +97,19 @@ def test_openai_client_runs_a_batch_end_to_end(service: Callable[..., BatchServi
     assert error["response"]["status_code"] == 400
     assert "n must be 1" in error["response"]["body"]["error"]["message"]
 
+    [(event, url, payload)] = svc.webhook_events(batch.id)
+    assert (event, url) == ("batch.completed", HOOK)
+    assert payload["data"] == done.model_dump(mode="json", exclude_unset=True)
+
     second = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
-                                   completion_window="24h")
+                                   completion_window="24h", extra_body={"callback_url": HOOK})
     # Auto-pagination with one batch per page walks `after` / `has_more`.
     listed = [b.id for b in client.batches.list(limit=1)]
     assert listed == [second.id, batch.id]
     cancelled = client.batches.cancel(second.id)
     assert cancelled.status in ("cancelling", "cancelled")
     svc.wait_batch(client, second.id, lambda b: b.status == "cancelled")
+    assert [e[0] for e in svc.webhook_events(second.id)] == ["batch.cancelled"]
 
     purposes = {f.id: f.purpose for f in client.files.list()}
     assert purposes[done.output_file_id] == purposes[done.error_file_id] == "batch_output"

@@ -25,6 +25,7 @@ from core.kafka import ensure_topics
 from core.settings import Settings
 from scheduler.embedded_services import free_port
 from storage.db import create_db_engine, session_factory
+from storage.deliveries import list_deliveries
 from storage.migrate import upgrade
 from storage.models import Job, JobStatus
 from tests.utils.api import make_tenant_key
@@ -42,6 +43,7 @@ class BatchService:
     settings: Settings
     url: str
     api_key: str
+    tenant_id: str
     sessions: sessionmaker[Session]
     api: CliProcess
     scheduler: CliProcess
@@ -70,6 +72,12 @@ class BatchService:
                                      f"({batch.request_counts}) after {timeout}s\n{self.logs()}")
             time.sleep(0.25)
 
+    def webhook_events(self, batch_id: str) -> list[tuple[str, str, dict[str, Any]]]:
+        """(event type, url, payload) of each webhook delivery stored for the batch."""
+        with self.sessions() as session:
+            return [(d.event_type, d.url, d.payload) for d in list_deliveries(
+                session, tenant_id=self.tenant_id, batch_id=batch_id)]
+
     def job_statuses(self, batch_id: str) -> dict[JobStatus, int]:
         """How many of the batch's jobs are in each status, from the database."""
         with self.sessions() as session:
@@ -86,6 +94,7 @@ def batch_service(make_settings: Callable[..., Settings], tmp_path: Path, model_
         "model": str(model_dir), "topic_partitions": 2, "kafka_session_timeout_ms": 6000,
         "batch_poll_interval_s": 0.3, "batch_completion_windows": ["24h", "8s"],
         "engine_kv_cache_memory_bytes": 64 * 1024 * 1024, "log_level": "INFO",
+        "webhook_allowlist": ["127.0.0.1"],
     }
     values.update(overrides)
     settings = make_settings(**values)
@@ -100,8 +109,8 @@ def batch_service(make_settings: Callable[..., Settings], tmp_path: Path, model_
     api = CliProcess(["api", "--host", "127.0.0.1", "--port", str(port)], settings,
                      tmp_path / "api.log")
     service = BatchService(settings=settings, url=f"http://127.0.0.1:{port}",
-                           api_key=tenant.key, sessions=sessions, api=api,
-                           scheduler=scheduler, worker=worker)
+                           api_key=tenant.key, tenant_id=tenant.tenant_id, sessions=sessions,
+                           api=api, scheduler=scheduler, worker=worker)
     try:
         api.wait_http(f"{service.url}/healthz")
         _wait_worker_assigned(worker)
