@@ -253,3 +253,32 @@ def test_priority_request_overtakes_a_full_engine(model_dir: Path) -> None:
         finished_order += [o.request_id for o in engine.step() if o.finished]
     assert finished_order == ["high", "low"]
     assert engine.stats().num_preemptions == 1
+
+
+def test_random_adds_aborts_and_priorities_leave_no_block_held(model_dir: Path) -> None:
+    """A random mix of arrivals, priorities and aborts on a tight pool ends fully free."""
+    rng = random.Random(11)
+    engine = make_engine(model_dir, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=64)
+    expected: dict[str, int] = {}
+    finished: dict[str, RequestOutput] = {}
+    for i in range(40):
+        max_tokens = rng.randint(1, 12)
+        engine.add_request(f"r{i}", random_prompt(rng, rng.randint(1, 120)), greedy(max_tokens),
+                           priority=rng.randint(0, 2))  # fmt: skip
+        expected[f"r{i}"] = max_tokens
+        if rng.random() < 0.25:
+            victim = f"r{rng.randrange(i + 1)}"
+            engine.abort(victim)  # a no-op when it already finished
+            if victim not in finished:
+                expected.pop(victim, None)
+        for out in engine.step():
+            assert out.request_id in expected and out.request_id not in finished
+            if out.finished:
+                finished[out.request_id] = out
+        stats = engine.stats()
+        assert stats.num_running <= 6
+        assert stats.num_kv_blocks_used + stats.num_kv_blocks_free == 24
+    finished.update({o.request_id: o for o in sum(run_all(engine).values(), []) if o.finished})
+    assert {r: len(o.token_ids) for r, o in finished.items()} == expected
+    stats = engine.stats()
+    assert stats.num_kv_blocks_used == 0 and stats.num_preemptions > 0
