@@ -25,9 +25,11 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-# A new decode group starts when a sequence needs this many times the blocks of the group's
-# shortest one: padding stays under ~1.5x while the number of kernel launches stays small.
-_DECODE_GROUP_GROWTH = 1.5
+# A new decode group starts when a sequence needs more than this many times the blocks of
+# the group's shortest one. Padding costs more than extra calls on CPU: at batch 64 with
+# contexts of 32..768 tokens, 1.1 (18 groups) runs a layer's decode attention 1.5x faster
+# than 1.5 (6 groups).
+_DECODE_GROUP_GROWTH = 1.1
 
 
 @dataclass(slots=True)

@@ -1,0 +1,346 @@
+"""Offline throughput of this engine beside Hugging Face transformers, on the same prompts.
+
+One invocation runs every contender on identical random token-id prompts with per-request
+output lengths, greedy, ignoring EOS (as `vllm bench throughput` does with its random
+dataset):
+
+  engine     this engine's `LLM.generate` (continuous batching over the paged KV cache)
+  hf-static  transformers `generate` on left-padded static batches; a batch runs until its
+             longest request is done, and only the tokens each request asked for count;
+             the best of --hf-batch-sizes is kept
+  hf-cb      transformers' own continuous batching (the manager behind `generate_batch`),
+             fed per-request `max_new_tokens`
+
+It prints output tokens/s with the ratios, and vLLM's three figures (requests/s, total
+tokens/s, output tokens/s). With --roofline (CUDA) it also times one decode step at batch
+128 against the HBM-bandwidth roofline.
+
+    .venv/bin/python -m bench.engine_throughput                      # CPU, SmolLM2-135M
+    .venv/bin/python -m bench.engine_throughput --random-llama-1b --num-prompts 512 \\
+        --dtype bfloat16 --roofline                                  # CUDA
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.engine import LLM, SamplingParams
+from workers.engine.config import DEFAULT_MODELS_DIR
+from workers.engine.registry import KNOWN_MODELS, pull_model, resolve_model
+
+logger = logging.getLogger(__name__)
+
+# GB/s of HBM, for the roofline line; --peak-bandwidth-gbs overrides.
+PEAK_BANDWIDTH_GBS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "L40S": 864.0}
+
+
+@dataclass(slots=True)
+class Workload:
+    """The prompts (token ids) and how many tokens each request asks for."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_input_tokens(self) -> int:
+        """Prompt tokens over all requests."""
+        return sum(len(p) for p in self.prompts)
+
+
+@dataclass(slots=True)
+class Result:
+    """One contender's run: wall time and the output tokens that count."""
+
+    name: str
+    seconds: float
+    num_output_tokens: int
+    num_requests: int
+    num_input_tokens: int
+
+    def line(self) -> str:
+        """vLLM-bench-throughput-style figures."""
+        total = self.num_input_tokens + self.num_output_tokens
+        return (
+            f"{self.name:<22} {self.seconds:8.1f} s  "
+            f"{self.num_requests / self.seconds:7.2f} requests/s  "
+            f"{total / self.seconds:9.1f} total tokens/s  "
+            f"{self.num_output_tokens / self.seconds:8.1f} output tokens/s"
+        )
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
+    """Random prompts and output lengths, reproducible from --seed."""
+    rng = random.Random(args.seed)
+    lo, hi = args.input_len
+    input_lens = [rng.randint(lo, hi) for _ in range(args.num_prompts)]
+    lo, hi = args.output_len
+    output_lens = [rng.randint(lo, hi) for _ in range(args.num_prompts)]
+    # Ids above the special tokens; random ids, as vLLM's random dataset uses.
+    prompts = [[rng.randrange(100, vocab_size) for _ in range(n)] for n in input_lens]
+    return Workload(prompts, output_lens)
+
+
+def run_engine(model_dir: Path, work: Workload, args: argparse.Namespace) -> Result:
+    """This engine: every request submitted at once, run to completion."""
+    options: dict[str, Any] = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "skip_tokenizer_init": True,
+        "max_num_seqs": args.max_num_seqs,
+    }
+    if args.kv_cache_gib is not None:
+        options["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+    llm = LLM(model=str(model_dir), **options)
+    warmup = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate([work.prompts[0][:64], work.prompts[1][:16]], warmup)
+    params = [
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
+    ]
+    _sync()
+    start = time.perf_counter()
+    outputs = llm.generate(work.prompts, params)
+    _sync()
+    seconds = time.perf_counter() - start
+    produced = [len(o.token_ids) for o in outputs]
+    if produced != work.output_lens:
+        raise RuntimeError("the engine did not produce exactly the requested tokens")
+    stats = llm.engine.stats()
+    computed = stats.num_computed_tokens
+    print(f"  engine: {stats.num_preemptions} preemptions, {computed} tokens computed")
+    if args.roofline:
+        decode_roofline(llm, args)
+    del llm
+    return Result("engine", seconds, sum(produced), len(work.prompts), work.num_input_tokens)
+
+
+def load_hf(model_dir: Path, args: argparse.Namespace) -> Any:
+    """The same checkpoint in transformers, on the same device and dtype as the engine."""
+    from transformers import AutoModelForCausalLM
+
+    device = (
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    return model.to(device).eval()
+
+
+def run_hf_static(model: Any, work: Workload, batch_size: int, pad_id: int) -> Result:
+    """Static batches in prompt order, left-padded; each runs to its longest request."""
+    device = model.device
+    counted = 0
+    _sync()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, len(work.prompts), batch_size):
+            prompts = work.prompts[first : first + batch_size]
+            wanted = work.output_lens[first : first + batch_size]
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device
+            )
+            longest = max(wanted)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,  # ignore EOS
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+            counted += sum(wanted)  # tokens past a request's own length are waste
+    _sync()
+    seconds = time.perf_counter() - start
+    name = f"hf-static (batch {batch_size})"
+    return Result(name, seconds, counted, len(work.prompts), work.num_input_tokens)
+
+
+def run_hf_continuous(model: Any, work: Workload) -> Result:
+    """transformers' continuous batching manager with per-request max_new_tokens."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max(work.output_lens), do_sample=False, eos_token_id=-1
+    )
+    with model.continuous_batching_context_manager(generation_config=config, block=True) as manager:
+        _sync()
+        start = time.perf_counter()
+        for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+        finished: dict[str, Any] = {}
+        while len(finished) < len(work.prompts):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                finished[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching loop stopped")
+        _sync()
+        seconds = time.perf_counter() - start
+    produced = sum(len(r.generated_tokens) for r in finished.values())
+    return Result("hf-cb", seconds, produced, len(work.prompts), work.num_input_tokens)
+
+
+def decode_roofline(
+    llm: LLM, args: argparse.Namespace, batch: int = 128, context: int = 512
+) -> None:
+    """Time decode steps at `batch` sequences of `context` tokens against HBM bandwidth."""
+    runner = llm.engine.runner
+    if runner.device.type != "cuda":
+        print("  roofline: needs CUDA, skipped")
+        return
+    from workers.engine.sequence import Sequence
+
+    blocks_per_seq = -(-(context + 16) // runner.block_size)
+    if batch * blocks_per_seq > runner.num_kv_blocks:
+        print("  roofline: KV pool too small for the probe, skipped")
+        return
+    seqs = []
+    for i in range(batch):
+        seq = Sequence(f"probe-{i}", [100 + i % 50] * context, SamplingParams(temperature=0))
+        seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        seqs.append(seq)
+    for i in range(0, batch, 8):  # prefill in slices that fit the token budget
+        runner.execute(seqs[i : i + 8], [context] * len(seqs[i : i + 8]))
+    for seq in seqs:
+        seq.num_computed_tokens = context
+        seq.append_token(5)
+    steps = 16
+    times = []
+    for _ in range(steps):
+        _sync()
+        start = time.perf_counter()
+        sampled = runner.execute(seqs, [1] * batch)
+        _sync()
+        times.append(time.perf_counter() - start)
+        for seq, token in zip(seqs, sampled, strict=True):
+            seq.num_computed_tokens += 1
+            seq.append_token(token.token_id if token else 5)
+    step = sorted(times)[len(times) // 2]
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_per_token = runner.kv_cache[:, :, 0, 0].numel() * runner.kv_cache.element_size()
+    kv_bytes = batch * (context + steps // 2) * kv_per_token
+    moved = weights + kv_bytes
+    name = torch.cuda.get_device_name(runner.device)
+    peak = args.peak_bandwidth_gbs or next(
+        (bw for key, bw in PEAK_BANDWIDTH_GBS.items() if key in name), None
+    )
+    achieved = moved / step / 1e9
+    line = f"  roofline ({name}): {moved / 1e9:.3f} GB moved per decode step at batch {batch}"
+    line += f", {step * 1e3:.2f} ms/step, {achieved:.0f} GB/s"
+    if peak:
+        line += f" = {achieved / peak:.0%} of {peak:.0f} GB/s peak"
+    print(line)
+
+
+def random_llama_1b(root: Path) -> Path:
+    """A Llama-3.2-1B-shaped config with random weights (bf16), saved under root."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    )
+    path = root / "random-llama-1b"
+    model: Any = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def machine() -> str:
+    """CPU model, thread count, GPU and torch version, for the record."""
+    cpu = platform.processor() or "CPU"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]  # fmt: skip
+        cpu = names[0] if names else cpu
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{cpu} x{torch.get_num_threads()} threads, {gpu}, torch {torch.__version__}"
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--models-dir", type=Path, default=DEFAULT_MODELS_DIR)
+    parser.add_argument("--random-llama-1b", action="store_true", help="random 1B Llama weights")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX")
+    )
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[8, 16, 32, 64])
+    parser.add_argument("--skip-hf-cb", action="store_true")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--kv-cache-gib", type=float, default=None)
+    parser.add_argument("--roofline", action="store_true", help="decode roofline at batch 128")
+    parser.add_argument("--peak-bandwidth-gbs", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def main() -> None:
+    """Run the contenders one after another and print the comparison."""
+    logging.basicConfig(level=logging.WARNING)
+    args = parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.random_llama_1b:
+            model_dir = random_llama_1b(Path(tmp))
+        elif args.model in KNOWN_MODELS:
+            model_dir = pull_model(args.model, args.models_dir)
+        else:
+            model_dir = resolve_model(args.model, args.models_dir)
+        hf = load_hf(model_dir, args)
+        work = make_workload(args, hf.config.vocab_size)
+        print(f"model {model_dir.name}; {args.num_prompts} prompts, input {args.input_len}, "
+              f"output {args.output_len}, ignore_eos, greedy; {machine()}")  # fmt: skip
+        results = [run_engine(model_dir, work, args)]
+        print(results[0].line(), flush=True)
+        static = []
+        for batch_size in args.hf_batch_sizes:
+            static.append(run_hf_static(hf, work, batch_size, hf.config.pad_token_id or 0))
+            print(static[-1].line(), flush=True)
+        if static:
+            results.append(max(static, key=lambda r: r.num_output_tokens / r.seconds))
+        if not args.skip_hf_cb:
+            try:
+                results.append(run_hf_continuous(hf, work))
+                print(results[-1].line(), flush=True)
+            except Exception as e:  # report it and carry on with the others
+                print(f"hf-cb: did not run ({type(e).__name__}: {e})")
+    engine = results[0]
+    print("\nsummary (output tokens/s):")
+    for r in results:
+        ratio = (engine.num_output_tokens / engine.seconds) / (r.num_output_tokens / r.seconds)
+        print(f"  {r.line()}   engine / this = {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
