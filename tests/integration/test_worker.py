@@ -383,3 +383,43 @@ def test_sigterm_drains_in_flight_jobs_and_commits(service) -> None:
     done = svc.wait_terminal(job_ids)
     assert all(j.status == JobStatus.SUCCEEDED and j.attempts == 1 for j in done.values())
     assert successor.stop() == 0, successor.log_tail()
+
+
+def test_a_worker_joining_mid_run_takes_over_partitions_without_duplicates(service) -> None:
+    """Scale-up: the rebalance moves partitions (and their in-flight jobs) cleanly."""
+    # One long job at a time, so the first worker is still busy when the second is up.
+    svc = service(worker_max_inflight=1, engine_max_num_seqs=1)
+    _count_completion_writes(svc)
+    job_ids = [
+        job_id
+        for priority in ("high", "normal", "low")
+        for job_id in svc.submit(
+            priority, _bodies(6, tag=f"scale-{priority}", max_tokens=512, ignore_eos=True)
+        )
+    ]
+    first = svc.start_worker()
+    svc.wait_for(
+        "the first worker to finish a job",
+        lambda: svc.count_status(job_ids, JobStatus.SUCCEEDED) >= 1,
+    )
+    second = svc.start_worker()
+    svc.wait_for(
+        "the second worker to get partitions",
+        lambda: "partitions assigned" in second.log_tail(),
+        timeout=120,
+    )
+    assert svc.count_status(job_ids, JobStatus.QUEUED) > 0, "no work left to share"
+
+    done = svc.wait_terminal(job_ids, timeout=300)
+    assert all(j.status == JobStatus.SUCCEEDED and j.result for j in done.values())
+    with svc.sessions() as session:
+        writes = dict(
+            session.execute(
+                sa.text("SELECT job_id, count(*) FROM completion_writes GROUP BY job_id")
+            ).all()
+        )
+    assert set(writes) == set(job_ids) and set(writes.values()) == {1}
+    assert len({j.worker_id for j in done.values()}) == 2  # both did part of the work
+    assert first.stop() == 0, first.log_tail()
+    assert second.stop() == 0, second.log_tail()
+    assert sum(consumer_lag(svc.settings, group_id=svc.settings.consumer_group).values()) == 0

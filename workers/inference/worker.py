@@ -11,7 +11,8 @@ Responsible for, on the polling thread (the engine steps on its own, see engine_
 - per finished request: store the result (idempotent), fill the cache, announce it,
   then acknowledge its offset; commit every partition up to its first unpersisted offset;
 - cancellations (Redis) abort the job in the engine;
-- after a rebalance, releasing in-flight jobs whose partitions went to another worker;
+- after a rebalance, restarting each partition from its committed offset (as a new owner
+  would) and releasing in-flight jobs whose partitions went to another worker;
 - on stop: fetch nothing more, finish in-flight work up to the drain timeout, release the
   rest (their offsets stay uncommitted, so they are redelivered), commit, return.
 """
@@ -36,23 +37,18 @@ from core.topics import Priority
 from storage.events import CancelSubscription
 from storage.models import utcnow
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
-from workers.inference.job_store import JobStore, epoch_to_datetime
+from workers.inference.job_store import JobStore
 from workers.inference.offsets import OffsetTracker
+from workers.inference.outcomes import OutcomeRecorder
 from workers.inference.prefetch import PrefetchBuffer
 from workers.inference.priority import PriorityPauser
 from workers.inference.rebalance import RebalanceListener, offsets_to_commit
-from workers.inference.results import Completion, build_result, error_body, param_of
 from workers.inference.sampling import prompt_from_body, sampling_params_from_body
 
 logger = logging.getLogger(__name__)
 
 # Short, so finished jobs are stored and committed promptly while the engine runs.
 POLL_TIMEOUT_MS = 50
-# Request fields an error message may name (for the stored error's `param`).
-REQUEST_FIELDS = (
-    "max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-    "top_logprobs", "logprobs", "ignore_eos", "messages", "prompt", "model", "n",
-)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -85,6 +81,7 @@ class Worker:
         self._consumer = consumer
         self._engine = engine_loop
         self._store = store
+        self._outcomes = OutcomeRecorder(store, token_text=self._token_text)
         self._cancels = cancels
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -120,7 +117,8 @@ class Worker:
                 self._consumer, prefetched=self._prefetch.counts(), limit=self._prefetch_limit
             )
             batches = self._consumer.poll(timeout_ms=POLL_TIMEOUT_MS)
-            self._on_new_assignment()
+            if self._on_new_assignment():
+                batches = {}  # fetched before the restart from committed offsets: refetched
             with self._lock:
                 for tp, records in batches.items():
                     for record in records:
@@ -199,7 +197,7 @@ class Worker:
             return False
         cached = self._store.cached_result(message)
         if cached is not None:
-            self._finish_from_cache(message, cached, snapshot.created_at)
+            self._outcomes.answered_from_cache(message, cached, snapshot.created_at)
             return False
         try:
             self._check_model(message)
@@ -208,7 +206,7 @@ class Worker:
                 message.kind, message.body, max_model_len=self._max_model_len
             )
         except ValueError as e:
-            self._fail(message, str(e))
+            self._outcomes.failed(message, str(e))
             return False
         if not self._store.claim(message.job_id, worker_id=self.worker_id):
             return False
@@ -231,61 +229,18 @@ class Worker:
             job = self._inflight.pop(done.request_id, None)
             if job is None:
                 continue
-            if done.aborted or (done.output is not None and done.output.finish_reason == "abort"):
-                if job.is_cancelled:
-                    metrics.JOBS_CANCELLED.labels(job.message.priority).inc()
-                    self._ack(job.records)
-                continue  # released jobs stay unacknowledged: they are redelivered
-            if done.error is not None or done.output is None:
-                self._fail(job.message, done.error or "the engine returned no output")
+            if job.is_released:
+                continue  # stays unacknowledged: Kafka redelivers it (here or elsewhere)
+            aborted = done.aborted or (
+                done.output is not None and done.output.finish_reason == "abort"
+            )
+            if aborted and job.is_cancelled:
+                metrics.JOBS_CANCELLED.labels(job.message.priority).inc()
+            elif aborted or done.error is not None or done.output is None:
+                self._outcomes.failed(job.message, done.error or "the engine aborted the request")
             else:
-                self._succeed(job, done)
+                self._outcomes.succeeded(job.message, done.output, job.created_at)
             self._ack(job.records)
-
-    def _succeed(self, job: InFlightJob, done: FinishedRequest) -> None:
-        output = done.output
-        assert output is not None
-        completion = Completion(
-            text=output.text,
-            token_ids=list(output.token_ids),
-            finish_reason=output.finish_reason or "stop",
-            num_prompt_tokens=output.num_prompt_tokens,
-            num_cached_tokens=output.num_cached_tokens,
-            logprobs=output.logprobs,
-        )
-        result = build_result(
-            job.message.kind,
-            job_id=job.message.job_id,
-            model=job.message.model,
-            completion=completion,
-            created=int(time.time()),
-            token_text=self._token_text,
-        )
-        first_token_at = epoch_to_datetime(output.metrics.first_token_time)
-        if self._store.succeed(job.message, result=result, first_token_at=first_token_at):
-            self._count_success(job.message, job.created_at)
-
-    def _finish_from_cache(
-        self, message: JobMessage, cached: dict[str, object], created_at: datetime
-    ) -> None:
-        result = dict(cached)
-        prefix = "chatcmpl" if message.kind == "chat.completion" else "cmpl"
-        result.update(id=f"{prefix}-{message.job_id}", created=int(time.time()))
-        if self._store.succeed(message, result=result, first_token_at=None, fill_cache=False):
-            metrics.RESULT_CACHE_HITS.labels(message.priority).inc()
-            self._count_success(message, created_at)
-
-    def _count_success(self, message: JobMessage, created_at: datetime) -> None:
-        metrics.JOBS_COMPLETED.labels(message.priority).inc()
-        metrics.END_TO_END_SECONDS.labels(message.priority).observe(
-            max(0.0, (utcnow() - created_at).total_seconds())
-        )
-
-    def _fail(self, message: JobMessage, reason: str) -> None:
-        logger.info("job %s failed: %s", message.job_id, reason)
-        error = error_body(reason, param=param_of(reason, REQUEST_FIELDS))
-        if self._store.fail(message, error=error):
-            metrics.JOBS_FAILED.labels(message.priority).inc()
 
     def _token_text(self, token_id: int) -> str:
         tokenizer = getattr(self._engine.engine, "tokenizer", None)
@@ -304,19 +259,33 @@ class Worker:
                 job.is_cancelled = True
                 self._engine.abort(job_id)
 
-    def _on_new_assignment(self) -> None:
+    def _on_new_assignment(self) -> bool:
+        """After a rebalance: restart from committed offsets, release moved jobs; True if any."""
         assignment = self._listener.take_new_assignment()
         if assignment is None:
-            return
-        # Every assigned partition restarts from its committed offset, so buffered
-        # records would come twice; those of partitions that moved belong to others.
+            return False
         self._prefetch.clear()
+        self._restart_from_committed(assignment)
         for job in self._inflight.values():
             if not job.is_released and not any(tp in assignment for tp, _ in job.records):
                 # Its partition now belongs to another worker, which will run it again.
                 job.is_released = True
                 self._engine.abort(job.message.job_id)
                 logger.info("released job %s: its partition moved", job.message.job_id)
+        return True
+
+    def _restart_from_committed(self, assignment: set[TopicPartition]) -> None:
+        # The offset state restarted with the assignment, but kafka-python keeps the fetch
+        # position of a partition it still owns. Were it to go on from there, a job in
+        # flight at an earlier offset would never be tracked again and the commit point
+        # could pass it. So every partition restarts where a new owner would: jobs still
+        # in flight re-attach to their records, finished ones are skipped.
+        for tp in assignment:
+            committed = self._consumer.committed(tp)
+            if committed is None:
+                self._consumer.seek_to_beginning(tp)
+            else:
+                self._consumer.seek(tp, committed)
 
     def _ack(self, records: set[tuple[TopicPartition, int]]) -> None:
         with self._lock:

@@ -1,0 +1,85 @@
+"""A job's outcome written down: its result or error stored, cached, announced and counted.
+
+Responsible for: shaping the engine's output into the OpenAI result object, re-stamping a
+cached result for the job it now answers, turning a refusal into the stored error (with
+the request field it names as `param`), and the outcome metrics by priority. Storage
+writes go through `JobStore`, whose calls are idempotent: a job finished twice (after a
+redelivery) is stored and counted once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from core import metrics
+from core.messages import JobMessage
+from storage.models import utcnow
+from workers.engine import RequestOutput
+from workers.inference.job_store import JobStore, epoch_to_datetime
+from workers.inference.results import Completion, build_result, error_body, param_of
+
+logger = logging.getLogger(__name__)
+
+# Request fields an error message may name (for the stored error's `param`).
+REQUEST_FIELDS = (
+    "max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+    "top_logprobs", "logprobs", "ignore_eos", "messages", "prompt", "model", "n",
+)  # fmt: skip
+
+
+class OutcomeRecorder:
+    """Stores and counts how jobs ended (see the module docstring)."""
+
+    def __init__(self, store: JobStore, *, token_text: Callable[[int], str]) -> None:
+        self._store = store
+        self._token_text = token_text
+
+    def succeeded(self, message: JobMessage, output: RequestOutput, created_at: datetime) -> None:
+        """Store a finished engine output as the job's result."""
+        completion = Completion(
+            text=output.text,
+            token_ids=list(output.token_ids),
+            finish_reason=output.finish_reason or "stop",
+            num_prompt_tokens=output.num_prompt_tokens,
+            num_cached_tokens=output.num_cached_tokens,
+            logprobs=output.logprobs,
+        )
+        result = build_result(
+            message.kind,
+            job_id=message.job_id,
+            model=message.model,
+            completion=completion,
+            created=int(time.time()),
+            token_text=self._token_text,
+        )
+        first_token_at = epoch_to_datetime(output.metrics.first_token_time)
+        if self._store.succeed(message, result=result, first_token_at=first_token_at):
+            self._count_success(message, created_at)
+
+    def answered_from_cache(
+        self, message: JobMessage, cached: dict[str, Any], created_at: datetime
+    ) -> None:
+        """Store an identical request's cached result as this job's (with its own id)."""
+        result = dict(cached)
+        prefix = "chatcmpl" if message.kind == "chat.completion" else "cmpl"
+        result.update(id=f"{prefix}-{message.job_id}", created=int(time.time()))
+        if self._store.succeed(message, result=result, first_token_at=None, fill_cache=False):
+            metrics.RESULT_CACHE_HITS.labels(message.priority).inc()
+            self._count_success(message, created_at)
+
+    def failed(self, message: JobMessage, reason: str) -> None:
+        """Store `reason` as the job's error."""
+        logger.info("job %s failed: %s", message.job_id, reason)
+        error = error_body(reason, param=param_of(reason, REQUEST_FIELDS))
+        if self._store.fail(message, error=error):
+            metrics.JOBS_FAILED.labels(message.priority).inc()
+
+    def _count_success(self, message: JobMessage, created_at: datetime) -> None:
+        metrics.JOBS_COMPLETED.labels(message.priority).inc()
+        metrics.END_TO_END_SECONDS.labels(message.priority).observe(
+            max(0.0, (utcnow() - created_at).total_seconds())
+        )
