@@ -135,4 +135,3 @@ class JobStore:
 def epoch_to_datetime(seconds: float | None) -> datetime | None:
     """An engine timestamp (seconds since the epoch) as an aware UTC datetime."""
     return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
-

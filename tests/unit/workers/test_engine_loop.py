@@ -1,0 +1,75 @@
+"""The engine loop on a real tiny engine: joins, refusals and aborts come back as results."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.unit.engine.tiny_models import save_tiny_llama
+from workers.engine import EngineConfig, LLMEngine, SamplingParams
+from workers.inference.engine_loop import EngineLoop, FinishedRequest
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
+    model_dir: Path = tmp_path_factory.mktemp("tiny")
+    save_tiny_llama(model_dir)
+    return LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory_bytes=16 * 1024 * 1024))
+
+
+@pytest.fixture
+def loop(engine: LLMEngine) -> Iterator[EngineLoop]:
+    engine_loop = EngineLoop(engine)
+    engine_loop.start()
+    try:
+        yield engine_loop
+    finally:
+        engine_loop.stop()
+
+
+def collect(loop: EngineLoop, n: int, timeout: float = 60.0) -> dict[str, FinishedRequest]:
+    finished: dict[str, FinishedRequest] = {}
+    deadline = time.monotonic() + timeout
+    while len(finished) < n:
+        assert time.monotonic() < deadline, f"only {len(finished)} of {n} finished"
+        finished.update((f.request_id, f) for f in loop.take_finished(timeout=0.1))
+    return finished
+
+
+def test_requests_added_while_running_join_and_finish(loop: EngineLoop) -> None:
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    loop.add("long", "hello world", long, priority=2)
+    time.sleep(0.2)  # the long request is mid-decode when the short one arrives
+    loop.add("short", [5, 6, 7], short, priority=0)
+    finished = collect(loop, 2)
+    assert finished["short"].output is not None and len(finished["short"].output.token_ids) == 3
+    assert finished["long"].output is not None and len(finished["long"].output.token_ids) == 200
+    assert finished["long"].output.finish_reason == "length"
+    assert loop.is_healthy
+
+
+def test_a_refused_request_comes_back_with_its_error(loop: EngineLoop) -> None:
+    loop.add("too-long", list(range(3, 10)) * 300, SamplingParams(max_tokens=2), priority=0)
+    loop.add("fine", "hi", SamplingParams(max_tokens=2, temperature=0), priority=0)
+    finished = collect(loop, 2)
+    refused = finished["too-long"]
+    assert refused.output is None and refused.error and "max_model_len" in refused.error
+    assert finished["fine"].output is not None
+    assert loop.is_healthy
+
+
+def test_abort_frees_the_request_and_reports_it_once(loop: EngineLoop) -> None:
+    loop.add("doomed", "go", SamplingParams(max_tokens=900, ignore_eos=True), priority=1)
+    time.sleep(0.1)
+    loop.abort("doomed")
+    loop.abort("doomed")  # a second abort of the same id is a no-op
+    loop.abort("never-added")
+    finished = collect(loop, 1)
+    assert finished["doomed"].aborted and finished["doomed"].output is None
+    time.sleep(0.3)
+    assert loop.take_finished() == []
+    assert not loop.engine.has_unfinished_requests()
