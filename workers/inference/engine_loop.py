@@ -117,7 +117,7 @@ class EngineLoop:
                             self._live_ids.discard(output.request_id)
                             self._outbox.put(FinishedRequest(output.request_id, output=output))
                 self._refresh_gauges()
-        except BaseException as e:  # noqa: BLE001 - reported to the poll thread, which exits
+        except BaseException as e:  # reported to the poll thread, which stops the worker
             logger.exception("engine thread failed; the worker will stop")
             self.failure = e
 

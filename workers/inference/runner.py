@@ -91,12 +91,12 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
             cancels=cancels,
             worker_id=default_worker_id(),
         )
-        stack.enter_context(_stop_on_signals(worker))
+        stack.enter_context(_SignalStop(worker))
         worker.run()
     logger.info("worker stopped cleanly")
 
 
-class _stop_on_signals:  # noqa: N801 - used as a context manager, reads like one
+class _SignalStop:
     """Route SIGTERM and SIGINT to `worker.request_stop` (main thread only), then restore."""
 
     def __init__(self, worker: Worker) -> None:
