@@ -233,7 +233,7 @@ def test_worker_runs_jobs_end_to_end(service) -> None:
 
     # A long job is aborted in the engine when its cancellation is announced.
     (long_job,) = svc.submit(
-        "high", [{"prompt": "go on", "max_tokens": 800, "ignore_eos": True, "temperature": 0}]
+        "high", [{"prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}]
     )
     svc.wait_for(
         "the long job to run", lambda: svc.count_status([long_job], JobStatus.RUNNING) == 1
@@ -319,12 +319,13 @@ def _count_completion_writes(svc: Service) -> None:
 
 def test_sigkill_mid_run_loses_and_duplicates_nothing(service) -> None:
     """Kill -9 a busy worker, start another: every job succeeds exactly once."""
-    svc = service()
+    # Two at a time and long enough that the kill lands with jobs done, running and queued.
+    svc = service(worker_max_inflight=2, engine_max_num_seqs=2)
     _count_completion_writes(svc)
     job_ids = (
-        svc.submit("high", _bodies(6, tag="k-high", max_tokens=24, ignore_eos=True))
-        + svc.submit("normal", _bodies(6, tag="k-normal", max_tokens=24, ignore_eos=True))
-        + svc.submit("low", _bodies(6, tag="k-low", max_tokens=24, ignore_eos=True))
+        svc.submit("high", _bodies(6, tag="k-high", max_tokens=128, ignore_eos=True))
+        + svc.submit("normal", _bodies(6, tag="k-normal", max_tokens=128, ignore_eos=True))
+        + svc.submit("low", _bodies(6, tag="k-low", max_tokens=128, ignore_eos=True))
     )
     first = svc.start_worker()
     svc.wait_for(
@@ -361,8 +362,9 @@ def test_sigkill_mid_run_loses_and_duplicates_nothing(service) -> None:
 
 def test_sigterm_drains_in_flight_jobs_and_commits(service) -> None:
     """SIGTERM: in-flight jobs finish, nothing new starts, offsets cover exactly the done."""
-    svc = service(worker_drain_timeout_s=120)
-    job_ids = svc.submit("normal", _bodies(12, tag="drain", max_tokens=32, ignore_eos=True))
+    # Two at a time and long enough that most jobs are still queued at the SIGTERM.
+    svc = service(worker_drain_timeout_s=120, worker_max_inflight=2, engine_max_num_seqs=2)
+    job_ids = svc.submit("normal", _bodies(16, tag="drain", max_tokens=128, ignore_eos=True))
     worker = svc.start_worker()
     svc.wait_for("jobs running", lambda: svc.count_status(job_ids, JobStatus.RUNNING) >= 2)
     worker.process.terminate()
