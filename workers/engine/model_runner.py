@@ -73,11 +73,11 @@ class ModelRunner:
             self.model_dir, self.hf_config, self.backend, self.dtype, self.device
         )
         self.sampler = Sampler(config.seed, self.device)
+        self.graphs: DecodeGraphs | None = None  # captured once the pool exists
         self.num_kv_blocks = self._count_kv_blocks()
         # One extra block at the end: scratch space for padded CUDA-graph rows; the block
         # manager only ever sees ids 0..num_kv_blocks-1. Zeroed so masked reads stay finite.
         self.kv_cache = self._new_pool(self.num_kv_blocks + 1)
-        self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
         logger.info(

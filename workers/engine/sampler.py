@@ -59,7 +59,7 @@ class Sampler:
         token_ids = self._pick(logits, params, steps)
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs]
         if want_logprobs:
-            rows = torch.tensor(want_logprobs, device=logits.device)
+            rows = _on(want_logprobs, torch.int64, logits.device)
             logprobs = torch.full(
                 (num_rows,), float("nan"), device=logits.device, dtype=torch.float64
             )
@@ -81,9 +81,9 @@ class Sampler:
         if not random_rows:
             return greedy
         rows_params = [params[i] for i in random_rows]
-        index = torch.tensor(random_rows, device=logits.device)
+        index = _on(random_rows, torch.int64, logits.device)
         # (r, V): temperature-scaled scores of the rows that sample at random.
-        temps = torch.tensor([p.temperature for p in rows_params], device=logits.device)
+        temps = _on([p.temperature for p in rows_params], logits.dtype, logits.device)
         scores = logits[index] / temps[:, None]
         if any(p.top_k is not None for p in rows_params):
             scores = _apply_top_k(scores, [p.top_k for p in rows_params])
@@ -108,8 +108,8 @@ class Sampler:
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
         if seeded:
             values = [seeded_uniform(params[i].seed or 0, steps[i]) for i in seeded]
-            uniforms[torch.tensor(seeded, device=self.device)] = torch.tensor(
-                values, dtype=torch.float32, device=self.device
+            uniforms[_on(seeded, torch.int64, self.device)] = _on(
+                values, torch.float32, self.device
             )
         return uniforms
 
@@ -120,7 +120,7 @@ def _apply_top_k(scores: torch.Tensor, top_ks: list[int | None]) -> torch.Tensor
     ks = [min(k, vocab) if k is not None else vocab for k in top_ks]
     max_k = max(ks)
     top = scores.topk(max_k, dim=-1).values  # (r, max_k), descending
-    kth = top.gather(1, torch.tensor(ks, device=scores.device)[:, None] - 1)  # (r, 1)
+    kth = top.gather(1, _on(ks, torch.int64, scores.device)[:, None] - 1)  # (r, 1)
     return scores.masked_fill(scores < kth, float("-inf"))
 
 
@@ -131,7 +131,15 @@ def _apply_top_p(scores: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     mass_before = probs.cumsum(dim=-1) - probs  # (r, V): mass of strictly better tokens
     # top_p == 1 must keep everything, even where rounding lifts the running sum to 1 early.
     limits = [p if p < 1.0 else float("inf") for p in top_ps]
-    top_p = torch.tensor(limits, device=scores.device, dtype=probs.dtype)[:, None]
+    top_p = _on(limits, probs.dtype, scores.device)[:, None]
     drop_sorted = mass_before >= top_p  # the best token always stays (mass_before = 0)
     drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
     return scores.masked_fill(drop, float("-inf"))
+
+
+def _on(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device`; pinned and asynchronous on CUDA, so no host sync."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
