@@ -42,6 +42,7 @@ class BatchLayout:
     slot_mapping: torch.Tensor  # (num_tokens,) int64 on the device
     num_decodes: int  # leading sequences whose query length is 1
     block_size: int
+    dtype: torch.dtype = torch.float32  # of q/k/v: additive masks are built in it
 
 
 class AttentionBackend(ABC):
@@ -109,18 +110,18 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 class _DecodeGroup:
     start: int  # first row of the group in the batch
     end: int
-    num_blocks: int  # blocks gathered per sequence (padded to the longest in the group)
-    block_ids: torch.Tensor  # (rows * num_blocks,) int64; padding points at block 0
-    mask: torch.Tensor  # (rows, 1, 1, num_blocks * block_size) bool: True = attend
+    offset: int  # first workspace block of the group
+    num_blocks: int  # blocks per sequence, padded to the longest in the group
+    mask: torch.Tensor  # (rows, 1, 1, num_blocks * block_size) additive: 0 or -inf
 
 
 @dataclass(slots=True)
 class _Chunk:
     start: int
     end: int
-    block_ids: torch.Tensor | None  # None: nothing cached before, attend to the chunk itself
+    offset: int | None  # first workspace block; None: nothing cached, attend to the chunk
     seq_len: int
-    mask: torch.Tensor | None  # (n, seq_len) bool causal mask offset by the cached length
+    mask: torch.Tensor | None  # (n, seq_len) additive causal mask, offset by the cached length
 
 
 @dataclass(slots=True)
@@ -128,18 +129,20 @@ class TorchAttentionMetadata:
     """What the torch backend needs for one step, shared by every layer."""
 
     slot_mapping: torch.Tensor
-    block_size: int
+    # Pool blocks every layer copies into its workspace in one gather: each decode group's
+    # tables (padded with block 0), then each cached chunk's table. (num_gather_blocks,)
+    gather_block_ids: torch.Tensor | None = None
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
     chunks: list[_Chunk] = field(default_factory=list)
-    max_gather_blocks: int = 0
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Paged attention with torch's SDPA; any device, any block size, fp32 included.
 
-    Decodes are gathered block-wise into a reusable workspace (fresh allocations of tens of
-    MB per layer cost more than the copy itself on CPU) and attended in a few batched SDPA
-    calls, grouped by length; longer chunks are attended one sequence at a time.
+    Per layer, the blocks the step reads are gathered in one copy into a reusable workspace
+    (fresh allocations of tens of MB per layer cost more than the copy itself on CPU).
+    Decodes are attended in batched SDPA calls, grouped by length; longer chunks one
+    sequence at a time.
     """
 
     name = "torch"
@@ -151,58 +154,43 @@ class TorchAttentionBackend(AttentionBackend):
         self._v_workspace: torch.Tensor | None = None
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchAttentionMetadata:
-        """Group decodes by length and describe each longer chunk."""
+        """Group decodes by length, describe each longer chunk, list the blocks to gather."""
         block_size = layout.block_size
-        meta = TorchAttentionMetadata(slot_mapping=layout.slot_mapping, block_size=block_size)
+        meta = TorchAttentionMetadata(slot_mapping=layout.slot_mapping)
         seq_nblocks = [-(-n // block_size) for n in layout.seq_lens]
+        gather: list[int] = []
         start = 0
         while start < layout.num_decodes:
             end = start + 1
             limit = seq_nblocks[start] * _DECODE_GROUP_GROWTH
             while end < layout.num_decodes and seq_nblocks[end] <= limit:
                 end += 1
-            meta.decode_groups.append(self._decode_group(layout, seq_nblocks, start, end, device))
-            meta.max_gather_blocks = max(
-                meta.max_gather_blocks, meta.decode_groups[-1].block_ids.numel()
-            )
+            num_blocks = seq_nblocks[end - 1]  # rows are sorted by length: the last is longest
+            offset = len(gather)
+            for i in range(start, end):
+                gather += layout.block_tables[i][: seq_nblocks[i]]
+                gather += [0] * (num_blocks - seq_nblocks[i])
+            seq_lens = torch.tensor(layout.seq_lens[start:end])
+            allowed = torch.arange(num_blocks * block_size)[None, :] < seq_lens[:, None]
+            mask = to_device(_additive(allowed, layout.dtype)[:, None, None, :], device)
+            meta.decode_groups.append(_DecodeGroup(start, end, offset, num_blocks, mask))
             start = end
         row = layout.num_decodes
         for i in range(layout.num_decodes, len(layout.query_lens)):
             n, seq_len = layout.query_lens[i], layout.seq_lens[i]
-            chunk = _Chunk(start=row, end=row + n, block_ids=None, seq_len=seq_len, mask=None)
+            chunk = _Chunk(start=row, end=row + n, offset=None, seq_len=seq_len, mask=None)
             if seq_len > n:  # part of the context is only in the pool
                 num_cached = seq_len - n
-                chunk.block_ids = to_device(
-                    torch.tensor(layout.block_tables[i][: seq_nblocks[i]], dtype=torch.int64),
-                    device,
-                )
+                chunk.offset = len(gather)
+                gather += layout.block_tables[i][: seq_nblocks[i]]
                 # Query j sits at position num_cached + j and sees keys 0..num_cached + j.
-                mask = torch.arange(seq_len)[None, :] <= (num_cached + torch.arange(n))[:, None]
-                chunk.mask = to_device(mask, device)
-                meta.max_gather_blocks = max(meta.max_gather_blocks, seq_nblocks[i])
+                allowed = torch.arange(seq_len)[None, :] <= (num_cached + torch.arange(n))[:, None]
+                chunk.mask = to_device(_additive(allowed, layout.dtype), device)
             meta.chunks.append(chunk)
             row += n
+        if gather:
+            meta.gather_block_ids = to_device(torch.tensor(gather, dtype=torch.int64), device)
         return meta
-
-    @staticmethod
-    def _decode_group(
-        layout: BatchLayout, seq_nblocks: list[int], start: int, end: int, device: torch.device
-    ) -> _DecodeGroup:
-        num_blocks = seq_nblocks[end - 1]  # rows are sorted by length: the last is the longest
-        block_size = layout.block_size
-        ids = [
-            layout.block_tables[i][: seq_nblocks[i]] + [0] * (num_blocks - seq_nblocks[i])
-            for i in range(start, end)
-        ]
-        seq_lens = torch.tensor(layout.seq_lens[start:end])
-        mask = torch.arange(num_blocks * block_size)[None, :] < seq_lens[:, None]
-        return _DecodeGroup(
-            start=start,
-            end=end,
-            num_blocks=num_blocks,
-            block_ids=to_device(torch.tensor(ids, dtype=torch.int64).view(-1), device),
-            mask=to_device(mask[:, None, None, :], device),
-        )
 
     def forward(
         self,
@@ -217,43 +205,44 @@ class TorchAttentionBackend(AttentionBackend):
         assert isinstance(metadata, TorchAttentionMetadata)
         meta = metadata
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        num_tokens = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
-        k_ws, v_ws = self._workspaces(k_cache, meta.max_gather_blocks)
-        out = q.new_empty(num_tokens, self.num_heads, d)
+        k_ws = v_ws = k_cache  # replaced by the gathered blocks when there are any
+        if meta.gather_block_ids is not None:
+            n = meta.gather_block_ids.numel()
+            k_buf, v_buf = self._workspaces(k_cache, n)
+            # (num_gather_blocks, block_size, Hkv, D): one copy per tensor for all sequences.
+            k_ws = torch.index_select(k_cache, 0, meta.gather_block_ids, out=k_buf[:n])
+            v_ws = torch.index_select(v_cache, 0, meta.gather_block_ids, out=v_buf[:n])
+        parts: list[torch.Tensor] = []  # (rows, H * D) each, in row order
         for g in meta.decode_groups:
             rows = g.end - g.start
-            n = g.block_ids.numel()
+            blocks = slice(g.offset, g.offset + rows * g.num_blocks)
             # (rows * nb, block_size, Hkv, D) -> (rows, Hkv, nb * block_size, D), strided view.
-            kg = torch.index_select(k_cache, 0, g.block_ids, out=k_ws[:n])
-            vg = torch.index_select(v_cache, 0, g.block_ids, out=v_ws[:n])
-            kg = kg.view(rows, -1, hkv, d).transpose(1, 2)
-            vg = vg.view(rows, -1, hkv, d).transpose(1, 2)
+            kg = k_ws[blocks].view(rows, -1, hkv, d).transpose(1, 2)
+            vg = v_ws[blocks].view(rows, -1, hkv, d).transpose(1, 2)
             # One query per row: its query heads of one KV head act as `group` query rows of
             # that head, so GQA needs no repeated K/V. (rows, Hkv, group, D)
             qg = q[g.start : g.end].view(rows, hkv, group, d)
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale)
-            out[g.start : g.end] = o.reshape(rows, self.num_heads, d)
+            parts.append(o.view(rows, self.num_heads * d))
         for c in meta.chunks:
             qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
-            if c.block_ids is None:
+            if c.offset is None:
                 kc = k[c.start : c.end].transpose(0, 1).unsqueeze(0)  # (1, Hkv, n, D)
                 vc = v[c.start : c.end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(
                     qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=group > 1
                 )
             else:
-                n = c.block_ids.numel()
-                kc = torch.index_select(k_cache, 0, c.block_ids, out=k_ws[:n])
-                vc = torch.index_select(v_cache, 0, c.block_ids, out=v_ws[:n])
-                kc = kc.view(-1, hkv, d)[: c.seq_len].transpose(0, 1).unsqueeze(0)
-                vc = vc.view(-1, hkv, d)[: c.seq_len].transpose(0, 1).unsqueeze(0)
+                blocks = slice(c.offset, c.offset + -(-c.seq_len // k_cache.shape[1]))
+                kc = k_ws[blocks].view(-1, hkv, d)[: c.seq_len].transpose(0, 1).unsqueeze(0)
+                vc = v_ws[blocks].view(-1, hkv, d)[: c.seq_len].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(
                     qc, kc, vc, attn_mask=c.mask, scale=self.scale, enable_gqa=group > 1
                 )
-            out[c.start : c.end] = o[0].transpose(0, 1)
-        return out.view(num_tokens, self.num_heads * d)
+            parts.append(o[0].transpose(0, 1).reshape(c.end - c.start, self.num_heads * d))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _workspaces(
         self, cache: torch.Tensor, num_blocks: int
@@ -272,3 +261,8 @@ class TorchAttentionBackend(AttentionBackend):
             self._v_workspace = cache.new_empty(size, *cache.shape[1:])
         assert self._k_workspace is not None and self._v_workspace is not None
         return self._k_workspace, self._v_workspace
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask -> 0 / -inf in q's dtype, built once per step instead of by SDPA per layer."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))

@@ -91,7 +91,7 @@ class FusedLinear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in fp32 as Hugging Face does."""
+    """Root-mean-square layer norm, normalising in fp32 as Hugging Face does."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -100,35 +100,45 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dimension of x (N, hidden)."""
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        if x.dtype == torch.float32:  # one fused kernel, bit-identical to the formula below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding with a precomputed (max_positions, D) cos/sin table."""
+    """Rotary position embedding from a precomputed (max_positions, 2 D) table.
+
+    Rows hold [cos | cos | -sin | sin] so that rotating is x * cos + roll(x) * sin:
+    roll swaps the halves (x1, x2) -> (x2, x1), which with the signed sine gives Hugging
+    Face's rotate_half(x) * sin = (-x2 * sin, x1 * sin), bit for bit.
+    """
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
         super().__init__()
         self.inv_freq = inv_freq
         self.max_positions = max_positions
-        self.register_buffer("cos_sin", self._table(), persistent=False)
+        self.register_buffer("table", self._table(), persistent=False)
 
     def _table(self) -> torch.Tensor:
         positions = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
         freqs = positions[:, None] * self.inv_freq[None, :]  # (P, D/2)
-        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # (P, D): [cos | sin]
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat([cos, cos, -sin, sin], dim=-1)  # (P, 2 D)
 
     def reset_table(self, device: torch.device, dtype: torch.dtype) -> None:
         """Recompute the table (after building on the meta device)."""
-        self.cos_sin = self._table().to(device=device, dtype=dtype)
+        self.table = self._table().to(device=device, dtype=dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x (N, heads, D) by its token positions (N,), half-split (NeoX) style."""
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # (N, 1, D/2) each
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for positions (N,), each (N, 1, D); once per forward pass."""
+        cos, sin = self.table[positions].unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (N, heads, D) half-split (NeoX) style with RotaryEmbedding's cos/sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Attention(nn.Module):
@@ -152,19 +162,18 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         x: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: object,
     ) -> torch.Tensor:
-        """x (N, hidden) -> (N, hidden)."""
+        """x (N, hidden) -> (N, hidden); rope is RotaryEmbedding's (cos, sin)."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # (N, (H + 2 Hkv) * D)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # Rotate q and k together: one kernel chain for H + Hkv heads. (N, H + Hkv, D)
-        qk = rotary(positions, qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim))
+        qk = apply_rotary(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, k_cache, v_cache, metadata)  # (N, H * D)
@@ -200,17 +209,14 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         x: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: object,
     ) -> torch.Tensor:
         """x (N, hidden) -> (N, hidden)."""
-        x = x + self.self_attn(
-            positions, self.input_layernorm(x), rotary, k_cache, v_cache, metadata
-        )
+        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -256,8 +262,9 @@ class LlamaForCausalLM(nn.Module):
         kv_cache is the whole pool, (2, num_layers, num_blocks, block_size, Hkv, D).
         """
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary(positions)
         for i, layer in enumerate(self.model.layers):
-            x = layer(positions, x, self.rotary, kv_cache[0, i], kv_cache[1, i], metadata)
+            x = layer(x, rope, kv_cache[0, i], kv_cache[1, i], metadata)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -149,6 +149,7 @@ class ModelRunner:
             slot_mapping=to_device(torch.tensor(step.slot_mapping), self.device),
             num_decodes=step.num_decodes,
             block_size=self.block_size,
+            dtype=self.dtype,
         )
         metadata = self.backend.build_metadata(layout, self.device)
         input_ids = to_device(torch.tensor(step.input_ids), self.device)
