@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.capabilities import check_model
 from api.deps import SessionDep, SettingsDep, TenantDep
 from api.errors import Conflict, InvalidParameter, InvalidRequest, NotFound
+from api.pagination import invalid_cursor, list_page
 from api.schemas import CallbackUrl, Metadata
 from core.topics import Priority
 from core.webhook_urls import validate_callback_url
@@ -110,10 +111,8 @@ def list_tenant_batches(
     try:
         rows, has_more = list_batches(session, tenant_id=tenant.id, limit=limit, after=after)
     except ValueError as e:
-        raise InvalidRequest(str(e), param="after", code="invalid_cursor") from e
-    data = [batch_object(row) for row in rows]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+        raise invalid_cursor(e) from e
+    return list_page([batch_object(row) for row in rows], has_more=has_more)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")

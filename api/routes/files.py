@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 
 from api.deps import ResourcesDep, SessionDep, SettingsDep, TenantDep
 from api.errors import APIError, Conflict, InvalidRequest, NotFound
+from api.pagination import invalid_cursor, list_page
 from api.resources import Resources
 from api.uploads import UploadError, read_multipart
 from storage.batches import is_file_in_use
@@ -107,10 +108,8 @@ def list_tenant_files(
         rows, has_more = list_files(session, tenant_id=tenant.id, purpose=purpose, limit=limit,
                                     after=after, ascending=order == "asc")
     except ValueError as e:
-        raise InvalidRequest(str(e), param="after", code="invalid_cursor") from e
-    data = [file_object(row) for row in rows]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+        raise invalid_cursor(e) from e
+    return list_page([file_object(row) for row in rows], has_more=has_more)
 
 
 @router.get("/v1/files/{file_id}")

@@ -15,8 +15,9 @@ from api.deps import (
     SessionDep,
     TenantDep,
 )
-from api.errors import Conflict, InvalidRequest, NotFound
+from api.errors import Conflict, NotFound
 from api.job_state import cancel_and_announce, wait_for_job
+from api.pagination import invalid_cursor
 from api.schemas import JobCreate, JobListPublic, JobPublic, job_path
 from api.submission import submit
 from storage.jobs import MAX_LIST_LIMIT, list_jobs
@@ -82,7 +83,7 @@ def read_jobs(
         jobs, has_more = list_jobs(session, tenant_id=tenant.id, status=status, limit=limit,
                                    after=after)
     except ValueError as e:
-        raise InvalidRequest(str(e), param="after", code="invalid_cursor") from e
+        raise invalid_cursor(e) from e
     data = [JobPublic.from_job(job) for job in jobs]
     return JobListPublic(
         data=data,
