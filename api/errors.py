@@ -14,7 +14,7 @@ URLs, 405, 413 for oversized bodies) and dependency outages (database, Redis, br
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import redis.exceptions
@@ -242,19 +242,22 @@ async def _http_exception_handler(request: Request, exc: Exception) -> JSONRespo
     return response
 
 
-async def _database_handler(request: Request, exc: Exception) -> JSONResponse:
-    logger.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
-    return ServiceUnavailable("database").to_response()
+def _unavailable_handler(
+    name: str, dependency: str
+) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
+    """A handler that logs `name` as down and answers 503 naming `dependency` to the client."""
+
+    async def handler(request: Request, exc: Exception) -> JSONResponse:
+        logger.warning("%s unavailable on %s %s: %s", name, request.method, request.url.path,
+                       exc)
+        return ServiceUnavailable(dependency).to_response()
+
+    return handler
 
 
-async def _redis_handler(request: Request, exc: Exception) -> JSONResponse:
-    logger.warning("redis unavailable on %s %s: %s", request.method, request.url.path, exc)
-    return ServiceUnavailable("cache (Redis)").to_response()
-
-
-async def _broker_handler(request: Request, exc: Exception) -> JSONResponse:
-    logger.warning("broker unavailable on %s %s: %s", request.method, request.url.path, exc)
-    return ServiceUnavailable("message broker").to_response()
+_database_handler = _unavailable_handler("database", "database")
+_redis_handler = _unavailable_handler("redis", "cache (Redis)")
+_broker_handler = _unavailable_handler("broker", "message broker")
 
 
 async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
