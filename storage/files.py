@@ -20,11 +20,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
 
-from sqlalchemy import BigInteger, ForeignKey, Index, String, literal, select, tuple_
+from sqlalchemy import BigInteger, ForeignKey, Index, String, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from core.settings import Settings
 from storage.models import Base, UTCDateTime, utcnow
+from storage.pages import keyset_page
 
 logger = logging.getLogger(__name__)
 
@@ -206,19 +207,14 @@ def list_files(
     query = select(File).where(File.tenant_id == tenant_id)
     if purpose is not None:
         query = query.where(File.purpose == purpose)
+    after_key = None
     if after is not None:
         cursor = get_file(session, file_id=after, tenant_id=tenant_id)
         if cursor is None:
             raise ValueError(f"after: no file {after!r}")
-        key = tuple_(File.created_at, File.id)
-        at = tuple_(literal(cursor.created_at, UTCDateTime), literal(cursor.id))
-        query = query.where(key > at if ascending else key < at)
-    if ascending:
-        query = query.order_by(File.created_at, File.id)
-    else:
-        query = query.order_by(File.created_at.desc(), File.id.desc())
-    rows = list(session.scalars(query.limit(limit + 1)))
-    return rows[:limit], len(rows) > limit
+        after_key = (cursor.created_at, cursor.id)
+    return keyset_page(session, query, created_at=File.created_at, id=File.id, after=after_key,
+                       limit=limit, ascending=ascending)
 
 
 def delete_file(session: Session, *, file_id: str) -> None:

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from core.topics import PRIORITIES, Priority
 from storage.models import Job, JobStatus, UTCDateTime, utcnow
+from storage.pages import keyset_page
 from storage.states import sources_of
 
 logger = logging.getLogger(__name__)
@@ -128,19 +129,14 @@ def list_jobs(
     query = select(Job).where(Job.tenant_id == tenant_id)
     if status is not None:
         query = query.where(Job.status == status)
+    after_key = None
     if after is not None:
         cursor = get_job(session, job_id=after, tenant_id=tenant_id)
         if cursor is None:
             raise ValueError(f"unknown cursor {after!r}: pass the id of a job from the last page")
-        query = query.where(
-            or_(
-                Job.created_at < cursor.created_at,
-                and_(Job.created_at == cursor.created_at, Job.id < cursor.id),
-            )
-        )
-    query = query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
-    jobs = list(session.scalars(query))
-    return jobs[:limit], len(jobs) > limit
+        after_key = (cursor.created_at, cursor.id)
+    return keyset_page(session, query, created_at=Job.created_at, id=Job.id, after=after_key,
+                       limit=limit)
 
 
 def mark_published(session: Session, *, job_ids: list[str]) -> None:
