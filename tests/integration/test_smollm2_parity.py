@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.unit.engine.tiny_models import hf_greedy_steps
 from workers.engine import LLM, SamplingParams
 from workers.engine.config import DEFAULT_MODELS_DIR
 from workers.engine.registry import pull_model
@@ -56,19 +57,9 @@ def hf_reference(smollm2_dir: Path) -> list[tuple[list[int], list[float]]]:
     results = []
     for messages, max_tokens in zip(CONVERSATIONS, MAX_TOKENS, strict=True):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids])
-        with torch.no_grad():
-            out: Any = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=max_tokens,
-                output_scores=True,
-                return_dict_in_generate=True,
-                pad_token_id=tokenizer.eos_token_id,
-            )
-        margins = [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
-        results.append((out.sequences[0, ids.shape[1] :].tolist(), margins))
+        prompt = tokenizer(text, add_special_tokens=False).input_ids
+        results.append(hf_greedy_steps(model, prompt, max_tokens,
+                                       pad_token_id=tokenizer.eos_token_id))
     return results
 
 

@@ -99,8 +99,10 @@ def save_tiny_llama(model_dir: Path, seed: int = 0, **overrides: Any) -> LlamaFo
     return model
 
 
-def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-    """Hugging Face greedy continuation of one prompt, and its smallest top-2 logit margin."""
+def hf_greedy_steps(
+    model: Any, prompt: list[int], max_tokens: int, *, pad_token_id: int = 0
+) -> tuple[list[int], list[float]]:
+    """Hugging Face greedy continuation of one prompt, and each step's top-2 logit margin."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
@@ -110,7 +112,13 @@ def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> tuple[list[int]
             max_new_tokens=max_tokens,
             output_scores=True,
             return_dict_in_generate=True,
-            pad_token_id=0,
+            pad_token_id=pad_token_id,
         )
     margins = [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
-    return out.sequences[0, len(prompt) :].tolist(), min(margins)
+    return out.sequences[0, len(prompt) :].tolist(), margins
+
+
+def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+    """Hugging Face greedy continuation of one prompt, and its smallest top-2 logit margin."""
+    tokens, margins = hf_greedy_steps(model, prompt, max_tokens)
+    return tokens, min(margins)
