@@ -118,21 +118,21 @@ class PostgresCluster:
 def create_database(admin_url: str, prefix: str = "test") -> str:
     """Create a fresh empty database next to admin_url's and return its URL."""
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as conn:
-            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    finally:
-        engine.dispose()
+    _run_outside_transaction(admin_url, f'CREATE DATABASE "{name}"')
     return str(sa.make_url(admin_url).set(database=name).render_as_string(hide_password=False))
 
 
 def drop_database(admin_url: str, url: str) -> None:
     """Drop the database of url, closing whatever connections a test left open."""
     name = sa.make_url(url).database
+    _run_outside_transaction(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _run_outside_transaction(admin_url: str, statement: str) -> None:
+    # CREATE and DROP DATABASE refuse to run inside a transaction block.
     engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            conn.execute(sa.text(statement))
     finally:
         engine.dispose()
