@@ -8,14 +8,13 @@ supported is refused by `api.capabilities` (400).
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from core.topics import Priority
 from core.webhook_urls import split_callback_url
-from storage.models import Job, JobStatus
+from storage.models import Job, JobStatus, unix_seconds
 
 MAX_STOP_SEQUENCES = 4
 # OpenAI's limits on `metadata`: 16 pairs, keys up to 64 characters, values up to 512.
@@ -186,12 +185,6 @@ class JobCreate(SamplingRequest):
     callback_url: CallbackUrl | None = Field(default=None, max_length=2048)
 
 
-
-
-def _unix(moment: datetime | None) -> int | None:
-    return int(moment.timestamp()) if moment is not None else None
-
-
 class Usage(BaseModel):
     """Token counts of a finished job, in OpenAI's names."""
 
@@ -248,8 +241,8 @@ class JobPublic(BaseModel):
             priority=Priority(job.priority),
             model=job.model,
             created_at=int(job.created_at.timestamp()),
-            started_at=_unix(job.started_at),
-            finished_at=_unix(job.finished_at),
+            started_at=unix_seconds(job.started_at),
+            finished_at=unix_seconds(job.finished_at),
             result=job.result,
             error=job.error,
             usage=usage,

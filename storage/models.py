@@ -31,6 +31,11 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def unix_seconds(moment: datetime | None) -> int | None:
+    """`moment` as whole Unix seconds, the way OpenAI's objects carry times; None stays None."""
+    return int(moment.timestamp()) if moment is not None else None
+
+
 class UTCDateTime(TypeDecorator[datetime]):
     """`DateTime(timezone=True)` that always hands back aware UTC datetimes.
 

@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from storage.deliveries import create_delivery
-from storage.models import Job, JobStatus, utcnow
+from storage.models import Job, JobStatus, unix_seconds, utcnow
 from storage.webhooks import Delivery
 
 
@@ -110,9 +110,9 @@ def job_event_data(job: Job) -> dict[str, Any]:
         "status": job.status.value,
         "priority": job.priority,
         "model": job.model,
-        "created_at": _unix(job.created_at),
-        "started_at": _unix(job.started_at),
-        "finished_at": _unix(job.finished_at),
+        "created_at": unix_seconds(job.created_at),
+        "started_at": unix_seconds(job.started_at),
+        "finished_at": unix_seconds(job.finished_at),
         "result": job.result,
         "error": job.error,
         "usage": usage,
@@ -134,7 +134,3 @@ def enqueue_job_event(session: Session, *, job: Job) -> Delivery | None:
         return None
     return enqueue_event(session, tenant_id=job.tenant_id, event_type=event_type,
                          url=job.callback_url, payload=job_event_data(job))
-
-
-def _unix(moment: datetime | None) -> int | None:
-    return int(moment.timestamp()) if moment is not None else None

@@ -19,16 +19,13 @@ from api.deps import SessionDep, TenantDep
 from api.errors import NotFound
 from storage.deliveries import get_delivery, list_deliveries, request_retry
 from storage.jobs import get_job
+from storage.models import unix_seconds
 from storage.webhook_secrets import ROTATION_OVERLAP, ensure_webhook_secret, rotate_webhook_secret
 from storage.webhooks import Delivery, DeliveryAttempt, DeliveryStatus, WebhookSecret
 
 logger = logging.getLogger(__name__)
 
 router = APIRouter(tags=["webhooks"])
-
-
-def _unix(moment: datetime | None) -> int | None:
-    return int(moment.timestamp()) if moment is not None else None
 
 
 class DeliveryAttemptPublic(BaseModel):
@@ -52,7 +49,7 @@ class DeliveryAttemptPublic(BaseModel):
             latency_ms=round(attempt.latency_ms, 3),
             error=attempt.error,
             response_body=attempt.response_body,
-            next_attempt_at=_unix(attempt.next_attempt_at),
+            next_attempt_at=unix_seconds(attempt.next_attempt_at),
         )
 
 
@@ -86,9 +83,9 @@ class DeliveryPublic(BaseModel):
             job_id=delivery.job_id,
             batch_id=delivery.batch_id,
             num_attempts=delivery.num_attempts,
-            next_attempt_at=_unix(delivery.next_attempt_at),
+            next_attempt_at=unix_seconds(delivery.next_attempt_at),
             created_at=int(delivery.created_at.timestamp()),
-            finished_at=_unix(delivery.finished_at),
+            finished_at=unix_seconds(delivery.finished_at),
             payload=delivery.payload,
             attempts=[DeliveryAttemptPublic.from_attempt(a) for a in delivery.attempts],
         )
@@ -117,7 +114,7 @@ class WebhookSecretPublic(BaseModel):
         return cls(
             secret=row.secret,
             previous_secret=row.previous_secret if still_signs else None,
-            previous_secret_expires_at=_unix(expires) if still_signs else None,
+            previous_secret_expires_at=unix_seconds(expires) if still_signs else None,
         )
 
 
