@@ -34,7 +34,12 @@ from scheduler.batch_fanout import fan_out
 from scheduler.batch_input import validate_input
 from scheduler.batch_output import BATCH_CANCELLED, BATCH_EXPIRED, REQUEST_CANCELLED
 from scheduler.batch_results import add_result_file_rows, write_result_files
-from storage.batch_jobs import count_batch_jobs, stop_batch_jobs, sum_batch_usage
+from storage.batch_jobs import (
+    count_batch_jobs,
+    has_jobs_stopped_since,
+    stop_batch_jobs,
+    sum_batch_usage,
+)
 from storage.batches import Batch, BatchStatus, active_batch_ids, batch_object, lock_batch
 from storage.events import publish_cancel
 from storage.files import FileStore, get_file
@@ -148,6 +153,11 @@ class BatchRunner:
             batch.num_failed = counts.num_failed
             _set_usage(session, batch)
             is_done = batch.num_enqueued >= batch.num_requests and counts.num_unfinished == 0
+            if is_done and is_past_window and has_jobs_stopped_since(
+                    session, batch_id=batch_id, since=batch.expires_at):
+                # An expiry stopped these jobs and did not get to its status (its pass
+                # died, or another scheduler is still writing the files): carry it on.
+                is_done = False
             if is_done:
                 batch.move_to(BatchStatus.FINALIZING)
             session.commit()

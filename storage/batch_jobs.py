@@ -111,6 +111,18 @@ def iter_batch_jobs(
         after = (rows[-1][5], rows[-1][0])
 
 
+def has_jobs_stopped_since(session: Session, *, batch_id: str, since: datetime) -> bool:
+    """Whether a job of the batch was cancelled at or after `since`.
+
+    Past the batch's `expires_at`, such a job was stopped by its expiry (stop_batch_jobs),
+    not by the user while the window was open.
+    """
+    query = select(Job.id).where(
+        Job.batch_id == batch_id, Job.status == JobStatus.CANCELLED, Job.finished_at >= since
+    ).limit(1)
+    return session.scalar(query) is not None
+
+
 def stop_batch_jobs(session: Session, *, batch_id: str) -> list[str]:
     """Cancel every unfinished job of the batch; returns the ids of those that were running.
 
