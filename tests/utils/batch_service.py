@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
@@ -24,6 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.kafka import ensure_topics
 from core.settings import Settings
 from scheduler.embedded_services import free_port
+from storage.batches import Batch as BatchRow
 from storage.db import create_db_engine, session_factory
 from storage.deliveries import list_deliveries
 from storage.migrate import upgrade
@@ -47,7 +49,16 @@ class BatchService:
     sessions: sessionmaker[Session]
     api: CliProcess
     scheduler: CliProcess
-    worker: WorkerProcess
+    worker_log: Path
+    # None until start_worker(): batch_service(start_worker=False) starts none.
+    worker: WorkerProcess | None = None
+
+    def start_worker(self) -> WorkerProcess:
+        """Start the inference worker and wait until it consumes its partitions."""
+        assert self.worker is None, "the worker runs already"
+        self.worker = WorkerProcess(self.settings, self.worker_log)
+        _wait_worker_assigned(self.worker)
+        return self.worker
 
     def openai(self) -> OpenAI:
         """The official client, pointed at this service."""
@@ -57,7 +68,7 @@ class BatchService:
         """The tails of every role's log, for failure messages."""
         return "\n".join(f"--- {name}\n{tail}" for name, tail in (
             ("api", self.api.log_tail()), ("scheduler", self.scheduler.log_tail()),
-            ("worker", self.worker.log_tail())))
+            ("worker", self.worker.log_tail() if self.worker else "(not started)")))
 
     def wait_batch(self, client: OpenAI, batch_id: str, until: Callable[[Batch], bool],
                    timeout: float = 300.0) -> Batch:
@@ -85,11 +96,33 @@ class BatchService:
                                    .where(Job.batch_id == batch_id).group_by(Job.status))
             return {JobStatus(status): count for status, count in rows}
 
+    def wait_jobs(self, batch_id: str, until: Callable[[dict[JobStatus, int]], bool],
+                  timeout: float = 120.0) -> dict[JobStatus, int]:
+        """Poll job_statuses(batch_id) until `until(statuses)`; fail with the logs."""
+        deadline = time.monotonic() + timeout
+        while not until(statuses := self.job_statuses(batch_id)):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"batch {batch_id}: jobs still {statuses} after "
+                                     f"{timeout}s\n{self.logs()}")
+            time.sleep(0.05)
+        return statuses
+
+    def set_expires_at(self, batch_id: str, at: datetime) -> None:
+        """Move the batch's deadline: the test's clock for when its window ends."""
+        with self.sessions() as session:
+            session.execute(sa.update(BatchRow).where(BatchRow.id == batch_id)
+                            .values(expires_at=at))
+            session.commit()
+
 
 @contextmanager
 def batch_service(make_settings: Callable[..., Settings], tmp_path: Path, model_dir: Path,
-                  **overrides: Any) -> Iterator[BatchService]:
-    """Start the three roles on migrated PostgreSQL; stop them (and check exits) after."""
+                  *, start_worker: bool = True, **overrides: Any) -> Iterator[BatchService]:
+    """Start the three roles on migrated PostgreSQL; stop them (and check exits) after.
+
+    With `start_worker=False` only the API and the scheduler run: batches validate and
+    fan out but no request finishes until the test calls `service.start_worker()`.
+    """
     values: dict[str, Any] = {
         "model": str(model_dir), "topic_partitions": 2, "kafka_session_timeout_ms": 6000,
         "batch_poll_interval_s": 0.3, "batch_completion_windows": ["24h", "8s"],
@@ -104,19 +137,20 @@ def batch_service(make_settings: Callable[..., Settings], tmp_path: Path, model_
     sessions = session_factory(engine)
     tenant = make_tenant_key(sessions, "batch-tests")
     port = free_port()
-    worker = WorkerProcess(settings, tmp_path / "worker.log")
     scheduler = CliProcess(["reconcile"], settings, tmp_path / "scheduler.log")
     api = CliProcess(["api", "--host", "127.0.0.1", "--port", str(port)], settings,
                      tmp_path / "api.log")
     service = BatchService(settings=settings, url=f"http://127.0.0.1:{port}",
                            api_key=tenant.key, tenant_id=tenant.tenant_id, sessions=sessions,
-                           api=api, scheduler=scheduler, worker=worker)
+                           api=api, scheduler=scheduler, worker_log=tmp_path / "worker.log")
     try:
+        if start_worker:
+            service.start_worker()
         api.wait_http(f"{service.url}/healthz")
-        _wait_worker_assigned(worker)
         yield service
     finally:
-        codes = {"api": api.stop(), "scheduler": scheduler.stop(), "worker": worker.stop()}
+        codes = {"api": api.stop(), "scheduler": scheduler.stop(),
+                 "worker": service.worker.stop() if service.worker else 0}
         engine.dispose()
     # uvicorn re-raises SIGTERM after its graceful shutdown, so the API's clean exit is -15.
     assert codes["api"] in (0, -15) and codes["scheduler"] == codes["worker"] == 0, (
