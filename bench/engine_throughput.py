@@ -302,6 +302,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-cache-gib", type=float, default=None)
     parser.add_argument("--roofline", action="store_true", help="decode roofline at batch 128")
     parser.add_argument("--peak-bandwidth-gbs", type=float, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -310,6 +311,8 @@ def main() -> None:
     """Run the contenders one after another and print the comparison."""
     logging.basicConfig(level=logging.WARNING)
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_llama_1b:
             model_dir = random_llama_1b(Path(tmp))

