@@ -66,6 +66,7 @@ class Result:
     num_output_tokens: int
     num_requests: int
     num_input_tokens: int
+    cpu_seconds: float  # this process's CPU time: robust to other load on a shared machine
 
     def line(self) -> str:
         """vLLM-bench-throughput-style figures."""
@@ -74,7 +75,8 @@ class Result:
             f"{self.name:<22} {self.seconds:8.1f} s  "
             f"{self.num_requests / self.seconds:7.2f} requests/s  "
             f"{total / self.seconds:9.1f} total tokens/s  "
-            f"{self.num_output_tokens / self.seconds:8.1f} output tokens/s"
+            f"{self.num_output_tokens / self.seconds:8.1f} output tokens/s  "
+            f"(CPU {self.cpu_seconds:.0f} s)"
         )
 
 
@@ -107,10 +109,10 @@ def run_engine(model_dir: Path, work: Workload, args: argparse.Namespace) -> Res
         SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
     ]
     _sync()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(work.prompts, params)
     _sync()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     produced = [len(o.token_ids) for o in outputs]
     if produced != work.output_lens:
         raise RuntimeError("the engine did not produce exactly the requested tokens")
@@ -120,7 +122,7 @@ def run_engine(model_dir: Path, work: Workload, args: argparse.Namespace) -> Res
     if args.roofline:
         decode_roofline(llm, args)
     del llm
-    return Result("engine", seconds, sum(produced), len(work.prompts), work.num_input_tokens)
+    return Result("engine", seconds, sum(produced), len(work.prompts), work.num_input_tokens, cpu)
 
 
 def load_hf(model_dir: Path, args: argparse.Namespace) -> Any:
@@ -142,7 +144,7 @@ def run_hf_static(model: Any, work: Workload, batch_size: int, pad_id: int) -> R
     device = model.device
     counted = 0
     _sync()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         for first in range(0, len(work.prompts), batch_size):
             prompts = work.prompts[first : first + batch_size]
@@ -163,9 +165,9 @@ def run_hf_static(model: Any, work: Workload, batch_size: int, pad_id: int) -> R
             )
             counted += sum(wanted)  # tokens past a request's own length are waste
     _sync()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     name = f"hf-static (batch {batch_size})"
-    return Result(name, seconds, counted, len(work.prompts), work.num_input_tokens)
+    return Result(name, seconds, counted, len(work.prompts), work.num_input_tokens, cpu)
 
 
 def run_hf_continuous(model: Any, work: Workload) -> Result:
@@ -177,7 +179,7 @@ def run_hf_continuous(model: Any, work: Workload) -> Result:
     )
     with model.continuous_batching_context_manager(generation_config=config, block=True) as manager:
         _sync()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
             manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
         finished: dict[str, Any] = {}
@@ -188,9 +190,9 @@ def run_hf_continuous(model: Any, work: Workload) -> Result:
             elif result is None and not manager.is_running():
                 raise RuntimeError("transformers' continuous batching loop stopped")
         _sync()
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     produced = sum(len(r.generated_tokens) for r in finished.values())
-    return Result("hf-cb", seconds, produced, len(work.prompts), work.num_input_tokens)
+    return Result("hf-cb", seconds, produced, len(work.prompts), work.num_input_tokens, cpu)
 
 
 def decode_roofline(
@@ -339,10 +341,13 @@ def main() -> None:
             except Exception as e:  # report it and carry on with the others
                 print(f"hf-cb: did not run ({type(e).__name__}: {e})")
     engine = results[0]
-    print("\nsummary (output tokens/s):")
+    print("\nsummary: engine / contender, output tokens per wall second (per CPU second)")
     for r in results:
         ratio = (engine.num_output_tokens / engine.seconds) / (r.num_output_tokens / r.seconds)
-        print(f"  {r.line()}   engine / this = {ratio:.2f}x")
+        cpu_ratio = (r.cpu_seconds / r.num_output_tokens) / (
+            engine.cpu_seconds / engine.num_output_tokens
+        )
+        print(f"  {r.line()}   {ratio:.2f}x ({cpu_ratio:.2f}x)")
 
 
 if __name__ == "__main__":
