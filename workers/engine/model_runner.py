@@ -204,7 +204,7 @@ class ModelRunner:
             raise ValueError(f"block_table of {seq.request_id} does not cover position {end - 1}")
 
     def _count_kv_blocks(self) -> int:
-        """Blocks from num_kv_blocks, a byte budget, free CUDA memory, or 1 GiB on CPU."""
+        """Blocks from num_kv_blocks, a byte budget, free CUDA memory, or up to 1 GiB on CPU."""
         config = self.config
         if config.num_kv_blocks is not None:
             if config.num_kv_blocks < 1:
@@ -215,7 +215,11 @@ class ModelRunner:
         elif self.device.type == "cuda":
             budget = self._cuda_kv_budget()
         else:
-            budget = _CPU_KV_BYTES
+            # The CPU default is capped at what max_num_seqs full-length sequences can
+            # hold: a tiny model would otherwise zero (and keep resident) a whole GiB.
+            blocks_per_seq = -(-self.max_model_len // self.block_size)
+            needed = self.config.max_num_seqs * blocks_per_seq * self._block_bytes()
+            budget = min(_CPU_KV_BYTES, needed)
         num_blocks = budget // self._block_bytes()
         if num_blocks < 1:
             raise ValueError(

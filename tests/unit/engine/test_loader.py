@@ -101,8 +101,19 @@ def test_pool_size_and_max_model_len_follow_the_config(tmp_path: Path) -> None:
     assert runner.max_model_len == 512
     assert cpu_runner(tmp_path, max_model_len=100).max_model_len == 100
     assert cpu_runner(tmp_path, max_model_len=10_000).max_model_len == 512
+    # The CPU default: what max_num_seqs (256) sequences of 512 tokens hold, under 1 GiB.
     default = ModelRunner(EngineConfig(model=str(tmp_path), device="cpu"))
-    assert default.num_kv_blocks == (1 << 30) // 8192 and default.block_size == 16
+    assert default.num_kv_blocks == 256 * (512 // 16) and default.block_size == 16
+    assert ModelRunner(
+        EngineConfig(model=str(tmp_path), device="cpu", max_num_seqs=1, max_model_len=300)
+    ).num_kv_blocks == -(-300 // 16)
+
+
+def test_cpu_default_pool_stops_at_one_gib(tmp_path: Path) -> None:
+    """A long context times max_num_seqs beyond 1 GiB gets exactly 1 GiB of blocks."""
+    save_llama(tmp_path, max_position_embeddings=1 << 20)  # 8 KiB per 16-token block
+    default = ModelRunner(EngineConfig(model=str(tmp_path), device="cpu"))
+    assert default.num_kv_blocks == (1 << 30) // 8192
 
 
 def test_unknown_and_unprepared_model_names(tmp_path: Path) -> None:
