@@ -38,7 +38,7 @@ test: $(STAMP)
 	fi
 	$(BIN)/ruff check .
 	$(BIN)/mypy .
-	$(BIN)/python -m pytest tests/unit tests/integration -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit tests/integration -ra --durations=25 $(PYTEST_ARGS)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
