@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
@@ -125,6 +126,14 @@ def make_consumer(
     return KafkaConsumer(**config)
 
 
+@dataclass(frozen=True, slots=True)
+class TopicLag:
+    """One topic's lag for one consumer group, and how many partitions the topic has."""
+
+    lag: int
+    num_partitions: int
+
+
 def consumer_lag(
     settings: Settings, *, group_id: str, topics: list[str] | None = None
 ) -> dict[str, int]:
@@ -136,19 +145,32 @@ def consumer_lag(
     names = topics if topics is not None else list(settings.job_topics.values())
     consumer = make_consumer(settings, group_id=group_id, client_id=f"{CLIENT_ID}-lag")
     try:
-        partitions: list[TopicPartition] = []
-        for topic in names:
-            ids = consumer.partitions_for_topic(topic) or set()
-            partitions.extend(TopicPartition(topic, p) for p in sorted(ids))
-        lag = dict.fromkeys(names, 0)
-        if not partitions:
-            return lag
-        latest = consumer.end_offsets(partitions)
-        earliest = consumer.beginning_offsets(partitions)
-        for tp in partitions:
-            committed = consumer.committed(tp)
-            start = committed if committed is not None else earliest[tp]
-            lag[tp.topic] += max(0, latest[tp] - start)
-        return lag
+        return {topic: found.lag for topic, found in topic_lag(consumer, names).items()}
     finally:
         consumer.close()
+
+
+def topic_lag(
+    consumer: KafkaConsumer, topics: list[str], *, timeout_ms: int | None = None
+) -> dict[str, TopicLag]:
+    """Topic → lag and partition count, for the group of `consumer` (see consumer_lag).
+
+    The consumer need not subscribe (it then never joins the group), so a long-lived one
+    can be asked again and again. timeout_ms bounds each broker round trip; without it
+    kafka-python waits for an unreachable coordinator forever.
+    """
+    partitions: list[TopicPartition] = []
+    for topic in topics:
+        ids = consumer.partitions_for_topic(topic) or set()
+        partitions.extend(TopicPartition(topic, p) for p in sorted(ids))
+    lag = dict.fromkeys(topics, 0)
+    num_partitions = dict.fromkeys(topics, 0)
+    if partitions:
+        latest = consumer.end_offsets(partitions, timeout_ms=timeout_ms)
+        earliest = consumer.beginning_offsets(partitions, timeout_ms=timeout_ms)
+        for tp in partitions:
+            committed = consumer.committed(tp, timeout_ms=timeout_ms)
+            start = committed if committed is not None else earliest[tp]
+            lag[tp.topic] += max(0, latest[tp] - start)
+            num_partitions[tp.topic] += 1
+    return {topic: TopicLag(lag[topic], num_partitions[topic]) for topic in topics}

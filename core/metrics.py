@@ -1,10 +1,11 @@
 """Prometheus metrics shared by the service's roles.
 
-The API counts submissions; workers count outcomes, latencies and engine state. Every
-metric lives in prometheus_client's default registry, so `GET /metrics` on the API and the
-worker's exporter (`worker_metrics_port`) both serve them with no extra wiring. Metric
-objects are created once, at import, as prometheus_client requires: a second registration
-of the same name would raise.
+The API counts submissions; workers count outcomes, latencies and engine state; the
+autoscaler reports the lag it sees and the workers it asks for. Every metric lives in
+prometheus_client's default registry, so `GET /metrics` on the API (which `batchinfer up`
+runs in the autoscaler's process) and the worker's exporter (`worker_metrics_port`) serve
+them with no extra wiring. Metric objects are created once, at import, as
+prometheus_client requires: a second registration of the same name would raise.
 """
 
 from __future__ import annotations
@@ -67,4 +68,17 @@ ENGINE_PREEMPTIONS = Counter(
 )
 WORKER_INFLIGHT = Gauge(
     "batchinfer_worker_inflight_jobs", "Jobs a worker has taken from Kafka and not yet finished."
+)
+AUTOSCALER_DESIRED_WORKERS = Gauge(
+    "batchinfer_autoscaler_desired_workers",
+    "Inference workers the autoscaler asks for (after clamping and the scale-down cooldown).",
+)
+AUTOSCALER_WEIGHTED_LAG = Gauge(
+    "batchinfer_autoscaler_weighted_lag",
+    "The workers' consumer lag times its priority's weight, by priority.",
+    ["priority"],
+)
+AUTOSCALER_LAG_READ_ERRORS = Counter(
+    "batchinfer_autoscaler_lag_read_errors",
+    "Lag reads that failed (the worker count was kept as it was).",
 )

@@ -70,6 +70,28 @@ class Settings(BaseSettings):
     # Prometheus exporter port of the scheduler role (`batchinfer reconcile`; 0: off).
     scheduler_metrics_port: int = Field(default=0, ge=0, le=65535)
 
+    # Autoscaler: the worker count follows the workers' consumer lag (`batchinfer up
+    # --max-workers`; on a cluster the KEDA ScaledObject in deploy/kubernetes/ uses the same
+    # numbers). Fewest and most workers; it never asks for more than the job topics have
+    # partitions (a worker beyond them would idle), unless the minimum itself is higher.
+    autoscale_min_workers: int = Field(default=1, ge=0)
+    autoscale_max_workers: int = Field(default=3, ge=1)
+    # Weighted lag one worker is meant to absorb. The default equals worker_max_inflight's:
+    # below it every waiting job already fits in one worker's in-flight window.
+    autoscale_lag_threshold: int = Field(default=128, ge=1)
+    # Scale-down waits until the lag has asked for fewer workers this long; scale-up does
+    # not wait. Longer than a worker's start (model load), so a lull between bursts does
+    # not drain a worker that the next burst needs again.
+    autoscale_cooldown_s: float = Field(default=60.0, ge=0)
+    # How often the lag is read.
+    autoscale_interval_s: float = Field(default=5.0, gt=0)
+    # Lag weight per priority, normal being the unit of autoscale_lag_threshold. High jobs
+    # are mostly OpenAI-compatible calls with a client waiting on them; low ones are
+    # batches with a 24 h window, which may arrive 50,000 at a time.
+    autoscale_weight_high: float = Field(default=4.0, gt=0)
+    autoscale_weight_normal: float = Field(default=1.0, gt=0)
+    autoscale_weight_low: float = Field(default=0.25, gt=0)
+
     # Files and batches (OpenAI-compatible). Files live under files_dir (default
     # data_dir/files); the limits default to OpenAI's.
     files_dir: Path | None = None
@@ -133,12 +155,21 @@ class Settings(BaseSettings):
                              "delivery would be claimed again while still in flight")
         if any(delay < 0 for delay in self.webhook_retry_schedule):
             raise ValueError("webhook_retry_schedule holds seconds, none negative")
+        if self.autoscale_min_workers > self.autoscale_max_workers:
+            raise ValueError(f"autoscale_min_workers ({self.autoscale_min_workers}) must not "
+                             f"exceed autoscale_max_workers ({self.autoscale_max_workers})")
         return self
 
     @property
     def job_topics(self) -> dict[str, str]:
         """Priority name → Kafka topic name."""
         return {p: f"{self.topic_prefix}.jobs.{p}" for p in PRIORITIES}
+
+    @property
+    def autoscale_weights(self) -> dict[str, float]:
+        """Priority name → the weight of its lag in the autoscaler's sum."""
+        return {"high": self.autoscale_weight_high, "normal": self.autoscale_weight_normal,
+                "low": self.autoscale_weight_low}
 
     @property
     def consumer_group(self) -> str:

@@ -1,0 +1,152 @@
+"""The autoscaler's loop: read the workers' lag, decide, scale.
+
+Responsible for:
+- reading lag and partition counts of the job topics for the workers' consumer group
+  over one long-lived Kafka client (LagReader);
+- feeding each reading, or its failure, to the Autoscaler; exporting the desired count
+  and the weighted lag per priority; logging every change with its reason;
+- calling a scale_to hook when the count changes.
+
+The local Supervisor must be driven from the main thread, while a Kafka read may block
+for seconds; so `batchinfer up` runs the loop on its own thread with a MainThreadScaler as
+the hook, and its main loop applies the latest count the autoscaler asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from kafka import KafkaConsumer
+
+from core import metrics
+from core.kafka import CLIENT_ID, TopicLag, make_consumer, topic_lag
+from core.settings import Settings
+from scheduler.autoscaler import Autoscaler, ScaleDecision
+
+logger = logging.getLogger(__name__)
+
+# Bounds each broker round trip of a reading, so an unreachable broker shows up as a
+# failed reading (count kept, logged) rather than a loop waiting on it indefinitely.
+LAG_READ_TIMEOUT_MS = 5000
+
+
+class LagReader:
+    """Topic → lag of the workers' group, over one consumer created on first use."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._consumer: KafkaConsumer | None = None
+
+    def __call__(self) -> dict[str, TopicLag]:
+        """Read the job topics' lag and partition counts; raises what the client raises."""
+        if self._consumer is None:
+            # Kept between readings: it never subscribes (so never joins the group) and
+            # reconnects by itself, whereas a fresh client waits out a 30 s bootstrap on
+            # every reading while the broker is down.
+            self._consumer = make_consumer(self.settings,
+                                           client_id=f"{CLIENT_ID}-autoscaler")
+        return topic_lag(self._consumer, list(self.settings.job_topics.values()),
+                         timeout_ms=LAG_READ_TIMEOUT_MS)
+
+    def close(self) -> None:
+        """Close the client, if one was made."""
+        if self._consumer is not None:
+            self._consumer.close(autocommit=False)
+            self._consumer = None
+
+
+class AutoscaleLoop:
+    """Every interval_s: one reading → one decision → scale_to when the count changed."""
+
+    def __init__(
+        self,
+        autoscaler: Autoscaler,
+        *,
+        read_lag: Callable[[], Mapping[str, TopicLag]],
+        scale_to: Callable[[int], None],
+        job_topics: Mapping[str, str],
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.autoscaler = autoscaler
+        self.read_lag = read_lag
+        self.scale_to = scale_to
+        self.job_topics = job_topics
+        self.interval_s = interval_s
+        self.clock = clock
+        self._is_failing = False
+
+    def step(self) -> ScaleDecision:
+        """Read the lag once, decide, export, and scale when the count changed."""
+        now = self.clock()
+        try:
+            found = self.read_lag()
+        except Exception as e:  # whatever went wrong, the workers keep running
+            metrics.AUTOSCALER_LAG_READ_ERRORS.inc()
+            decision = self.autoscaler.observe_error(f"{type(e).__name__}: {e}")
+            # Once per outage at WARNING: readings repeat every few seconds.
+            logger.log(logging.DEBUG if self._is_failing else logging.WARNING, "%s",
+                       decision.reason)
+            self._is_failing = True
+            return decision
+        if self._is_failing:
+            logger.info("lag readable again")
+            self._is_failing = False
+        lag = {p: found[topic].lag for p, topic in self.job_topics.items() if topic in found}
+        # Workers consume every job topic in one group; the range assignor gives each
+        # topic's partitions to as many members as it has partitions, so the largest topic
+        # bounds the workers that get any work.
+        num_partitions = max((found[t].num_partitions for t in self.job_topics.values()
+                              if t in found), default=0)
+        decision = self.autoscaler.observe(lag, num_partitions=num_partitions, now=now)
+        for priority, weighted in decision.weighted_lag.items():
+            metrics.AUTOSCALER_WEIGHTED_LAG.labels(priority).set(weighted)
+        metrics.AUTOSCALER_DESIRED_WORKERS.set(decision.num_workers)
+        if decision.is_change:
+            logger.info("autoscaling workers %d → %d: %s", decision.num_previous,
+                        decision.num_workers, decision.reason)
+            self.scale_to(decision.num_workers)
+        else:
+            logger.debug("keeping %d workers: %s", decision.num_workers, decision.reason)
+        return decision
+
+    def run(self, stop: threading.Event) -> None:
+        """Step now and every interval_s until stop is set; a failed step is not fatal."""
+        while True:
+            try:
+                self.step()
+            except Exception:
+                logger.exception("autoscaler step failed; next in %.0fs", self.interval_s)
+            if stop.wait(self.interval_s):
+                return
+
+
+class MainThreadScaler:
+    """A scale_to hook any thread may call; the main thread applies the latest count."""
+
+    def __init__(self, scale_to: Callable[[int], None]) -> None:
+        self._scale_to = scale_to
+        self._lock = threading.Lock()
+        self._num_pending: int | None = None
+
+    def __call__(self, num_workers: int) -> None:
+        """Remember num_workers; an earlier count not yet applied is superseded."""
+        with self._lock:
+            self._num_pending = num_workers
+
+    def apply(self) -> None:
+        """Call the wrapped scale_to with the count last asked for, if any (main thread)."""
+        with self._lock:
+            num_workers, self._num_pending = self._num_pending, None
+        if num_workers is not None:
+            self._scale_to(num_workers)
+
+
+def start_autoscale_thread(loop: AutoscaleLoop, stop: threading.Event) -> threading.Thread:
+    """Run loop.run(stop) on a daemon thread."""
+    thread = threading.Thread(target=loop.run, args=(stop,), name="autoscaler", daemon=True)
+    thread.start()
+    return thread
