@@ -15,6 +15,11 @@ It prints output tokens/s with the ratios, and vLLM's three figures (requests/s,
 tokens/s, output tokens/s). With --roofline (CUDA) it also times one decode step at batch
 128 against the HBM-bandwidth roofline.
 
+Each line also gives the process's CPU seconds and the load average: on a shared machine
+wall time follows the neighbours' load, and with 2+ threads GNU OpenMP's default spinning
+turns contention into 10x slowdowns (OMP_WAIT_POLICY=PASSIVE avoids that, at ~35% cost
+on an idle machine); --threads 1 gives the steadiest CPU-time comparison.
+
     .venv/bin/python -m bench.engine_throughput                      # CPU, SmolLM2-135M
     .venv/bin/python -m bench.engine_throughput --random-llama-1b --num-prompts 512 \\
         --dtype bfloat16 --roofline                                  # CUDA
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import platform
 import random
 import tempfile
@@ -67,6 +73,10 @@ class Result:
     num_requests: int
     num_input_tokens: int
     cpu_seconds: float  # this process's CPU time: robust to other load on a shared machine
+    load: float = 0.0  # 1-minute load average when the run ended
+
+    def __post_init__(self) -> None:
+        self.load = os.getloadavg()[0]
 
     def line(self) -> str:
         """vLLM-bench-throughput-style figures."""
@@ -76,7 +86,7 @@ class Result:
             f"{self.num_requests / self.seconds:7.2f} requests/s  "
             f"{total / self.seconds:9.1f} total tokens/s  "
             f"{self.num_output_tokens / self.seconds:8.1f} output tokens/s  "
-            f"(CPU {self.cpu_seconds:.0f} s)"
+            f"(CPU {self.cpu_seconds:.0f} s, load {self.load:.1f})"
         )
 
 
@@ -277,7 +287,11 @@ def machine() -> str:
                  if line.startswith("model name")]  # fmt: skip
         cpu = names[0] if names else cpu
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return f"{cpu} x{torch.get_num_threads()} threads, {gpu}, torch {torch.__version__}"
+    wait_policy = os.environ.get("OMP_WAIT_POLICY", "default")
+    return (
+        f"{cpu} x{torch.get_num_threads()} threads (OMP_WAIT_POLICY {wait_policy}), {gpu}, "
+        f"torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}"
+    )
 
 
 def _sync() -> None:
