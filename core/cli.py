@@ -38,7 +38,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     _override_env(api_port=args.port, data_dir=args.data_dir, model=args.model)
     from scheduler.embedded import run_embedded
 
-    return run_embedded(num_workers=args.workers, host=args.host)
+    return run_embedded(num_workers=args.workers, max_workers=args.max_workers, host=args.host)
 
 
 def cmd_api(args: argparse.Namespace) -> int:
@@ -141,7 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run broker, Redis, SQLite, API and workers on this machine")
     up.add_argument("--port", type=int, default=None, help="API port (default 8000)")
     up.add_argument("--host", default="127.0.0.1", help="API bind address")
-    up.add_argument("--workers", type=int, default=1, help="inference worker processes")
+    up.add_argument("--workers", type=int, default=1,
+                    help="inference worker processes; with --max-workers, the fewest")
+    up.add_argument("--max-workers", type=int, default=None,
+                    help="scale workers between --workers and this by Kafka lag "
+                         "(default: a fixed --workers)")
     up.add_argument("--data-dir", default=None, help="SQLite, Redis dump, files (default .data)")
     up.add_argument("--model", default=None, help="model to serve (default smollm2-135m-instruct)")
     up.set_defaults(func=cmd_up)

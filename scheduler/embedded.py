@@ -9,7 +9,8 @@ Responsible for, in start order:
    broker kept nothing: it stores in memory); then the reconciler and batch loops;
 6. the API (uvicorn, on a thread of this process);
 7. the webhook callbacks worker and N inference worker processes under supervisors
-   (restarted when they crash).
+   (restarted when they crash); with a maximum, the autoscaler moves N between the two
+   by Kafka consumer lag (readings on a thread, scaling on the main thread).
 
 Ctrl-C or SIGTERM stops everything in reverse order: workers drain first, while the
 broker, Redis and the database they need are still there.
@@ -25,14 +26,21 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scheduler.embedded_services import free_port, is_port_open, redis_service, tansu_service
+
+if TYPE_CHECKING:
+    from scheduler.autoscale_loop import MainThreadScaler
+    from scheduler.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
 DEV_KEY_FILE = "dev-api-key"
 # Seconds the API gets to bind its port before start-up is declared failed.
 API_START_TIMEOUT_S = 60.0
+# Seconds the autoscaler thread gets to finish a lag reading at shutdown.
+AUTOSCALER_JOIN_TIMEOUT_S = 10.0
 
 
 def _set_env(**values: object) -> None:
@@ -170,13 +178,53 @@ def _start_scheduler(stop: threading.Event, stack: ExitStack) -> int:
     return num_republished
 
 
+def _start_autoscaler(workers: Supervisor, stop: threading.Event,
+                      stack: ExitStack) -> MainThreadScaler:
+    """Read lag on a thread; the returned hook is applied to workers by the main loop."""
+    from core.settings import get_settings
+    from scheduler.autoscale_loop import (
+        AutoscaleLoop,
+        LagReader,
+        MainThreadScaler,
+        start_autoscale_thread,
+    )
+    from scheduler.autoscaler import AutoscalePolicy, Autoscaler
+
+    settings = get_settings()
+    scaler = MainThreadScaler(workers.scale_to)
+    reader = LagReader(settings)
+    autoscaler = Autoscaler(AutoscalePolicy.from_settings(settings),
+                            num_workers=workers.num_desired)
+    loop = AutoscaleLoop(autoscaler, read_lag=reader, scale_to=scaler,
+                         job_topics=settings.job_topics,
+                         interval_s=settings.autoscale_interval_s)
+    thread = start_autoscale_thread(loop, stop)
+
+    def stop_autoscaler() -> None:
+        thread.join(AUTOSCALER_JOIN_TIMEOUT_S)
+        if thread.is_alive():
+            # Its client is still in use; the daemon thread ends with the process.
+            logger.warning("autoscaler still reading lag after %.0fs",
+                           AUTOSCALER_JOIN_TIMEOUT_S)
+            return
+        reader.close()
+
+    stack.callback(stop_autoscaler)
+    return scaler
+
+
 def _check_port_free(host: str, port: int) -> None:
     if is_port_open(host, port):
         raise ValueError(f"port {port} on {host} is already in use; pick another with --port")
 
 
-def run_embedded(*, num_workers: int = 1, host: str = "127.0.0.1") -> int:
-    """Start everything, print the URL and API key, run until Ctrl-C/SIGTERM; exit code."""
+def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
+                 host: str = "127.0.0.1") -> int:
+    """Start everything, print the URL and API key, run until Ctrl-C/SIGTERM; exit code.
+
+    num_workers inference workers run; with max_workers, that many at most and
+    num_workers at least, as the autoscaler decides.
+    """
     import sys
 
     from core.settings import get_settings
@@ -185,6 +233,11 @@ def run_embedded(*, num_workers: int = 1, host: str = "127.0.0.1") -> int:
 
     if num_workers < 0:
         raise ValueError(f"--workers must be >= 0, got {num_workers}")
+    if max_workers is not None and max_workers < max(1, num_workers):
+        raise ValueError(f"--max-workers must be at least 1 and at least --workers "
+                         f"({num_workers}), got {max_workers}")
+    if max_workers is not None:
+        _set_env(autoscale_min_workers=num_workers, autoscale_max_workers=max_workers)
     settings = get_settings()
     data_dir = settings.data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -222,16 +275,22 @@ def run_embedded(*, num_workers: int = 1, host: str = "127.0.0.1") -> int:
                                  num_workers=num_workers)
             stack.callback(workers.stop)
             workers.start()
+            scaler = (_start_autoscaler(workers, stop, stack) if max_workers is not None
+                      else None)
         except Exception:
             stop.set()
             raise
         url = f"http://{host}:{settings.api_port}"
-        print(f"batchinfer is up: {url}  (data dir {data_dir}, {num_workers} worker(s), "
+        worker_counts = (f"{num_workers}" if max_workers is None
+                         else f"{num_workers}-{max_workers} autoscaled")
+        print(f"batchinfer is up: {url}  (data dir {data_dir}, {worker_counts} worker(s), "
               f"{num_republished} queued job(s) re-published)", flush=True)
         print(f"API key: {api_key}", flush=True)
         print(f"Webhook secret: {webhook_secret}", flush=True)
         print("Press Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):
+            if scaler is not None:
+                scaler.apply()
             workers.poll()
             callbacks.poll()
             dead = [svc.name for svc in (broker, redis) if not svc.is_running]

@@ -23,10 +23,23 @@ def sqlite_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]
 
 
 def test_up_options_parse() -> None:
-    """`up` takes port, workers, data dir and model."""
+    """`up` takes port, workers, data dir and model; a fixed worker count by default."""
     args = build_parser().parse_args(
         ["up", "--port", "9000", "--workers", "2", "--data-dir", "/tmp/x", "--model", "m"])
     assert (args.port, args.workers, args.data_dir, args.model) == (9000, 2, "/tmp/x", "m")
+    assert args.max_workers is None
+    args = build_parser().parse_args(["up", "--workers", "0", "--max-workers", "4"])
+    assert (args.workers, args.max_workers) == (0, 4)
+
+
+def test_up_refuses_max_workers_below_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """--max-workers under --workers exits 2 with a message, before anything starts."""
+    monkeypatch.setenv("BATCHINFER_DATA_DIR", str(tmp_path / "data"))  # restored after
+    assert main(["up", "--workers", "3", "--max-workers", "2",
+                 "--data-dir", str(tmp_path / "data")]) == 2
+    assert "--max-workers must be at least 1 and at least --workers (3)" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()
 
 
 def test_unknown_command_is_refused() -> None:
