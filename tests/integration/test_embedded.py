@@ -103,6 +103,28 @@ def test_second_start_republishes_a_job_left_queued(tmp_path: Path,
     _stop_and_check_no_orphans(second)
 
 
+def test_up_autoscales_workers_by_lag(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    """From no workers: a queued job starts one, which runs it; the cooldown after its
+    offset is committed, the worker is drained again."""
+    log_path = tmp_path / "up.log"
+    run = start_up(tmp_path / "data", free_port(), num_workers=0, max_workers=1,
+                   log_path=log_path,
+                   extra_env={"BATCHINFER_AUTOSCALE_INTERVAL_S": "0.5",
+                              "BATCHINFER_AUTOSCALE_COOLDOWN_S": "2"})
+    up_runs.append(run)
+    assert "0-1 autoscaled worker(s)" in run.wait_for_line("batchinfer is up", 5)
+    with run.client() as client:
+        response = client.post("/v1/jobs", json=CHAT_JOB)
+        assert response.status_code == 202, response.text
+        _wait_for_status(client, response.json()["id"], "succeeded", timeout=600)
+    deadline = time.monotonic() + 60
+    while "worker-0 drained" not in (log := log_path.read_text(errors="replace")):
+        assert time.monotonic() < deadline, run.log_tail()
+        time.sleep(0.2)
+    assert "autoscaling workers 0 → 1" in log and "autoscaling workers 1 → 0" in log
+    _stop_and_check_no_orphans(run)
+
+
 def test_up_refuses_a_port_in_use(tmp_path: Path) -> None:
     """A busy API port is reported before anything starts."""
     import socket
