@@ -150,15 +150,14 @@ def consumer_lag(
         consumer.close()
 
 
-def topic_lag(
-    consumer: KafkaConsumer, topics: list[str], *, timeout_ms: int | None = None
-) -> dict[str, TopicLag]:
+def topic_lag(consumer: KafkaConsumer, topics: list[str]) -> dict[str, TopicLag]:
     """Topic → lag and partition count, for the group of `consumer` (see consumer_lag).
 
     The consumer need not subscribe (it then never joins the group), so a long-lived one
-    can be asked again and again. timeout_ms bounds each broker round trip; without it
-    kafka-python waits for an unreachable coordinator forever.
+    can be asked again and again. Every round trip waits at most the consumer's
+    request_timeout_ms; kafka-python would wait for an unreachable coordinator forever.
     """
+    timeout_ms = consumer.config["request_timeout_ms"]
     partitions: list[TopicPartition] = []
     for topic in topics:
         ids = consumer.partitions_for_topic(topic) or set()
@@ -166,8 +165,8 @@ def topic_lag(
     lag = dict.fromkeys(topics, 0)
     num_partitions = dict.fromkeys(topics, 0)
     if partitions:
-        latest = consumer.end_offsets(partitions, timeout_ms=timeout_ms)
-        earliest = consumer.beginning_offsets(partitions, timeout_ms=timeout_ms)
+        latest = consumer.end_offsets(partitions)
+        earliest = consumer.beginning_offsets(partitions)
         for tp in partitions:
             committed = consumer.committed(tp, timeout_ms=timeout_ms)
             start = committed if committed is not None else earliest[tp]

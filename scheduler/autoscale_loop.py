@@ -28,9 +28,12 @@ from scheduler.autoscaler import Autoscaler, ScaleDecision
 
 logger = logging.getLogger(__name__)
 
-# Bounds each broker round trip of a reading, so an unreachable broker shows up as a
-# failed reading (count kept, logged) rather than a loop waiting on it indefinitely.
-LAG_READ_TIMEOUT_MS = 5000
+# Added to the session timeout to bound each broker round trip of a reading, so an
+# unreachable broker shows up as a failed reading (count kept, logged) within seconds,
+# not kafka-python's default 30 s (3.x) or 5 min (2.3). kafka-python 2.3 refuses a request
+# timeout at or below the session timeout for a consumer with a group, though this one
+# never joins it.
+LAG_READ_TIMEOUT_MARGIN_MS = 1000
 
 
 class LagReader:
@@ -46,10 +49,11 @@ class LagReader:
             # Kept between readings: it never subscribes (so never joins the group) and
             # reconnects by itself, whereas a fresh client waits out a 30 s bootstrap on
             # every reading while the broker is down.
-            self._consumer = make_consumer(self.settings,
-                                           client_id=f"{CLIENT_ID}-autoscaler")
-        return topic_lag(self._consumer, list(self.settings.job_topics.values()),
-                         timeout_ms=LAG_READ_TIMEOUT_MS)
+            self._consumer = make_consumer(
+                self.settings, client_id=f"{CLIENT_ID}-autoscaler",
+                request_timeout_ms=(self.settings.kafka_session_timeout_ms
+                                    + LAG_READ_TIMEOUT_MARGIN_MS))
+        return topic_lag(self._consumer, list(self.settings.job_topics.values()))
 
     def close(self) -> None:
         """Close the client, if one was made."""
