@@ -92,7 +92,8 @@ class Autoscaler:
     def observe(
         self, lag: Mapping[str, int], *, num_partitions: int, now: float
     ) -> ScaleDecision:
-        """Take one reading (priority → lag, partitions per job topic) taken at `now`."""
+        """Take the reading made at `now`: priority → lag, and the most partitions any
+        job topic has."""
         policy = self.policy
         weighted = {p: lag.get(p, 0) * weight for p, weight in policy.weights.items()}
         total = sum(weighted.values())
@@ -111,7 +112,8 @@ class Autoscaler:
             if self._lower_since is None:
                 self._lower_since = now
                 self._num_most_wanted_lower = num_wanted
-            self._num_most_wanted_lower = max(self._num_most_wanted_lower, num_wanted)
+            else:
+                self._num_most_wanted_lower = max(self._num_most_wanted_lower, num_wanted)
             waited_s = now - self._lower_since
             if waited_s >= policy.cooldown_s:
                 self.num_workers = self._num_most_wanted_lower
