@@ -57,6 +57,10 @@ def cli(svc: BatchService, *args: str) -> list[str]:
             "--api-key", svc.api_key]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_run_interrupted_then_reattached_writes_every_result(
     service: Callable[..., BatchService], tmp_path: Path,
 ) -> None:
@@ -73,10 +77,12 @@ def test_run_interrupted_then_reattached_writes_every_result(
     output = tmp_path / "results.jsonl"
     client = svc.openai()
 
+    # Ctrl-C must reach it as KeyboardInterrupt even when the tests themselves run in the
+    # background, where the shell starts everything with SIGINT ignored.
     first = subprocess.Popen(cli(svc, "run", str(requests), "-o", str(output),
                                  "--poll-interval", "0.3"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             cwd=ROOT)
+                             cwd=ROOT, preexec_fn=_default_sigint)
     assert first.stdout is not None
     batch_id = None
     for line in first.stdout:
