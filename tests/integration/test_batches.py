@@ -9,6 +9,8 @@ counts, cancellation, expiry and the output line format.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -102,6 +104,9 @@ def test_openai_client_runs_a_batch_end_to_end(service: Callable[..., BatchServi
     assert (event, url) == ("batch.completed", HOOK)
     assert payload["data"] == done.model_dump(mode="json", exclude_unset=True)
 
+    # No worker from here: the same requests would come from the result cache, and the
+    # second batch could complete before the cancel below reaches it.
+    assert svc.worker is not None and svc.worker.stop() == 0
     second = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
                                    completion_window="24h", extra_body={"callback_url": HOOK})
     # Auto-pagination with one batch per page walks `after` / `has_more`.
@@ -175,19 +180,28 @@ def test_invalid_files_fail_validation_by_line_and_enqueue_nothing(
 def test_cancel_mid_run_stops_the_rest_and_keeps_partial_output(
     service: Callable[..., BatchService],
 ) -> None:
-    # Few sequences at a time and long answers: the batch takes a while.
+    # Few sequences at a time and long answers: the batch takes a while. Distinct prompts:
+    # identical ones would be answered from the result cache, all 300 in about a second.
     svc = service(engine_max_num_seqs=4, worker_max_inflight=8)
     model = svc.settings.model
     num_lines = 300
-    lines = [chat_line(f"c{i}", model, max_tokens=48, ignore_eos=True)
-             for i in range(num_lines)]
+    lines = [chat_line(f"c{i}", model, content=f"Question {i}?", max_tokens=48,
+                       ignore_eos=True) for i in range(num_lines)]
     client = svc.openai()
     file = client.files.create(file=("long.jsonl", jsonl(lines)), purpose="batch")
     batch = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
-    svc.wait_batch(client, batch.id,
-                   lambda b: b.request_counts is not None and b.request_counts.completed >= 4)
+    svc.wait_jobs(batch.id, lambda s: s.get(JobStatus.SUCCEEDED, 0) >= 4)
 
-    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    # The worker is frozen (jobs still running in it) until the cancel is in, so the batch
+    # cannot finish first however fast the engine or slow this test; it then runs on and
+    # finds its jobs cancelled.
+    assert svc.worker is not None
+    os.kill(svc.worker.pid, signal.SIGSTOP)
+    try:
+        assert svc.job_statuses(batch.id).get(JobStatus.SUCCEEDED, 0) < num_lines
+        assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    finally:
+        os.kill(svc.worker.pid, signal.SIGCONT)
     done = svc.wait_batch(client, batch.id, lambda b: b.status in TERMINAL, timeout=120)
     assert done.status == "cancelled" and done.cancelling_at and done.cancelled_at
     counts = done.request_counts
