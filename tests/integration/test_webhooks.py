@@ -172,9 +172,11 @@ def test_two_failures_then_success_same_id_growing_delays(
                  for a in done.attempts[:2] if a.next_attempt_at is not None]
     assert 0.5 * 0.8 - 0.1 <= scheduled[0] <= 0.5 * 1.2 + 0.1
     assert 1.5 * 0.8 - 0.1 <= scheduled[1] <= 1.5 * 1.2 + 0.1
+    assert scheduled[0] < scheduled[1]
+    # Each retry waited out its delay. (Not that the second gap is longer: a loaded machine
+    # can hold up the first retry by more than the schedule grows.)
     gaps = [b.received_at - a.received_at for a, b in zip(requests, requests[1:], strict=False)]
     assert gaps[0] >= scheduled[0] - 0.05 and gaps[1] >= scheduled[1] - 0.05
-    assert gaps[0] < gaps[1]
     assert done.attempts[2].next_attempt_at is None
 
 
