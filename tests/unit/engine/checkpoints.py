@@ -55,7 +55,7 @@ def save_qwen2(path: Path, seed: int = 0, **overrides: Any) -> Qwen2ForCausalLM:
 def hf_logits(model: Any, tokens: list[int]) -> torch.Tensor:
     """Hugging Face logits (len(tokens), vocab) for one unpadded sequence."""
     with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].float()
+        return model(torch.tensor([tokens], device=model.device)).logits[0].float()
 
 
 def random_tokens(rng: random.Random, n: int, vocab: int = 256) -> list[int]:

@@ -103,7 +103,7 @@ def hf_greedy_steps(
     model: Any, prompt: list[int], max_tokens: int, *, pad_token_id: int = 0
 ) -> tuple[list[int], list[float]]:
     """Hugging Face greedy continuation of one prompt, and each step's top-2 logit margin."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         out = model.generate(
             ids,
