@@ -15,9 +15,8 @@ class EngineConfig:
     `block_size=None` lets the attention backend choose (flash-attn's paged KV needs a
     multiple of 256; the torch path defaults to 16). The KV pool is sized from
     `kv_cache_memory_bytes` when given, else from `gpu_memory_utilization` of free CUDA
-    memory, else (CPU) 1 GiB or what `max_num_seqs` full-length sequences need,
-    if less; `num_kv_blocks` overrides both, for tests that want
-    preemption.
+    memory, else (CPU) 1 GiB or what `max_num_seqs` full-length sequences need, if less;
+    `num_kv_blocks` overrides both, for tests that want preemption.
     """
 
     model: str
