@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from core.topics import Priority
 from core.webhook_urls import split_callback_url
+from storage.files import MAX_EXPIRES_AFTER_S, MIN_EXPIRES_AFTER_S
 from storage.models import Job, JobStatus, unix_seconds
 
 MAX_STOP_SEQUENCES = 4
@@ -28,6 +29,15 @@ def _as_list(value: object) -> object:
 def _check_callback_url(url: str) -> str:
     split_callback_url(url)
     return url
+
+
+class ExpiresAfter(BaseModel):
+    """OpenAI's expiry policy for a file: `seconds` after `anchor` (only `created_at`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=MIN_EXPIRES_AFTER_S, le=MAX_EXPIRES_AFTER_S)
 
 
 Stop = Annotated[

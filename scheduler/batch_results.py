@@ -93,7 +93,8 @@ def add_result_file_rows(session: Session, batch: Batch, files: ResultFiles) -> 
         if file_id is not None:
             create_file(session, file_id=file_id, tenant_id=batch.tenant_id,
                         filename=f"{batch.id}_{suffix}.jsonl",
-                        purpose=FilePurpose.BATCH_OUTPUT.value, num_bytes=num_bytes)
+                        purpose=FilePurpose.BATCH_OUTPUT.value, num_bytes=num_bytes,
+                        expires_after_s=batch.output_expires_after_s)
     batch.output_file_id = files.output_file_id
     batch.error_file_id = files.error_file_id
     batch.num_completed = files.num_completed

@@ -102,7 +102,8 @@ class BatchRunner:
         with self.sessions() as session:
             batch = session.get(Batch, batch_id)
             assert batch is not None
-            file = get_file(session, file_id=batch.input_file_id, tenant_id=batch.tenant_id)
+            file = get_file(session, file_id=batch.input_file_id, tenant_id=batch.tenant_id,
+                            include_expired=True)
             endpoint, model_override = batch.endpoint, batch.model_override
         errors: list[dict[str, object]] = []
         num_requests, model = 0, None

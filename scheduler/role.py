@@ -1,8 +1,9 @@
 """The scheduler role: the loops that read the database and write to Kafka.
 
 Responsible for: building the clients the loops share (one database engine, one Kafka
-producer, one Redis client, the file store), the start-up reconciler pass, running the
-reconciler and the batch loop on threads, and closing everything in reverse order.
+producer, one Redis client, the file store), the start-up pass, running the reconciler,
+the batch loop and the expired-file reaper on threads, and closing everything in reverse
+order.
 `batchinfer reconcile` runs it alone; `batchinfer up` runs it inside the embedded service.
 """
 
@@ -23,13 +24,14 @@ JOIN_TIMEOUT_S = 30.0
 
 
 class SchedulerRole:
-    """Reconciler and batch loop threads over shared clients."""
+    """Reconciler, batch loop and expired-file reaper threads over shared clients."""
 
     def __init__(self, settings: Settings) -> None:
         import redis
 
         from core.kafka import ensure_topics, make_producer
         from scheduler.batches import BatchRunner
+        from scheduler.file_expiry import FileReaper
         from scheduler.reconciler import Reconciler
         from storage.db import create_db_engine, session_factory
         from storage.files import FileStore
@@ -45,27 +47,34 @@ class SchedulerRole:
             redis_client = redis.Redis.from_url(settings.redis_url)
             self._stack.callback(redis_client.close)
             sessions = session_factory(engine)
+            store = FileStore.from_settings(settings)
             self.reconciler = Reconciler(settings, sessions, producer)
-            self.batches = BatchRunner(settings, sessions, producer, redis_client,
-                                       FileStore.from_settings(settings))
+            self.batches = BatchRunner(settings, sessions, producer, redis_client, store)
+            # Expiry is hour-grained and the API hides expired files at once, so the
+            # reconciler's pace is plenty.
+            self.file_reaper = FileReaper(sessions, store,
+                                          interval_s=self.reconciler.interval_s)
         except BaseException:
             self._stack.close()
             raise
         self._threads: list[threading.Thread] = []
 
     def run_once(self, *, republish_older_than: datetime | None = None) -> int:
-        """One reconciler pass and one batch pass; returns the jobs re-published."""
+        """One pass of each loop; returns the jobs re-published."""
         num_republished = self.reconciler.republish_stale(older_than=republish_older_than)
         self.batches.step()
+        self.file_reaper.step()
         return num_republished
 
     def start(self, stop: threading.Event) -> None:
-        """Run both loops on daemon threads until stop is set."""
+        """Run the loops on daemon threads until stop is set."""
         from scheduler.batches import start_batch_thread
+        from scheduler.file_expiry import start_file_reaper_thread
         from scheduler.reconciler import start_reconciler_thread
 
         self._threads = [start_reconciler_thread(self.reconciler, stop),
-                         start_batch_thread(self.batches, stop)]
+                         start_batch_thread(self.batches, stop),
+                         start_file_reaper_thread(self.file_reaper, stop)]
         logger.info("reconciling every %.0fs, batches every %.1fs", self.reconciler.interval_s,
                     self.settings.batch_poll_interval_s)
 

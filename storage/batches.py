@@ -118,6 +118,9 @@ class Batch(Base):
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, default=None)
     output_file_id: Mapped[str | None] = mapped_column(String(40), default=None)
     error_file_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    # OpenAI's `output_expires_after.seconds`: each result file expires this long after
+    # its own creation; None keeps them until deleted.
+    output_expires_after_s: Mapped[int | None] = mapped_column(Integer, default=None)
 
     num_requests: Mapped[int] = mapped_column(Integer, default=0)
     # Fan-out cursor: the first this-many requests of the input file are jobs already.
@@ -209,7 +212,7 @@ def create_batch(
     session: Session, *, tenant_id: str, input_file_id: str, endpoint: str,
     completion_window: str, expires_at: datetime, priority: str,
     metadata: dict[str, str] | None = None, model_override: str | None = None,
-    callback_url: str | None = None,
+    callback_url: str | None = None, output_expires_after_s: int | None = None,
 ) -> Batch:
     """Add a batch in `validating`; the batch loop validates and fans it out."""
     now = utcnow()
@@ -218,7 +221,7 @@ def create_batch(
         endpoint=endpoint, input_file_id=input_file_id, completion_window=completion_window,
         priority=priority, metadata_=metadata, model=model_override,
         model_override=model_override, callback_url=callback_url, created_at=now,
-        expires_at=expires_at,
+        expires_at=expires_at, output_expires_after_s=output_expires_after_s,
     )
     session.add(batch)
     session.flush()

@@ -5,6 +5,8 @@ Responsible for: the File row (OpenAI's file object fields), the local directory
 written and read in chunks, so a 1 GB file is never held in memory. A write lands in
 `<id>.part` and is renamed into place only once complete, so a reader never sees half a
 file; the row is added after the bytes are in place and removed before they are deleted.
+Expiry (OpenAI's `expires_after`): a file past `expires_at` reads as gone at once, and
+the scheduler deletes its row and bytes later (`delete_expired_files`), a chunk at a time.
 """
 
 from __future__ import annotations
@@ -15,16 +17,17 @@ import os
 import re
 import secrets
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
 
-from sqlalchemy import BigInteger, ForeignKey, Index, String, select
+from sqlalchemy import BigInteger, ForeignKey, Index, String, delete, or_, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from core.settings import Settings
-from storage.models import Base, UTCDateTime, utcnow
+from storage.batches import ACTIVE_STATUSES, Batch
+from storage.models import Base, UTCDateTime, unix_seconds, utcnow
 from storage.pages import keyset_page
 
 logger = logging.getLogger(__name__)
@@ -32,6 +35,9 @@ logger = logging.getLogger(__name__)
 # Large enough to amortise syscalls, small enough that many concurrent streams stay cheap.
 CHUNK_BYTES = 1024 * 1024
 _FILE_ID = re.compile(r"^file-[A-Za-z0-9]{1,64}$")
+# OpenAI's bounds for `expires_after.seconds`: one hour to thirty days.
+MIN_EXPIRES_AFTER_S = 3600
+MAX_EXPIRES_AFTER_S = 30 * 86400
 
 
 class FilePurpose(enum.StrEnum):
@@ -45,7 +51,10 @@ class File(Base):
     """One stored file; its bytes live in the FileStore under the same id."""
 
     __tablename__ = "files"
-    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at", "id"),)
+    __table_args__ = (
+        Index("ix_files_tenant_created", "tenant_id", "created_at", "id"),
+        Index("ix_files_expires_at", "expires_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
@@ -53,6 +62,12 @@ class File(Base):
     purpose: Mapped[str] = mapped_column(String(32))
     num_bytes: Mapped[int] = mapped_column("bytes", BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # None: kept until deleted.
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
+
+    def is_expired(self, now: datetime) -> bool:
+        """Whether the file is past its expiry at `now` (then it reads as deleted)."""
+        return self.expires_at is not None and self.expires_at <= now
 
 
 class FileTooLarge(ValueError):
@@ -74,8 +89,18 @@ def file_object(row: File) -> dict[str, Any]:
         "purpose": row.purpose,
         "status": "processed",
         "status_details": None,
-        "expires_at": None,
+        "expires_at": unix_seconds(row.expires_at),
     }
+
+
+def expires_at_for(created_at: datetime, expires_after_s: int | None) -> datetime | None:
+    """When a file created at `created_at` expires; ValueError outside OpenAI's bounds."""
+    if expires_after_s is None:
+        return None
+    if not MIN_EXPIRES_AFTER_S <= expires_after_s <= MAX_EXPIRES_AFTER_S:
+        raise ValueError(f"expires_after seconds must be between {MIN_EXPIRES_AFTER_S} and "
+                         f"{MAX_EXPIRES_AFTER_S}, got {expires_after_s}")
+    return created_at + timedelta(seconds=expires_after_s)
 
 
 def new_file_id() -> str:
@@ -181,20 +206,32 @@ class FileStore:
 
 def create_file(
     session: Session, *, file_id: str, tenant_id: str, filename: str, purpose: str,
-    num_bytes: int,
+    num_bytes: int, expires_after_s: int | None = None,
 ) -> File:
-    """Add the row for a file whose bytes are already committed to the store."""
+    """Add the row for a file whose bytes are already committed to the store.
+
+    `expires_after_s` counts from this row's creation (OpenAI's `created_at` anchor).
+    """
+    created_at = utcnow()
     row = File(id=file_id, tenant_id=tenant_id, filename=filename, purpose=purpose,
-               num_bytes=num_bytes, created_at=utcnow())
+               num_bytes=num_bytes, created_at=created_at,
+               expires_at=expires_at_for(created_at, expires_after_s))
     session.add(row)
     session.flush()
     return row
 
 
-def get_file(session: Session, *, file_id: str, tenant_id: str | None = None) -> File | None:
-    """The file, or None if unknown (or owned by another tenant when `tenant_id` is given)."""
+def get_file(session: Session, *, file_id: str, tenant_id: str | None = None,
+             include_expired: bool = False) -> File | None:
+    """The file, or None if unknown, expired, or owned by another tenant (`tenant_id` given).
+
+    The batch loop passes `include_expired=True`: an active batch's input is never
+    deleted by expiry (see `delete_expired_files`), so it may still read it.
+    """
     row = session.get(File, file_id)
     if row is None or (tenant_id is not None and row.tenant_id != tenant_id):
+        return None
+    if not include_expired and row.is_expired(utcnow()):
         return None
     return row
 
@@ -204,7 +241,8 @@ def list_files(
     after: str | None = None, ascending: bool = False,
 ) -> tuple[list[File], bool]:
     """One page of the tenant's files by creation time; the bool says whether more follow."""
-    query = select(File).where(File.tenant_id == tenant_id)
+    query = select(File).where(File.tenant_id == tenant_id,
+                               or_(File.expires_at.is_(None), File.expires_at > utcnow()))
     if purpose is not None:
         query = query.where(File.purpose == purpose)
     after_key = None
@@ -223,3 +261,23 @@ def delete_file(session: Session, *, file_id: str) -> None:
     if row is not None:
         session.delete(row)
         session.flush()
+
+
+def delete_expired_files(session: Session, *, now: datetime, limit: int) -> list[str]:
+    """Remove up to `limit` rows of files expired at `now`; returns their ids.
+
+    The input of a batch that has not finished is skipped until the batch ends, as a
+    DELETE of it is refused: the batch loop still reads it. `SKIP LOCKED` lets two
+    schedulers reap side by side. The caller commits, then deletes the bytes.
+    """
+    is_in_use = select(Batch.id).where(Batch.input_file_id == File.id,
+                                      Batch.status.in_(ACTIVE_STATUSES)).exists()
+    query = (
+        select(File.id).where(File.expires_at <= now, ~is_in_use)
+        .order_by(File.expires_at, File.id).limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    file_ids = list(session.scalars(query))
+    if file_ids:
+        session.execute(delete(File).where(File.id.in_(file_ids)))
+    return file_ids

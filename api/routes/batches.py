@@ -18,7 +18,7 @@ from api.capabilities import check_model
 from api.deps import SessionDep, SettingsDep, TenantDep
 from api.errors import Conflict, InvalidParameter, InvalidRequest, NotFound
 from api.pagination import invalid_cursor, list_page
-from api.schemas import CallbackUrl, Metadata
+from api.schemas import CallbackUrl, ExpiresAfter, Metadata
 from core.topics import Priority
 from core.webhook_urls import validate_callback_url
 from storage.batches import (
@@ -52,8 +52,8 @@ class BatchCreate(BaseModel):
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
     completion_window: str = Field(min_length=2, max_length=16)
     metadata: Metadata | None = None
-    # Accepted for compatibility; result files are kept until deleted.
-    output_expires_after: dict[str, Any] | None = None
+    # The output and error files expire this long after each is written.
+    output_expires_after: ExpiresAfter | None = None
     priority: Priority = Priority.LOW
     # Runs every request on this model, whatever each line names.
     model: str | None = Field(default=None, min_length=1, max_length=200)
@@ -90,6 +90,8 @@ def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
         completion_window=body.completion_window, expires_at=now + timedelta(seconds=window_s),
         priority=body.priority.value, metadata=body.metadata, model_override=body.model,
         callback_url=callback_url,
+        output_expires_after_s=(body.output_expires_after.seconds
+                                if body.output_expires_after else None),
     )
     session.commit()
     logger.info("batch %s created from %s for tenant %s", batch.id, file.id, tenant.id)

@@ -14,13 +14,15 @@ from typing import Annotated, Any, BinaryIO, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from api.deps import ResourcesDep, SessionDep, SettingsDep, TenantDep
-from api.errors import APIError, Conflict, InvalidRequest, NotFound
+from api.errors import APIError, Conflict, InvalidRequest, NotFound, validation_error
 from api.pagination import invalid_cursor, list_page
 from api.resources import Resources
+from api.schemas import ExpiresAfter
 from api.uploads import UploadError, read_multipart
 from storage.batches import is_file_in_use
 from storage.files import (
@@ -43,6 +45,8 @@ router = APIRouter(tags=["files"])
 
 # OpenAI's bounds for `GET /v1/files?limit=`.
 MAX_LIST_LIMIT = 10_000
+# How the official client flattens `expires_after={anchor, seconds}` into form fields.
+EXPIRES_AFTER_FIELDS = {"anchor": "expires_after[anchor]", "seconds": "expires_after[seconds]"}
 
 
 class FileTooLargeError(APIError):
@@ -55,7 +59,11 @@ class FileTooLargeError(APIError):
 @router.post("/v1/files")
 async def upload_file(request: Request, tenant: TenantDep, settings: SettingsDep,
                       resources: ResourcesDep) -> dict[str, Any]:
-    """Store a `purpose=batch` file sent as multipart/form-data; returns the file object."""
+    """Store a `purpose=batch` file sent as multipart/form-data; returns the file object.
+
+    An optional `expires_after[anchor]=created_at` and `expires_after[seconds]` make the
+    file expire (read as deleted) that long after its creation.
+    """
     store = FileStore.from_settings(settings)
     file_id = new_file_id()
     with store.writer(file_id, max_bytes=settings.max_file_bytes) as writer:
@@ -74,22 +82,38 @@ async def upload_file(request: Request, tenant: TenantDep, settings: SettingsDep
         if purpose != FilePurpose.BATCH.value:
             raise InvalidRequest(f"purpose must be 'batch' (the only one served here), "
                                  f"got {purpose!r}.", param="purpose", code="invalid_value")
+        expires_after = _expires_after(form.fields)
+        expires_after_s = expires_after.seconds if expires_after else None
         num_bytes = await run_in_threadpool(writer.commit)
     filename = (form.filename or "upload.jsonl")[:255]
     try:
         return await run_in_threadpool(_add_row, resources, file_id=file_id,
                                        tenant_id=tenant.id, filename=filename,
-                                       num_bytes=num_bytes)
+                                       num_bytes=num_bytes,
+                                       expires_after_s=expires_after_s)
     except BaseException:
         store.delete(file_id)
         raise
 
 
+def _expires_after(fields: dict[str, str]) -> ExpiresAfter | None:
+    """The form's `expires_after[...]` fields as a policy; 422 naming the bad one."""
+    values = {key: fields[name] for key, name in EXPIRES_AFTER_FIELDS.items() if name in fields}
+    if not values:
+        return None
+    try:
+        return ExpiresAfter.model_validate(values)
+    except ValidationError as e:
+        raise validation_error([{**error, "loc": ("body", "expires_after", *error["loc"])}
+                                for error in e.errors()]) from e
+
+
 def _add_row(resources: Resources, *, file_id: str, tenant_id: str, filename: str,
-             num_bytes: int) -> dict[str, Any]:
+             num_bytes: int, expires_after_s: int | None) -> dict[str, Any]:
     with resources.sessions() as session:
         row = create_file(session, file_id=file_id, tenant_id=tenant_id, filename=filename,
-                          purpose=FilePurpose.BATCH.value, num_bytes=num_bytes)
+                          purpose=FilePurpose.BATCH.value, num_bytes=num_bytes,
+                          expires_after_s=expires_after_s)
         session.commit()
         logger.info("stored %s (%d bytes) for tenant %s", file_id, num_bytes, tenant_id)
         return file_object(row)
