@@ -18,12 +18,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
+import sqlalchemy as sa
 from kafka import TopicPartition
 from openai.types import Batch
 
 from core.kafka import make_consumer
 from core.settings import Settings
+from scheduler.file_expiry import FileReaper
+from storage.files import File, FileStore
 from storage.models import JobStatus, utcnow
 from tests.unit.engine.tiny_models import save_tiny_llama
 from tests.utils.batch_service import (
@@ -71,7 +75,9 @@ def test_openai_client_runs_a_batch_end_to_end(service: Callable[..., BatchServi
     # The batch's webhook URL rides in metadata (the official client has no field for it).
     metadata = {"suite": "e2e", "callback_url": HOOK}
     batch = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
-                                  completion_window="24h", metadata=metadata)
+                                  completion_window="24h", metadata=metadata,
+                                  output_expires_after={"anchor": "created_at",
+                                                        "seconds": 86_400})
     assert batch.status == "validating" and batch.metadata == metadata
     done = svc.wait_batch(client, batch.id, lambda b: b.status in TERMINAL)
 
@@ -117,6 +123,9 @@ def test_openai_client_runs_a_batch_end_to_end(service: Callable[..., BatchServi
     svc.wait_batch(client, second.id, lambda b: b.status == "cancelled")
     assert [e[0] for e in svc.webhook_events(second.id)] == ["batch.cancelled"]
 
+    for file_id in (done.output_file_id, done.error_file_id):
+        result_file = client.files.retrieve(file_id)
+        assert result_file.expires_at == result_file.created_at + 86_400
     purposes = {f.id: f.purpose for f in client.files.list()}
     assert purposes[done.output_file_id] == purposes[done.error_file_id] == "batch_output"
     assert client.files.delete(uploaded.id).deleted
@@ -266,6 +275,47 @@ def test_expiry_keeps_what_finished_and_marks_the_rest_batch_expired(
     assert sorted(custom_ids) == sorted(f"e{i}" for i in range(num_lines))
     assert svc.job_statuses(batch.id) == {JobStatus.SUCCEEDED: num_finished,
                                           JobStatus.CANCELLED: num_lines - num_finished}
+
+
+def test_expiring_files_vanish_and_one_scheduler_pass_deletes_them(
+    service: Callable[..., BatchService],
+) -> None:
+    # No worker: the cancelled batch's requests all land in its error file.
+    svc = service(start_worker=False)
+    client = svc.openai()
+    lines = [chat_line(f"x{i}", svc.settings.model) for i in range(3)]
+    file = client.files.create(file=("x.jsonl", jsonl(lines)), purpose="batch",
+                               expires_after={"anchor": "created_at", "seconds": 3600})
+    assert file.expires_at == file.created_at + 3600
+    batch = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h",
+                                  output_expires_after={"anchor": "created_at", "seconds": 7200})
+    svc.wait_batch(client, batch.id, lambda b: b.status == "in_progress")
+    client.batches.cancel(batch.id)
+    done = svc.wait_batch(client, batch.id, lambda b: b.status == "cancelled")
+    assert done.output_file_id is None and done.error_file_id is not None
+    error_file = client.files.retrieve(done.error_file_id)
+    assert error_file.expires_at == error_file.created_at + 7200
+
+    store = FileStore.from_settings(svc.settings)
+    with svc.sessions() as session:
+        session.execute(sa.update(File).where(File.id.in_([file.id, error_file.id]))
+                        .values(expires_at=utcnow() - timedelta(seconds=1)))
+        session.commit()
+    for file_id in (file.id, error_file.id):
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(file_id)
+        with pytest.raises(openai.NotFoundError):
+            client.files.content(file_id)
+        assert store.path(file_id).exists()
+    assert {f.id for f in client.files.list()}.isdisjoint({file.id, error_file.id})
+
+    FileReaper(svc.sessions, store, interval_s=60).step()
+    with svc.sessions() as session:
+        assert session.scalars(sa.select(File.id).where(
+            File.id.in_([file.id, error_file.id]))).all() == []
+    assert not store.path(file.id).exists() and not store.path(error_file.id).exists()
+    # The batch keeps naming its files, as after a delete.
+    assert client.batches.retrieve(batch.id).input_file_id == file.id
 
 
 @pytest.mark.slow
