@@ -25,6 +25,7 @@ from core import metrics
 from core.kafka import CLIENT_ID, TopicLag, make_consumer, topic_lag
 from core.settings import Settings
 from scheduler.autoscaler import Autoscaler, ScaleDecision
+from scheduler.periodic import run_every
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +120,7 @@ class AutoscaleLoop:
 
     def run(self, stop: threading.Event) -> None:
         """Step now and every interval_s until stop is set; a failed step is not fatal."""
-        while True:
-            try:
-                self.step()
-            except Exception:
-                logger.exception("autoscaler step failed; next in %.0fs", self.interval_s)
-            if stop.wait(self.interval_s):
-                return
+        run_every(self.step, stop, interval_s=self.interval_s, name="autoscaler")
 
 
 class MainThreadScaler:
@@ -147,10 +142,3 @@ class MainThreadScaler:
             num_workers, self._num_pending = self._num_pending, None
         if num_workers is not None:
             self._scale_to(num_workers)
-
-
-def start_autoscale_thread(loop: AutoscaleLoop, stop: threading.Event) -> threading.Thread:
-    """Run loop.run(stop) on a daemon thread."""
-    thread = threading.Thread(target=loop.run, args=(stop,), name="autoscaler", daemon=True)
-    thread.start()
-    return thread

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-import time
 
 import redis
 from kafka import KafkaProducer
@@ -218,18 +216,6 @@ class BatchRunner:
         except redis.RedisError as e:
             logger.warning("batch %s: could not publish its completion (%s)", batch.id, e)
 
-    def run(self, stop: threading.Event) -> None:
-        """Pass every `batch_poll_interval_s` until `stop` is set; errors are logged."""
-        interval = self.settings.batch_poll_interval_s
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                self.step()
-            except Exception:
-                logger.exception("batch pass failed; retrying in %.1fs", interval)
-            stop.wait(max(0.0, interval - (time.monotonic() - started)))
-
-
 def _error(code: str, message: str) -> dict[str, object]:
     return {"code": code, "line": None, "message": message, "param": None}
 
@@ -239,11 +225,3 @@ def _set_usage(session: Session, batch: Batch) -> None:
     batch.input_tokens = usage.input_tokens
     batch.cached_tokens = usage.cached_tokens
     batch.output_tokens = usage.output_tokens
-
-
-def start_batch_thread(runner: BatchRunner, stop: threading.Event) -> threading.Thread:
-    """Run runner.run(stop) on a daemon thread."""
-    thread = threading.Thread(target=runner.run, args=(stop,), name="batches", daemon=True)
-    thread.start()
-    return thread
-

@@ -182,13 +182,9 @@ def _start_autoscaler(workers: Supervisor, stop: threading.Event,
                       stack: ExitStack) -> MainThreadScaler:
     """Read lag on a thread; the returned hook is applied to workers by the main loop."""
     from core.settings import get_settings
-    from scheduler.autoscale_loop import (
-        AutoscaleLoop,
-        LagReader,
-        MainThreadScaler,
-        start_autoscale_thread,
-    )
+    from scheduler.autoscale_loop import AutoscaleLoop, LagReader, MainThreadScaler
     from scheduler.autoscaler import AutoscalePolicy, Autoscaler
+    from scheduler.periodic import start_periodic
 
     settings = get_settings()
     scaler = MainThreadScaler(workers.scale_to)
@@ -198,7 +194,7 @@ def _start_autoscaler(workers: Supervisor, stop: threading.Event,
     loop = AutoscaleLoop(autoscaler, read_lag=reader, scale_to=scaler,
                          job_topics=settings.job_topics,
                          interval_s=settings.autoscale_interval_s)
-    thread = start_autoscale_thread(loop, stop)
+    thread = start_periodic(loop.step, stop, interval_s=loop.interval_s, name="autoscaler")
 
     def stop_autoscaler() -> None:
         thread.join(AUTOSCALER_JOIN_TIMEOUT_S)

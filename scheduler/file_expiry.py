@@ -10,7 +10,6 @@ no row pointing at it, never a row without its bytes.
 from __future__ import annotations
 
 import logging
-import threading
 from datetime import datetime
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -50,18 +49,3 @@ class FileReaper:
         if num_deleted:
             logger.info("deleted %d expired file(s)", num_deleted)
         return num_deleted
-
-    def run(self, stop: threading.Event) -> None:
-        """Pass every interval_s until stop is set; errors are logged, not fatal."""
-        while not stop.wait(self.interval_s):
-            try:
-                self.step()
-            except Exception:
-                logger.exception("expired-file pass failed; retrying in %.0fs", self.interval_s)
-
-
-def start_file_reaper_thread(reaper: FileReaper, stop: threading.Event) -> threading.Thread:
-    """Run reaper.run(stop) on a daemon thread."""
-    thread = threading.Thread(target=reaper.run, args=(stop,), name="file-expiry", daemon=True)
-    thread.start()
-    return thread

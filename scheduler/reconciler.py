@@ -13,7 +13,6 @@ same: workers skip redelivered jobs that are already finished.
 from __future__ import annotations
 
 import logging
-import threading
 from datetime import datetime, timedelta
 
 from kafka import KafkaProducer
@@ -100,18 +99,3 @@ class Reconciler:
             # Raises the broker's error; the jobs stay stale and the next pass retries.
             future.get(timeout=PUBLISH_TIMEOUT_S)
 
-    def run(self, stop: threading.Event) -> None:
-        """Pass every interval_s until stop is set; errors are logged, not fatal."""
-        while not stop.wait(self.interval_s):
-            try:
-                self.republish_stale()
-            except Exception:
-                logger.exception("reconciler pass failed; retrying in %.0fs", self.interval_s)
-
-
-def start_reconciler_thread(reconciler: Reconciler, stop: threading.Event) -> threading.Thread:
-    """Run reconciler.run(stop) on a daemon thread."""
-    thread = threading.Thread(target=reconciler.run, args=(stop,), name="reconciler",
-                              daemon=True)
-    thread.start()
-    return thread

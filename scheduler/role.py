@@ -68,13 +68,19 @@ class SchedulerRole:
 
     def start(self, stop: threading.Event) -> None:
         """Run the loops on daemon threads until stop is set."""
-        from scheduler.batches import start_batch_thread
-        from scheduler.file_expiry import start_file_reaper_thread
-        from scheduler.reconciler import start_reconciler_thread
+        from scheduler.periodic import start_periodic
 
-        self._threads = [start_reconciler_thread(self.reconciler, stop),
-                         start_batch_thread(self.batches, stop),
-                         start_file_reaper_thread(self.file_reaper, stop)]
+        # The reconciler's and the reaper's first passes are the caller's run_once.
+        self._threads = [
+            start_periodic(self.reconciler.republish_stale, stop,
+                           interval_s=self.reconciler.interval_s, name="reconciler",
+                           at_once=False),
+            start_periodic(self.batches.step, stop,
+                           interval_s=self.settings.batch_poll_interval_s, name="batches"),
+            start_periodic(self.file_reaper.step, stop,
+                           interval_s=self.file_reaper.interval_s, name="file-expiry",
+                           at_once=False),
+        ]  # fmt: skip
         logger.info("reconciling every %.0fs, batches every %.1fs", self.reconciler.interval_s,
                     self.settings.batch_poll_interval_s)
 
