@@ -25,7 +25,7 @@ from core import metrics
 from core.kafka import CLIENT_ID, TopicLag, make_consumer, topic_lag
 from core.settings import Settings
 from scheduler.autoscaler import Autoscaler, ScaleDecision
-from scheduler.periodic import run_every
+from scheduler.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class AutoscaleLoop:
 
     def run(self, stop: threading.Event) -> None:
         """Step now and every interval_s until stop is set; a failed step is not fatal."""
-        run_every(self.step, stop, interval_s=self.interval_s, name="autoscaler")
+        Periodic(self.step, self.interval_s, "autoscaler").run(stop)
 
 
 class MainThreadScaler:

@@ -184,7 +184,7 @@ def _start_autoscaler(workers: Supervisor, stop: threading.Event,
     from core.settings import get_settings
     from scheduler.autoscale_loop import AutoscaleLoop, LagReader, MainThreadScaler
     from scheduler.autoscaler import AutoscalePolicy, Autoscaler
-    from scheduler.periodic import start_periodic
+    from scheduler.periodic import Periodic
 
     settings = get_settings()
     scaler = MainThreadScaler(workers.scale_to)
@@ -194,7 +194,7 @@ def _start_autoscaler(workers: Supervisor, stop: threading.Event,
     loop = AutoscaleLoop(autoscaler, read_lag=reader, scale_to=scaler,
                          job_topics=settings.job_topics,
                          interval_s=settings.autoscale_interval_s)
-    thread = start_periodic(loop.step, stop, interval_s=loop.interval_s, name="autoscaler")
+    thread = Periodic(loop.step, loop.interval_s, "autoscaler").start(stop)
 
     def stop_autoscaler() -> None:
         thread.join(AUTOSCALER_JOIN_TIMEOUT_S)

@@ -11,48 +11,39 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 
-def run_every(
-    step: Callable[[], object],
-    stop: threading.Event,
-    *,
-    interval_s: float,
-    name: str,
-    at_once: bool = True,
-) -> None:
-    """Call step() every interval_s (from one start to the next) until stop is set.
+@dataclass(frozen=True, slots=True)
+class Periodic:
+    """step() every interval_s, measured from one start to the next, until stop is set.
 
     at_once=False waits an interval first: for loops whose first pass the caller has
     just run itself.
     """
-    if not at_once and stop.wait(interval_s):
-        return
-    while not stop.is_set():
-        started = time.monotonic()
-        try:
-            step()
-        except Exception:
-            logger.exception("%s pass failed; next in %.1fs", name, interval_s)
-        if stop.wait(max(0.0, interval_s - (time.monotonic() - started))):
+
+    step: Callable[[], object]
+    interval_s: float
+    name: str
+    at_once: bool = True
+
+    def run(self, stop: threading.Event) -> None:
+        """Loop on the calling thread until stop is set."""
+        if not self.at_once and stop.wait(self.interval_s):
             return
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                self.step()
+            except Exception:
+                logger.exception("%s pass failed; next in %.1fs", self.name, self.interval_s)
+            if stop.wait(max(0.0, self.interval_s - (time.monotonic() - started))):
+                return
 
-
-def start_periodic(
-    step: Callable[[], object],
-    stop: threading.Event,
-    *,
-    interval_s: float,
-    name: str,
-    at_once: bool = True,
-) -> threading.Thread:
-    """run_every(...) on a daemon thread named `name`, started."""
-    thread = threading.Thread(
-        target=run_every, args=(step, stop),
-        kwargs={"interval_s": interval_s, "name": name, "at_once": at_once},
-        name=name, daemon=True,
-    )  # fmt: skip
-    thread.start()
-    return thread
+    def start(self, stop: threading.Event) -> threading.Thread:
+        """run(stop) on a started daemon thread named after the loop."""
+        thread = threading.Thread(target=self.run, args=(stop,), name=self.name, daemon=True)
+        thread.start()
+        return thread

@@ -68,19 +68,17 @@ class SchedulerRole:
 
     def start(self, stop: threading.Event) -> None:
         """Run the loops on daemon threads until stop is set."""
-        from scheduler.periodic import start_periodic
+        from scheduler.periodic import Periodic
 
         # The reconciler's and the reaper's first passes are the caller's run_once.
-        self._threads = [
-            start_periodic(self.reconciler.republish_stale, stop,
-                           interval_s=self.reconciler.interval_s, name="reconciler",
-                           at_once=False),
-            start_periodic(self.batches.step, stop,
-                           interval_s=self.settings.batch_poll_interval_s, name="batches"),
-            start_periodic(self.file_reaper.step, stop,
-                           interval_s=self.file_reaper.interval_s, name="file-expiry",
-                           at_once=False),
+        loops = [
+            Periodic(self.reconciler.republish_stale, self.reconciler.interval_s,
+                     "reconciler", at_once=False),
+            Periodic(self.batches.step, self.settings.batch_poll_interval_s, "batches"),
+            Periodic(self.file_reaper.step, self.file_reaper.interval_s, "file-expiry",
+                     at_once=False),
         ]  # fmt: skip
+        self._threads = [loop.start(stop) for loop in loops]
         logger.info("reconciling every %.0fs, batches every %.1fs", self.reconciler.interval_s,
                     self.settings.batch_poll_interval_s)
 

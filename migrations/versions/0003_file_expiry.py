@@ -5,7 +5,7 @@ finds expired files through ix_files_expires_at.
 
 Revision ID: 0003
 Revises: 0002
-Create Date: 2026-11-28
+Create Date: 2026-11-21
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from scheduler.periodic import run_every, start_periodic
+from scheduler.periodic import Periodic
 
 
 def test_a_failing_step_is_logged_and_retried_until_stop(caplog: pytest.LogCaptureFixture) -> None:
@@ -22,7 +22,7 @@ def test_a_failing_step_is_logged_and_retried_until_stop(caplog: pytest.LogCaptu
             raise RuntimeError("broker away")
 
     with caplog.at_level(logging.ERROR, logger="scheduler.periodic"):
-        run_every(step, stop, interval_s=0.001, name="reconciler")
+        Periodic(step, 0.001, "reconciler").run(stop)
     assert calls == [0, 1, 2]
     assert "reconciler pass failed" in caplog.text and "broker away" in caplog.text
 
@@ -31,15 +31,14 @@ def test_not_at_once_waits_an_interval_first_and_stop_wins() -> None:
     stop = threading.Event()
     stop.set()
     calls: list[None] = []
-    run_every(lambda: calls.append(None), stop, interval_s=0.001, name="file-expiry",
-              at_once=False)  # fmt: skip
+    Periodic(lambda: calls.append(None), 0.001, "file-expiry", at_once=False).run(stop)
     assert calls == []
 
 
-def test_start_periodic_runs_on_a_named_daemon_thread_that_stop_ends() -> None:
+def test_start_runs_on_a_named_daemon_thread_that_stop_ends() -> None:
     stop = threading.Event()
     first = threading.Event()
-    thread = start_periodic(first.set, stop, interval_s=0.001, name="batches")
+    thread = Periodic(first.set, 0.001, "batches").start(stop)
     assert first.wait(10)
     assert thread.name == "batches" and thread.daemon
     stop.set()
