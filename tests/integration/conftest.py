@@ -21,10 +21,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
+from core.kafka import ensure_topics
 from core.settings import Settings, get_settings
 from scheduler.embedded_services import free_port, redis_service, tansu_service
+from storage.db import create_db_engine, session_factory
+from storage.migrate import upgrade
+from storage.tenants import create_tenant
+from tests.unit.engine.tiny_models import save_tiny_llama
 from tests.utils.postgres import PostgresCluster, create_database, drop_database, postgres_bin_dir
+from tests.utils.worker_service import Service
 
 SettingsFactory = Callable[..., Settings]
 
@@ -127,3 +134,47 @@ def settings(
 
     yield make
     get_settings.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Llama directory (safetensors + tokenizer + chat template)."""
+    model_dir = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_llama(model_dir)
+    return model_dir
+
+
+@pytest.fixture
+def service(settings, tmp_path: Path, tiny_model: Path) -> Iterator[Callable[..., Service]]:
+    """Factory: `service(**setting_overrides)` → a migrated database, topics and a tenant."""
+    made: list[tuple[Service, sa.Engine]] = []
+
+    def make(**overrides: Any) -> Service:
+        values: dict[str, Any] = {
+            "model": str(tiny_model),
+            "topic_partitions": 2,
+            # The embedded broker completes a group join in about half the session timeout.
+            "kafka_session_timeout_ms": 6000,
+            "engine_kv_cache_memory_bytes": 32 * 1024 * 1024,
+            "worker_max_inflight": 4,
+            "engine_max_num_seqs": 4,
+            "log_level": "INFO",
+        }
+        values.update(overrides)
+        s: Settings = settings(**values)
+        upgrade(s.database_url)
+        ensure_topics(s)
+        engine = create_db_engine(s.database_url)
+        sessions = session_factory(engine)
+        with sessions() as session:
+            tenant = create_tenant(session, name="worker-tests")
+            session.commit()
+        svc = Service(s, sessions, tenant.id, tmp_path, [])
+        made.append((svc, engine))
+        return svc
+
+    yield make
+    for svc, engine in made:
+        for worker in svc.workers:
+            worker.kill()
+        engine.dispose()

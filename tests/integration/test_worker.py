@@ -10,192 +10,19 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from statistics import median
-from typing import Any, Literal
 
 import httpx
-import pytest
 import redis
 import sqlalchemy as sa
-from sqlalchemy.orm import Session, sessionmaker
 
-from core.kafka import consumer_lag, ensure_topics, make_producer, publish_job
-from core.messages import JobMessage
-from core.settings import Settings
+from core.kafka import consumer_lag, make_producer
 from scheduler.embedded_services import free_port
 from storage import jobs
-from storage.db import create_db_engine, session_factory
 from storage.events import publish_cancel
-from storage.migrate import upgrade
-from storage.models import Job, JobStatus
-from storage.tenants import create_tenant
-from tests.unit.engine.tiny_models import save_tiny_llama
-from tests.utils.service import WorkerProcess
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-weight Llama directory (safetensors + tokenizer + chat template)."""
-    model_dir = tmp_path_factory.mktemp("tiny-llama")
-    save_tiny_llama(model_dir)
-    return model_dir
-
-
-@dataclass
-class Service:
-    """Settings, database sessions and a producer for one test, plus its workers."""
-
-    settings: Settings
-    sessions: sessionmaker[Session]
-    tenant_id: str
-    tmp_path: Path
-    workers: list[WorkerProcess]
-
-    def submit(
-        self, priority: str, bodies: list[dict[str, Any]], *, spread: bool = False
-    ) -> list[str]:
-        """Create queued jobs, then produce them (the API's order); their ids.
-
-        `spread` puts them on the partitions in turn instead of by affinity key.
-        """
-        with self.sessions() as session:
-            rows = [
-                jobs.create_job(
-                    session,
-                    tenant_id=self.tenant_id,
-                    priority=priority,
-                    model=self.settings.model,
-                    kind=_kind(body),
-                    request=body,
-                )
-                for body in bodies
-            ]
-            jobs.mark_published(session, job_ids=[r.id for r in rows])
-            session.commit()
-            messages = [
-                JobMessage(
-                    job_id=r.id,
-                    tenant_id=r.tenant_id,
-                    priority=priority,
-                    model=r.model,
-                    kind=_kind(r.request),
-                    body=r.request,
-                )
-                for r in rows
-            ]
-        # One record per request: lag assertions count records on the embedded broker.
-        producer = make_producer(self.settings, batch_size=0)
-        try:
-            topic, num_partitions = (
-                self.settings.job_topics[priority],
-                self.settings.topic_partitions,
-            )
-            futures = [
-                producer.send(
-                    topic, key=m.affinity_key(), value=m.encode(), partition=i % num_partitions
-                )
-                if spread
-                else publish_job(producer, self.settings, m)
-                for i, m in enumerate(messages)
-            ]
-            for future in futures:
-                future.get(timeout=30)
-        finally:
-            producer.close()
-        return [m.job_id for m in messages]
-
-    def start_worker(self) -> WorkerProcess:
-        """Start one more worker process."""
-        log = self.tmp_path / f"worker-{len(self.workers)}.log"
-        worker = WorkerProcess(self.settings, log)
-        self.workers.append(worker)
-        return worker
-
-    def jobs(self, job_ids: list[str]) -> dict[str, Job]:
-        """Fresh rows for these ids."""
-        with self.sessions() as session:
-            rows = session.scalars(sa.select(Job).where(Job.id.in_(job_ids))).all()
-            return {row.id: row for row in rows}
-
-    def wait_for(self, what: str, check: Callable[[], bool], timeout: float = 120.0) -> None:
-        """Poll `check` until true; fail with the workers' logs after `timeout`."""
-        deadline = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > deadline:
-                logs = "\n".join(f"--- {w.log_path.name}\n{w.log_tail()}" for w in self.workers)
-                pytest.fail(f"timed out waiting for {what}\n{logs}")
-            time.sleep(0.2)
-
-    def wait_terminal(self, job_ids: list[str], timeout: float = 180.0) -> dict[str, Job]:
-        """Wait until every job is finished; their rows."""
-        self.wait_for(
-            f"{len(job_ids)} jobs to finish",
-            lambda: all(j.status.is_terminal for j in self.jobs(job_ids).values()),
-            timeout,
-        )
-        return self.jobs(job_ids)
-
-    def count_status(self, job_ids: list[str], status: JobStatus) -> int:
-        """How many of these jobs are in `status`."""
-        return sum(j.status == status for j in self.jobs(job_ids).values())
-
-
-@pytest.fixture
-def service(settings, tmp_path: Path, tiny_model: Path) -> Iterator[Callable[..., Service]]:
-    """Factory: `service(**setting_overrides)` → a migrated database, topics and a tenant."""
-    made: list[tuple[Service, sa.Engine]] = []
-
-    def make(**overrides: Any) -> Service:
-        values: dict[str, Any] = {
-            "model": str(tiny_model),
-            "topic_partitions": 2,
-            # The embedded broker completes a group join in about half the session timeout.
-            "kafka_session_timeout_ms": 6000,
-            "engine_kv_cache_memory_bytes": 32 * 1024 * 1024,
-            "worker_max_inflight": 4,
-            "engine_max_num_seqs": 4,
-            "log_level": "INFO",
-        }
-        values.update(overrides)
-        s: Settings = settings(**values)
-        upgrade(s.database_url)
-        ensure_topics(s)
-        engine = create_db_engine(s.database_url)
-        sessions = session_factory(engine)
-        with sessions() as session:
-            tenant = create_tenant(session, name="worker-tests")
-            session.commit()
-        svc = Service(s, sessions, tenant.id, tmp_path, [])
-        made.append((svc, engine))
-        return svc
-
-    yield make
-    for svc, engine in made:
-        for worker in svc.workers:
-            worker.kill()
-        engine.dispose()
-
-
-def _kind(body: dict[str, Any]) -> Literal["chat.completion", "text_completion"]:
-    return "chat.completion" if "messages" in body else "text_completion"
-
-
-def _bodies(n: int, *, tag: str, max_tokens: int, **extra: Any) -> list[dict[str, Any]]:
-    """Distinct greedy requests (distinct, so no result-cache hits), chat and text mixed."""
-    bodies = []
-    for i in range(n):
-        body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0, **extra}
-        if i % 2:
-            body["messages"] = [{"role": "user", "content": f"{tag} question {i}"}]
-        else:
-            body["prompt"] = f"{tag} prompt number {i}:"
-        bodies.append(body)
-    return bodies
+from storage.models import JobStatus
+from tests.utils.worker_service import Service, job_bodies
 
 
 def _metric(port: int, name: str, labels: str = "") -> float:
@@ -211,7 +38,7 @@ def test_worker_runs_jobs_end_to_end(service) -> None:
     """Results, errors, a malformed record, a cache hit, cancellation and metrics."""
     port = free_port()
     svc = service(worker_metrics_port=port)
-    good = svc.submit("normal", _bodies(6, tag="e2e", max_tokens=6))
+    good = svc.submit("normal", job_bodies(6, tag="e2e", max_tokens=6))
     bad = svc.submit("high", [{"prompt": "x", "max_tokens": 4, "temperature": 0, "top_p": 7}])
     producer = make_producer(svc.settings)
     producer.send(svc.settings.job_topics["low"], value=b"{not a job")
@@ -276,7 +103,7 @@ def test_worker_runs_jobs_end_to_end(service) -> None:
         lambda: _metric(port, "batchinfer_jobs_cancelled_total") == 1,
         timeout=30,
     )
-    (after,) = svc.submit("high", _bodies(1, tag="after-cancel", max_tokens=4))
+    (after,) = svc.submit("high", job_bodies(1, tag="after-cancel", max_tokens=4))
     assert svc.wait_terminal([after])[after].status == JobStatus.SUCCEEDED
     assert svc.jobs([long_job])[long_job].status == JobStatus.CANCELLED
 
@@ -300,7 +127,7 @@ def test_high_priority_jobs_overtake_a_low_priority_flood(service) -> None:
     """High jobs produced after a flood of low ones finish before most of the flood."""
     svc = service(worker_max_inflight=2, engine_max_num_seqs=2)
     worker = svc.start_worker()
-    low = svc.submit("low", _bodies(24, tag="flood", max_tokens=160, ignore_eos=True))
+    low = svc.submit("low", job_bodies(24, tag="flood", max_tokens=160, ignore_eos=True))
     svc.wait_for(
         "the worker to start on the flood",
         lambda: svc.count_status(low, JobStatus.QUEUED) < len(low),
@@ -310,7 +137,7 @@ def test_high_priority_jobs_overtake_a_low_priority_flood(service) -> None:
     # slow this test) the flood does not get through while they are on their way.
     os.kill(worker.pid, signal.SIGSTOP)
     try:
-        high = svc.submit("high", _bodies(4, tag="urgent", max_tokens=160, ignore_eos=True))
+        high = svc.submit("high", job_bodies(4, tag="urgent", max_tokens=160, ignore_eos=True))
     finally:
         os.kill(worker.pid, signal.SIGCONT)
     done = svc.wait_terminal(low + high)
@@ -363,9 +190,9 @@ def test_sigkill_mid_run_loses_and_duplicates_nothing(service) -> None:
     svc = service(worker_max_inflight=2, engine_max_num_seqs=2)
     _count_completion_writes(svc)
     job_ids = (
-        svc.submit("high", _bodies(6, tag="k-high", max_tokens=128, ignore_eos=True))
-        + svc.submit("normal", _bodies(6, tag="k-normal", max_tokens=128, ignore_eos=True))
-        + svc.submit("low", _bodies(6, tag="k-low", max_tokens=128, ignore_eos=True))
+        svc.submit("high", job_bodies(6, tag="k-high", max_tokens=128, ignore_eos=True))
+        + svc.submit("normal", job_bodies(6, tag="k-normal", max_tokens=128, ignore_eos=True))
+        + svc.submit("low", job_bodies(6, tag="k-low", max_tokens=128, ignore_eos=True))
     )
     first = svc.start_worker()
     svc.wait_for(
@@ -404,7 +231,7 @@ def test_sigterm_drains_in_flight_jobs_and_commits(service) -> None:
     """SIGTERM: in-flight jobs finish, nothing new starts, offsets cover exactly the done."""
     # Two at a time and long enough that most jobs are still queued at the SIGTERM.
     svc = service(worker_drain_timeout_s=120, worker_max_inflight=2, engine_max_num_seqs=2)
-    job_ids = svc.submit("normal", _bodies(16, tag="drain", max_tokens=128, ignore_eos=True))
+    job_ids = svc.submit("normal", job_bodies(16, tag="drain", max_tokens=128, ignore_eos=True))
     worker = svc.start_worker()
     svc.wait_for("jobs running", lambda: svc.count_status(job_ids, JobStatus.RUNNING) >= 2)
     worker.process.terminate()
@@ -437,7 +264,7 @@ def test_a_worker_joining_mid_run_takes_over_partitions_without_duplicates(servi
         for priority in ("high", "normal", "low")
         for job_id in svc.submit(
             priority,
-            _bodies(6, tag=f"scale-{priority}", max_tokens=512, ignore_eos=True),
+            job_bodies(6, tag=f"scale-{priority}", max_tokens=512, ignore_eos=True),
             spread=True,  # both workers' partitions hold work
         )
     ]
@@ -459,7 +286,7 @@ def test_a_worker_joining_mid_run_takes_over_partitions_without_duplicates(servi
         for priority in ("high", "normal", "low")
         for job_id in svc.submit(
             priority,
-            _bodies(3, tag=f"scale-late-{priority}", max_tokens=64, ignore_eos=True),
+            job_bodies(3, tag=f"scale-late-{priority}", max_tokens=64, ignore_eos=True),
             spread=True,
         )
     ]
