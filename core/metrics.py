@@ -69,6 +69,12 @@ ENGINE_PREEMPTIONS = Counter(
 WORKER_INFLIGHT = Gauge(
     "batchinfer_worker_inflight_jobs", "Jobs a worker has taken from Kafka and not yet finished."
 )
+WORKER_FETCH_STALLS = Counter(
+    "batchinfer_worker_fetch_stalls",
+    "Partitions a worker found silent with records waiting, and restarted from their "
+    "committed offset.",
+    ["topic"],
+)
 AUTOSCALER_DESIRED_WORKERS = Gauge(
     "batchinfer_autoscaler_desired_workers",
     "Inference workers the autoscaler asks for (after clamping and the scale-down cooldown).",
@@ -81,4 +87,19 @@ AUTOSCALER_WEIGHTED_LAG = Gauge(
 AUTOSCALER_LAG_READ_ERRORS = Counter(
     "batchinfer_autoscaler_lag_read_errors",
     "Lag reads that failed (the worker count was kept as it was).",
+)
+EMBEDDED_SERVICE_RESTARTS = Counter(
+    "batchinfer_embedded_service_restarts",
+    "Embedded services (broker, Redis) that `batchinfer up` restarted after they died.",
+    ["service"],
+)
+JOBS_RECLAIMED = Counter(
+    "batchinfer_jobs_reclaimed",
+    "Running jobs whose worker died or left, by outcome: requeued (re-published) or "
+    "failed (its last attempt).",
+    ["outcome"],
+)
+JOBS_UNPUBLISHABLE = Counter(
+    "batchinfer_jobs_unpublishable",
+    "Jobs the reconciler failed because no Kafka message could be built or sent for them.",
 )

@@ -110,6 +110,11 @@ class ChildService:
         return self._process.pid if self._process else None
 
     @property
+    def returncode(self) -> int | None:
+        """The exit code of the last process once it has exited, else None."""
+        return self._process.poll() if self._process else None
+
+    @property
     def is_running(self) -> bool:
         """True while the child process is alive."""
         return self._process is not None and self._process.poll() is None
