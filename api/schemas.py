@@ -277,12 +277,20 @@ class JobListPublic(BaseModel):
 
 
 class ModelPublic(BaseModel):
-    """A served model, as OpenAI's `GET /v1/models` lists it."""
+    """A served model, as OpenAI's `GET /v1/models` lists it, plus what it does.
+
+    `kind` says which endpoints take it (`chat`: chat/completions and completions;
+    `embedding`: embeddings). Context length and weights revision are null until a worker
+    of the model has started and announced them.
+    """
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "batchinfer"
+    kind: Literal["chat", "embedding"] = "chat"
+    context_length: int | None = None
+    revision: str | None = None
 
 
 class ModelListPublic(BaseModel):

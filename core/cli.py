@@ -33,12 +33,35 @@ def _override_env(**values: object) -> None:
     get_settings.cache_clear()
 
 
+def served_models_of(models: list[str] | None, names: list[str] | None) -> list[tuple[str, str]]:
+    """Pair repeated --model and --served-model-name options in order: (model, name).
+
+    A model without a name is served under what --model said (its path or known name).
+    """
+    models, names = models or [], names or []
+    if len(names) > len(models):
+        raise ValueError(f"{len(names)} --served-model-name options for {len(models)} --model "
+                         "options; give each name after the --model it is for")
+    pairs = [(model, names[i] if i < len(names) else model) for i, model in enumerate(models)]
+    for model, name in pairs:
+        if not model.strip() or not name.strip():
+            raise ValueError("--model and --served-model-name must not be empty")
+    seen = [name for _, name in pairs]
+    duplicates = sorted({name for name in seen if seen.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"served model name(s) {', '.join(duplicates)} given twice; each "
+                         "model needs its own --served-model-name")
+    return pairs
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Run the whole service on this machine (embedded default)."""
-    _override_env(api_port=args.port, data_dir=args.data_dir, model=args.model)
+    served = served_models_of(args.model, args.served_model_name)
+    _override_env(api_port=args.port, data_dir=args.data_dir)
     from scheduler.embedded import run_embedded
 
-    return run_embedded(num_workers=args.workers, max_workers=args.max_workers, host=args.host)
+    return run_embedded(num_workers=args.workers, max_workers=args.max_workers, host=args.host,
+                        models=served or None)
 
 
 def cmd_api(args: argparse.Namespace) -> int:
@@ -57,6 +80,9 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run one inference worker until SIGTERM."""
+    if args.served_model_name is not None and args.model is None:
+        raise ValueError("--served-model-name names the --model given with it; add --model")
+    _override_env(model=args.model, served_model_name=args.served_model_name)
     from core.settings import get_settings
     from workers.inference import run_worker
 
@@ -114,6 +140,23 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_prepare(args: argparse.Namespace) -> int:
+    """Pull a known name if needed, or take a path as it is; print the model's card (JSON)."""
+    from core.settings import get_settings
+    from workers.engine.model_card import describe_model
+    from workers.engine.registry import KNOWN_MODELS, pull_model, resolve_model
+
+    models_dir = Path(args.models_dir) if args.models_dir else get_settings().models_dir
+    if args.model in KNOWN_MODELS:
+        model_dir = pull_model(args.model, models_dir)
+    else:
+        model_dir = resolve_model(args.model, models_dir)
+    card = describe_model(model_dir, name=args.served_model_name or args.model,
+                          cache_dir=models_dir)
+    print(card.to_json())
+    return 0
+
+
 def cmd_reconcile(args: argparse.Namespace) -> int:
     """The scheduler role: re-publish stale queued jobs and advance batches."""
     from core.settings import get_settings
@@ -147,7 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="scale workers between --workers and this by Kafka lag "
                          "(default: a fixed --workers)")
     up.add_argument("--data-dir", default=None, help="SQLite, Redis dump, files (default .data)")
-    up.add_argument("--model", default=None, help="model to serve (default smollm2-135m-instruct)")
+    up.add_argument("--model", action="append", default=None, metavar="PATH|NAME",
+                    help="model to serve: a Hugging Face directory, a .gguf file, or a known "
+                         "name (pulled when missing); repeat for several (default "
+                         "smollm2-135m-instruct)")
+    up.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                    help="the name clients use for the --model in the same position "
+                         "(default: what --model says); repeat along with --model")
     up.set_defaults(func=cmd_up)
 
     api = sub.add_parser("api", help="serve the HTTP API")
@@ -155,7 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--port", type=int, default=None)
     api.set_defaults(func=cmd_api)
 
-    sub.add_parser("worker", help="run an inference worker").set_defaults(func=cmd_worker)
+    worker = sub.add_parser("worker", help="run an inference worker")
+    worker.add_argument("--model", default=None, metavar="PATH|NAME",
+                        help="model to load: a Hugging Face directory, a .gguf file or a "
+                             "prepared name (default: settings.model)")
+    worker.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="the name clients use for it (default: what --model says)")
+    worker.set_defaults(func=cmd_worker)
     sub.add_parser("callbacks", help="run the webhook delivery worker").set_defaults(
         func=cmd_callbacks)
 
@@ -177,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name", help="e.g. smollm2-135m-instruct")
     pull.add_argument("--models-dir", default=None, help="default: settings.models_dir")
     pull.set_defaults(func=cmd_models_pull)
+    prepare = models_sub.add_parser(
+        "prepare", help="pull a known name or check a path; print the model's card as JSON")
+    prepare.add_argument("model", metavar="PATH|NAME")
+    prepare.add_argument("--served-model-name", default=None, help="default: the model itself")
+    prepare.add_argument("--models-dir", default=None, help="default: settings.models_dir")
+    prepare.set_defaults(func=cmd_models_prepare)
 
     reconcile = sub.add_parser(
         "reconcile", help="scheduler role: re-publish jobs stuck in queued, advance batches")

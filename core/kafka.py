@@ -47,8 +47,9 @@ def make_producer(settings: Settings, **overrides: object) -> KafkaProducer:
 def publish_job(
     producer: KafkaProducer, settings: Settings, message: JobMessage
 ) -> FutureRecordMetadata:
-    """Produce one job to its priority topic, keyed so shared prefixes share a partition."""
-    topics = settings.job_topics
+    """Produce one job to its model's priority topic, keyed so shared prefixes share a
+    partition."""
+    topics = settings.job_topics_for(message.model)
     if message.priority not in topics:
         raise ValueError(f"priority must be one of {', '.join(topics)}, got {message.priority!r}")
     return producer.send(
@@ -61,7 +62,8 @@ def publish_job(
 def ensure_topics(settings: Settings, *, timeout_s: float = 30.0) -> None:
     """Create the three job topics if missing; safe to call from every process at start."""
     deadline = time.monotonic() + timeout_s
-    wanted = list(settings.job_topics.values())
+    models = dict.fromkeys([*settings.served_models, settings.served_model_name])
+    wanted = [topic for model in models for topic in settings.job_topics_for(model).values()]
     admin = _connect_admin(settings, deadline)
     try:
         missing = [t for t in wanted if t not in set(admin.list_topics())]
@@ -140,7 +142,8 @@ def consumer_lag(
     """Topic → Σ over partitions of (latest offset − committed offset) for `group_id`.
 
     A partition the group never committed counts from the log start offset, since workers
-    reset to `earliest` and would read all of it. Topics default to the three job topics.
+    reset to `earliest` and would read all of it. Topics default to the job topics of
+    this process's model.
     """
     names = topics if topics is not None else list(settings.job_topics.values())
     consumer = make_consumer(settings, group_id=group_id, client_id=f"{CLIENT_ID}-lag")

@@ -14,7 +14,7 @@ from typing import Annotated
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from core.topics import PRIORITIES
+from core.topics import consumer_group_name, job_topic_names
 
 
 class Settings(BaseSettings):
@@ -47,9 +47,14 @@ class Settings(BaseSettings):
     # How long OpenAI-compatible /v1/chat/completions waits for its job.
     sync_request_timeout_s: float = Field(default=600.0, gt=0)
 
-    # The model workers serve by default, and the names the API accepts.
+    # The model a worker loads (a known name, a Hugging Face directory or a .gguf file),
+    # the name clients ask for it by (default: `model` itself), and the names the API
+    # accepts (default: that one). Each served model has its own job topics and group.
     model: str = "smollm2-135m-instruct"
+    served_model_name: str = ""
     served_models: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Served names that are embedding models (POST /v1/embeddings); the rest generate.
+    embedding_models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     models_dir: Path = Path.home() / ".cache" / "batchinfer" / "models"
 
     # Inference worker.
@@ -128,6 +133,7 @@ class Settings(BaseSettings):
 
     @field_validator(
         "served_models",
+        "embedding_models",
         "batch_completion_windows",
         "webhook_allowlist",
         "webhook_retry_schedule",
@@ -146,8 +152,10 @@ class Settings(BaseSettings):
     def _fill_defaults(self) -> Settings:
         if not self.database_url:
             self.database_url = f"sqlite:///{(self.data_dir / 'batchinfer.db').resolve()}"
+        if not self.served_model_name:
+            self.served_model_name = self.model
         if not self.served_models:
-            self.served_models = [self.model]
+            self.served_models = [self.served_model_name]
         if self.files_dir is None:
             self.files_dir = self.data_dir / "files"
         if self.webhook_claim_s <= self.webhook_timeout_s:
@@ -162,8 +170,12 @@ class Settings(BaseSettings):
 
     @property
     def job_topics(self) -> dict[str, str]:
-        """Priority name → Kafka topic name."""
-        return {p: f"{self.topic_prefix}.jobs.{p}" for p in PRIORITIES}
+        """Priority name → Kafka topic name, for this process's model (served_model_name)."""
+        return self.job_topics_for(self.served_model_name)
+
+    def job_topics_for(self, model: str) -> dict[str, str]:
+        """Priority name → Kafka topic name of a served model's jobs."""
+        return job_topic_names(self.topic_prefix, model)
 
     @property
     def autoscale_weights(self) -> dict[str, float]:
@@ -173,8 +185,12 @@ class Settings(BaseSettings):
 
     @property
     def consumer_group(self) -> str:
-        """The inference workers' consumer group."""
-        return f"{self.topic_prefix}.workers"
+        """The consumer group of the inference workers of this process's model."""
+        return self.consumer_group_for(self.served_model_name)
+
+    def consumer_group_for(self, model: str) -> str:
+        """The consumer group of a served model's inference workers."""
+        return consumer_group_name(self.topic_prefix, model)
 
 
 @lru_cache

@@ -1,8 +1,9 @@
 """The autoscaler's loop: read the workers' lag, decide, scale.
 
 Responsible for:
-- reading lag and partition counts of the job topics for the workers' consumer group
-  over one long-lived Kafka client (LagReader);
+- reading lag and partition counts of one served model's job topics for its workers'
+  consumer group over one long-lived Kafka client (LagReader); with several models,
+  each has its own reader, autoscaler and loop, so each is sized by its own lag;
 - feeding each reading, or its failure, to the Autoscaler; exporting the desired count
   and the weighted lag per priority; logging every change with its reason;
 - calling a scale_to hook when the count changes.
@@ -38,10 +39,13 @@ LAG_READ_TIMEOUT_MARGIN_MS = 1000
 
 
 class LagReader:
-    """Topic → lag of the workers' group, over one consumer created on first use."""
+    """Topic → lag of one model's workers' group, over one consumer created on first use."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, model: str | None = None) -> None:
         self.settings = settings
+        # The served model whose topics and group are read (default: the settings' own).
+        self.model = model or settings.served_model_name
+        self.job_topics = settings.job_topics_for(self.model)
         self._consumer: KafkaConsumer | None = None
 
     def __call__(self) -> dict[str, TopicLag]:
@@ -51,10 +55,11 @@ class LagReader:
             # reconnects by itself, whereas a fresh client waits out a 30 s bootstrap on
             # every reading while the broker is down.
             self._consumer = make_consumer(
-                self.settings, client_id=f"{CLIENT_ID}-autoscaler",
+                self.settings, group_id=self.settings.consumer_group_for(self.model),
+                client_id=f"{CLIENT_ID}-autoscaler",
                 request_timeout_ms=(self.settings.kafka_session_timeout_ms
                                     + LAG_READ_TIMEOUT_MARGIN_MS))
-        return topic_lag(self._consumer, list(self.settings.job_topics.values()))
+        return topic_lag(self._consumer, list(self.job_topics.values()))
 
     def close(self) -> None:
         """Close the client, if one was made."""
@@ -75,8 +80,11 @@ class AutoscaleLoop:
         job_topics: Mapping[str, str],
         interval_s: float,
         clock: Callable[[], float] = time.monotonic,
+        model: str | None = None,
     ) -> None:
         self.autoscaler = autoscaler
+        # Named in the log lines, where several models each have a loop.
+        self.model = model
         self.read_lag = read_lag
         self.scale_to = scale_to
         self.job_topics = job_topics
@@ -111,7 +119,8 @@ class AutoscaleLoop:
             metrics.AUTOSCALER_WEIGHTED_LAG.labels(priority).set(weighted)
         metrics.AUTOSCALER_DESIRED_WORKERS.set(decision.num_workers)
         if decision.is_change:
-            logger.info("autoscaling workers %d → %d: %s", decision.num_previous,
+            logger.info("autoscaling workers%s %d → %d: %s",
+                        f" of {self.model}" if self.model else "", decision.num_previous,
                         decision.num_workers, decision.reason)
             self.scale_to(decision.num_workers)
         else:

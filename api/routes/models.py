@@ -1,27 +1,53 @@
-"""`GET /v1/models`: the models this deployment serves, as OpenAI lists them."""
+"""`GET /v1/models`: the models this deployment serves, as OpenAI lists them.
+
+Which models are served, and their kinds, are settings (the API never loads a model);
+context length and weights revision come from the cards workers announce in Redis.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 
 from api.capabilities import check_model
 from api.deps import ResourcesDep, TenantDep
+from api.resources import Resources
 from api.schemas import ModelListPublic, ModelPublic
+from storage.model_cards import read_cards
 
 router = APIRouter(prefix="/v1/models", tags=["openai"])
 
 
 @router.get("", response_model=ModelListPublic)
-def list_models(tenant: TenantDep, resources: ResourcesDep) -> ModelListPublic:
-    """Every served model (`settings.served_models`)."""
-    created = int(resources.started_at)
-    return ModelListPublic(
-        data=[ModelPublic(id=name, created=created) for name in resources.settings.served_models]
-    )
+async def list_models(tenant: TenantDep, resources: ResourcesDep) -> ModelListPublic:
+    """Every served model (`settings.served_models`), with kind, context and revision."""
+    cards = await run_in_threadpool(_cards, resources)
+    return ModelListPublic(data=[_model_public(name, resources, cards.get(name))
+                                 for name in resources.settings.served_models])
 
 
 @router.get("/{model}", response_model=ModelPublic)
-def read_model(model: str, tenant: TenantDep, resources: ResourcesDep) -> ModelPublic:
+async def read_model(model: str, tenant: TenantDep, resources: ResourcesDep) -> ModelPublic:
     """One served model; 404 model_not_found otherwise."""
     check_model(model, resources.settings.served_models)
-    return ModelPublic(id=model, created=int(resources.started_at))
+    cards = await run_in_threadpool(_cards, resources)
+    return _model_public(model, resources, cards.get(model))
+
+
+def _cards(resources: Resources) -> dict[str, dict[str, Any]]:
+    return read_cards(resources.redis, prefix=resources.settings.topic_prefix)
+
+
+def _model_public(name: str, resources: Resources, card: dict[str, Any] | None) -> ModelPublic:
+    card = card or {}
+    is_embedding = name in resources.settings.embedding_models
+    context_length = card.get("context_length")
+    return ModelPublic(
+        id=name,
+        created=int(resources.started_at),
+        kind="embedding" if is_embedding else "chat",
+        context_length=context_length if isinstance(context_length, int) else None,
+        revision=card.get("revision") if isinstance(card.get("revision"), str) else None,
+    )

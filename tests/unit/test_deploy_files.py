@@ -95,27 +95,43 @@ def _words(expr: str) -> list[str]:
     return out
 
 
-def _kubernetes() -> dict[str, dict[str, Any]]:
-    """Kind → the object of that kind among the kustomization's resources."""
+def _kubernetes() -> dict[str, list[dict[str, Any]]]:
+    """Kind → the objects of that kind among the kustomization's resources."""
     kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
-    objects: dict[str, dict[str, Any]] = {}
+    objects: dict[str, list[dict[str, Any]]] = {}
     for name in kustomization["resources"]:
         for document in yaml.safe_load_all((KUBERNETES / name).read_text()):
-            assert document["kind"] not in objects, f"two {document['kind']} objects"
-            objects[document["kind"]] = document
+            objects.setdefault(document["kind"], []).append(document)
     return objects
 
 
-def _worker_container(objects: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    (container,) = objects["Deployment"]["spec"]["template"]["spec"]["containers"]
+def _worker_container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
     return container
 
 
-def _cluster_settings(objects: dict[str, dict[str, Any]]) -> Settings:
-    """Settings as the ConfigMap makes them (plus defaults)."""
-    data = objects["ConfigMap"]["data"]
+def _config_map(objects: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    (config_map,) = objects["ConfigMap"]
+    return config_map
+
+
+def _cluster_settings(objects: dict[str, list[dict[str, Any]]],
+                      deployment: dict[str, Any] | None = None) -> Settings:
+    """Settings as the ConfigMap makes them (plus a worker Deployment's env, and defaults)."""
+    values = dict(_config_map(objects)["data"])
+    if deployment is not None:
+        values |= {v["name"]: v["value"] for v in _worker_container(deployment)["env"]
+                   if "value" in v}
     return Settings(**{name.removeprefix("BATCHINFER_").lower(): value
-                       for name, value in data.items()})
+                       for name, value in values.items()})
+
+
+def _scaled_object_of(objects: dict[str, list[dict[str, Any]]],
+                      deployment: dict[str, Any]) -> dict[str, Any]:
+    name = deployment["metadata"]["name"]
+    (scaled,) = [so for so in objects["ScaledObject"]
+                 if so["spec"]["scaleTargetRef"]["name"] == name]
+    return scaled
 
 
 def test_every_batchinfer_variable_is_a_setting() -> None:
@@ -124,79 +140,98 @@ def test_every_batchinfer_variable_is_a_setting() -> None:
     for service in _compose()["services"].values():
         names |= set(service.get("environment") or {})
     objects = _kubernetes()
-    names |= set(objects["ConfigMap"]["data"])
-    names |= {variable["name"] for variable in _worker_container(objects)["env"]}
+    names |= set(_config_map(objects)["data"])
+    for deployment in objects["Deployment"]:
+        names |= {variable["name"] for variable in _worker_container(deployment)["env"]}
     settings = {f"BATCHINFER_{name.upper()}" for name in Settings.model_fields}
     unknown = {name for name in names if name.startswith("BATCHINFER_")} - settings
     assert not unknown, f"not settings: {sorted(unknown)}"
 
 
-def test_kubernetes_worker_matches_the_compose_worker() -> None:
+def test_compose_and_kubernetes_serve_two_models_each_with_its_workers() -> None:
+    """Every served model has its own worker service and Deployment; one is for embeddings."""
+    compose = _compose()
+    shared = Settings(**{name.removeprefix("BATCHINFER_").lower(): value for name, value
+                         in compose["x-batchinfer"]["environment"].items()})
+    assert len(shared.served_models) == 2
+    assert shared.embedding_models and set(shared.embedding_models) < set(shared.served_models)
+    workers = [s for s in compose["services"].values()
+               if "batchinfer worker" in " ".join(s.get("entrypoint") or [])]
+    assert sorted(w["environment"]["BATCHINFER_MODEL"] for w in workers) == sorted(
+        shared.served_models)
+    objects = _kubernetes()
+    assert sorted(_cluster_settings(objects, d).served_model_name
+                  for d in objects["Deployment"]) == sorted(shared.served_models)
+    assert len(objects["ScaledObject"]) == len(objects["Deployment"])
+
+
+def test_kubernetes_workers_match_the_compose_worker() -> None:
     """Same command, shared settings, metrics port and GPU as compose's worker; HPA-owned."""
     objects = _kubernetes()
-    deployment, container = objects["Deployment"], _worker_container(objects)
     compose = _compose()
     worker = compose["services"]["worker"]
-    # Compose escapes $ as $$; Kubernetes leaves $VAR to the shell.
-    assert container["command"] == [part.replace("$$", "$") for part in worker["entrypoint"]]
     build_parser().parse_args(["worker"])
     shared = dict(compose["x-batchinfer"]["environment"])
     shared.pop("BATCHINFER_DATABASE_URL")  # a Secret on the cluster
-    config = objects["ConfigMap"]["data"]
+    config_map = _config_map(objects)
+    config = config_map["data"]
     assert {name: config[name] for name in shared} == shared
-    assert container["envFrom"] == [{"configMapRef": {"name": objects["ConfigMap"]["metadata"]
-                                                      ["name"]}}]
-    env = {variable["name"]: variable for variable in container["env"]}
-    assert "secretKeyRef" in env["BATCHINFER_DATABASE_URL"]["valueFrom"]
-    port = env["BATCHINFER_WORKER_METRICS_PORT"]["value"]
-    assert port == worker["environment"]["BATCHINFER_WORKER_METRICS_PORT"]
-    assert container["ports"] == [{"name": "metrics", "containerPort": int(port)}]
-    assert env["BATCHINFER_ENGINE_DEVICE"]["value"] == "cuda"
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert "replicas" not in deployment["spec"], "the ScaledObject's HPA owns the count"
-    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace > _cluster_settings(objects).worker_drain_timeout_s
+    for deployment in objects["Deployment"]:
+        container = _worker_container(deployment)
+        # Compose escapes $ as $$; Kubernetes leaves $VAR to the shell.
+        assert container["command"] == [part.replace("$$", "$") for part in worker["entrypoint"]]
+        assert container["envFrom"] == [{"configMapRef": {"name": config_map["metadata"]
+                                                          ["name"]}}]
+        env = {variable["name"]: variable for variable in container["env"]}
+        assert "secretKeyRef" in env["BATCHINFER_DATABASE_URL"]["valueFrom"]
+        port = env["BATCHINFER_WORKER_METRICS_PORT"]["value"]
+        assert port == worker["environment"]["BATCHINFER_WORKER_METRICS_PORT"]
+        assert container["ports"] == [{"name": "metrics", "containerPort": int(port)}]
+        assert env["BATCHINFER_ENGINE_DEVICE"]["value"] == "cuda"
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert "replicas" not in deployment["spec"], "the ScaledObject's HPA owns the count"
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > _cluster_settings(objects, deployment).worker_drain_timeout_s
 
 
-def test_keda_watches_the_workers_group_on_every_job_topic() -> None:
-    """One Kafka trigger per priority: the workers' group, its topic, the cluster's broker."""
+def test_keda_watches_each_models_group_on_its_job_topics() -> None:
+    """Per model, one Kafka trigger per priority: its group, its topic, the cluster's broker."""
     objects = _kubernetes()
-    settings = _cluster_settings(objects)
-    scaled = objects["ScaledObject"]
-    assert scaled["spec"]["scaleTargetRef"]["name"] == objects["Deployment"]["metadata"]["name"]
-    triggers = scaled["spec"]["triggers"]
-    assert [trigger["name"] for trigger in triggers] == list(PRIORITIES)
-    for trigger in triggers:
-        metadata = trigger["metadata"]
-        assert trigger["type"] == "kafka"
-        assert metadata["bootstrapServers"] == settings.kafka_bootstrap_servers
-        assert metadata["consumerGroup"] == settings.consumer_group
-        assert metadata["topic"] == settings.job_topics[trigger["name"]]
-        # Workers start a group that never committed at the earliest offset.
-        assert metadata["offsetResetPolicy"] == "earliest"
-        assert metadata["allowIdleConsumers"] == "false"
-        weight = settings.autoscale_weights[trigger["name"]]
-        assert float(metadata["lagThreshold"]) == settings.autoscale_lag_threshold / weight
+    for deployment in objects["Deployment"]:
+        settings = _cluster_settings(objects, deployment)
+        triggers = _scaled_object_of(objects, deployment)["spec"]["triggers"]
+        assert [trigger["name"] for trigger in triggers] == list(PRIORITIES)
+        for trigger in triggers:
+            metadata = trigger["metadata"]
+            assert trigger["type"] == "kafka"
+            assert metadata["bootstrapServers"] == settings.kafka_bootstrap_servers
+            assert metadata["consumerGroup"] == settings.consumer_group
+            assert metadata["topic"] == settings.job_topics[trigger["name"]]
+            # Workers start a group that never committed at the earliest offset.
+            assert metadata["offsetResetPolicy"] == "earliest"
+            assert metadata["allowIdleConsumers"] == "false"
+            weight = settings.autoscale_weights[trigger["name"]]
+            assert float(metadata["lagThreshold"]) == settings.autoscale_lag_threshold / weight
 
 
 def test_keda_scales_by_the_autoscale_settings() -> None:
     """Weights, threshold, limits, interval and cooldown are the BATCHINFER_AUTOSCALE_* ones."""
     objects = _kubernetes()
-    settings = _cluster_settings(objects)
-    spec = objects["ScaledObject"]["spec"]
-    assert spec["minReplicaCount"] == settings.autoscale_min_workers
-    assert spec["maxReplicaCount"] == settings.autoscale_max_workers
-    assert spec["maxReplicaCount"] <= settings.topic_partitions
-    assert spec["pollingInterval"] == settings.autoscale_interval_s
-    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
-    assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
-    assert behavior["scaleUp"]["policies"][0]["value"] >= settings.autoscale_max_workers
-    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == settings.autoscale_cooldown_s
-    modifiers = spec["advanced"]["scalingModifiers"]
-    weights = {}
-    for term in modifiers["formula"].split("+"):
-        weight, name = (part.strip() for part in term.split("*"))
-        weights[name] = float(weight)
-    assert weights == settings.autoscale_weights
-    assert float(modifiers["target"]) == settings.autoscale_lag_threshold
-    assert modifiers["metricType"] == "AverageValue"
+    for deployment in objects["Deployment"]:
+        settings = _cluster_settings(objects, deployment)
+        spec = _scaled_object_of(objects, deployment)["spec"]
+        assert spec["minReplicaCount"] == settings.autoscale_min_workers
+        assert spec["maxReplicaCount"] == settings.autoscale_max_workers
+        assert spec["maxReplicaCount"] <= settings.topic_partitions
+        assert spec["pollingInterval"] == settings.autoscale_interval_s
+        behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
+        assert behavior["scaleUp"]["policies"][0]["value"] >= settings.autoscale_max_workers
+        assert (behavior["scaleDown"]["stabilizationWindowSeconds"]
+                == settings.autoscale_cooldown_s)
+        modifiers = spec["advanced"]["scalingModifiers"]
+        weights = {}
+        for term in modifiers["formula"].split("+"):
+            weight, name = (part.strip() for part in term.split("*"))
+            weights[name] = float(weight)
+        assert weights == settings.autoscale_weights

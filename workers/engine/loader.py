@@ -29,6 +29,9 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# model_type → the transformers class a dequantized GGUF of that family loads as.
+_CAUSAL_LM_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "mistral": "MistralForCausalLM"}
 # Buffers some checkpoints carry that the decoder recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -151,6 +154,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     and renames it into place, so concurrent workers never see a half-written directory.
     """
     if (out_dir / "config.json").is_file():
+        _name_architecture(out_dir)
         return out_dir
     if not gguf_file.is_file():
         raise ValueError(f"model file {gguf_file} does not exist")
@@ -175,6 +179,8 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
         config = hf_model.config.to_dict()
         config.pop("quantization_config", None)  # the saved weights are plain fp32
         config["dtype"] = "float32"
+        # transformers leaves it null for GGUF loads; vLLM and others refuse such a config.
+        config["architectures"] = [type(hf_model).__name__]
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         hf_model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)  # tokenizer.json, chat template included
@@ -187,3 +193,20 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _name_architecture(model_dir: Path) -> None:
+    """Fill in `architectures` of a directory an older version prepared with it null."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("architectures"):
+        return
+    config["architectures"] = [_CAUSAL_LM_CLASSES.get(config.get("model_type"), "LlamaForCausalLM")]
+    tmp = path.with_suffix(".json.tmp")
+    try:
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True))
+        tmp.replace(path)
+    except OSError as e:  # a read-only copy still loads; only other tools would object
+        logger.warning("cannot name the architecture in %s: %s", path, e)
+        return
+    logger.info("named the architecture of %s: %s", model_dir, config["architectures"][0])

@@ -48,8 +48,11 @@ class JobStore:
         *,
         prefix: str,
         result_cache_ttl_s: int,
+        model_revision: str | None = None,
     ) -> None:
         self._sessions = sessions
+        # The served weights' revision: results carry it, cached ones are keyed by it.
+        self.model_revision = model_revision
         self._redis = redis_client
         self._prefix = prefix
         self._cache = ResultCache(redis_client, prefix=prefix)
@@ -123,8 +126,15 @@ class JobStore:
         return finished
 
     def _cache_key(self, message: JobMessage) -> str | None:
-        # Salted by tenant: equal requests of one tenant share results, tenants never do.
-        return result_cache_key(message.model, message.body, salt=message.tenant_id)
+        # Salted by tenant: equal requests of one tenant share results, tenants never do;
+        # and by revision: new weights under the same served name never see old results.
+        salt = message.tenant_id + (f"@{self.model_revision}" if self.model_revision else "")
+        return result_cache_key(message.model, message.body, salt=salt)
+
+    @property
+    def system_fingerprint(self) -> str | None:
+        """OpenAI's `system_fingerprint` of results: `fp_<revision>`, None without one."""
+        return f"fp_{self.model_revision}" if self.model_revision else None
 
     def _enqueue_webhook(self, session: Session, job_id: str) -> None:
         job = jobs.get_job(session, job_id=job_id)

@@ -55,6 +55,7 @@ class OutcomeRecorder:
             completion=completion,
             created=int(time.time()),
             token_text=self._token_text,
+            system_fingerprint=self._store.system_fingerprint,
         )
         first_token_at = epoch_to_datetime(output.metrics.first_token_time)
         if self._store.succeed(message, result=result, first_token_at=first_token_at):

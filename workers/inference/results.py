@@ -52,6 +52,7 @@ def build_result(
     completion: Completion,
     created: int,
     token_text: Callable[[int], str] | None = None,
+    system_fingerprint: str | None = None,
 ) -> dict[str, Any]:
     """The `chat.completion` or `text_completion` object for a finished job.
 
@@ -87,7 +88,7 @@ def build_result(
         "model": model,
         "choices": [choice],
         "usage": usage_of(completion),
-        "system_fingerprint": None,
+        "system_fingerprint": system_fingerprint,
     }
 
 

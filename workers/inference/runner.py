@@ -8,6 +8,7 @@ drain, and the optional Prometheus exporter.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -23,7 +24,10 @@ from core.kafka import ensure_topics, make_consumer
 from core.settings import Settings, get_settings
 from storage.db import create_db_engine, session_factory
 from storage.events import CancelSubscription
+from storage.model_cards import publish_card
 from workers.engine import EngineConfig, LLMEngine
+from workers.engine.model_card import ModelCard, describe_model
+from workers.engine.registry import resolve_model
 from workers.inference.engine_loop import EngineLoop
 from workers.inference.job_store import JobStore
 from workers.inference.worker import Worker
@@ -49,6 +53,21 @@ def build_engine(settings: Settings) -> LLMEngine:
     )
 
 
+def announce_model(settings: Settings, redis_client: redis.Redis) -> ModelCard:
+    """Describe the served model (kind, context, weights revision) and publish its card."""
+    model_dir = resolve_model(settings.model, settings.models_dir)
+    card = describe_model(model_dir, name=settings.served_model_name,
+                          cache_dir=settings.models_dir)
+    try:
+        publish_card(redis_client, prefix=settings.topic_prefix, name=card.name,
+                     card=dataclasses.asdict(card))
+    except redis.RedisError as e:  # GET /v1/models then lacks its details, nothing else
+        logger.warning("cannot publish the card of model %s: %s", card.name, e)
+    logger.info("serving %s as %r (%s, revision %s)", model_dir, card.name, card.kind,
+                card.revision)
+    return card
+
+
 def default_worker_id() -> str:
     """`<host>-<pid>`: unique per live process, readable in the jobs table."""
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -71,6 +90,7 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
         stack.callback(db_engine.dispose)
         redis_client = redis.Redis.from_url(settings.redis_url)
         stack.callback(redis_client.close)
+        card = announce_model(settings, redis_client)
         engine_loop = EngineLoop(engine)
         engine_loop.start()
         stack.callback(engine_loop.stop, ENGINE_STOP_TIMEOUT_S)
@@ -87,6 +107,7 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
                 redis_client,
                 prefix=settings.topic_prefix,
                 result_cache_ttl_s=settings.result_cache_ttl_s,
+                model_revision=card.revision,
             ),
             cancels=cancels,
             worker_id=default_worker_id(),

@@ -218,10 +218,10 @@ class Worker:
         return True
 
     def _check_model(self, message: JobMessage) -> None:
-        if message.model != self.settings.model:
+        if message.model != self.settings.served_model_name:
             raise ValueError(
                 f"model {message.model!r} is not served by this worker "
-                f"(it serves {self.settings.model!r})"
+                f"(it serves {self.settings.served_model_name!r})"
             )
 
     def _handle_finished(self, finished: list[FinishedRequest]) -> None:

@@ -207,6 +207,9 @@ def test_gguf_is_dequantized_once_into_a_cached_directory(tmp_path: Path) -> Non
         p.name for p in cached.iterdir()
     }
     assert runner.eos_token_ids == {2}
+    # Named, as tools that read config.json (vLLM among them) require.
+    assert json.loads((cached / "config.json").read_text())["architectures"] == [
+        "LlamaForCausalLM"]
     tokenizer = AutoTokenizer.from_pretrained(cached)
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert rendered == "<s>hi</s>"

@@ -1,0 +1,142 @@
+"""The served models of `batchinfer up`: each prepared, with its own workers and autoscaler.
+
+Responsible for:
+- preparing every model in a child process (`batchinfer models prepare`: known names are
+  pulled, paths taken as they are), so this process never imports torch, and keeping the
+  card each prints (resolved path, kind, context length, weights revision);
+- the settings the API and the workers need: every served name, which are embedding
+  models, and per worker process the model directory and the name it is served under;
+- one Supervisor of worker processes per model, and with a maximum, one autoscaler per
+  model reading only that model's lag (readings on one thread, scaling on the main one).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from core.settings import Settings
+from core.topics import model_slug
+from scheduler.autoscale_loop import AutoscaleLoop, LagReader, MainThreadScaler
+from scheduler.autoscaler import AutoscalePolicy, Autoscaler
+from scheduler.periodic import Periodic
+from scheduler.supervisor import Supervisor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model of this deployment: what was asked for, its name, and its card."""
+
+    model: str
+    name: str
+    path: str
+    kind: str
+    context_length: int | None
+    revision: str
+
+    @property
+    def is_embedding(self) -> bool:
+        """True for an encoder served at /v1/embeddings."""
+        return self.kind == "embedding"
+
+
+def prepare_model(model: str, name: str, models_dir: Path) -> ServedModel:
+    """Pull (known names) or check (paths) one model in a child process; its card."""
+    command = [sys.executable, "-m", "core.cli", "models", "prepare", model,
+               "--served-model-name", name, "--models-dir", str(models_dir)]
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=None, text=True,
+                            check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"could not prepare model {model!r} (exit code {result.returncode})")
+    card = json.loads(result.stdout.strip().splitlines()[-1])
+    return ServedModel(model=model, name=name, path=card["path"], kind=card["kind"],
+                       context_length=card.get("context_length"), revision=card["revision"])
+
+
+def served_settings(models: list[ServedModel]) -> dict[str, str]:
+    """The BATCHINFER_* values (without the prefix) that make the API serve `models`."""
+    return {"served_models": ",".join(m.name for m in models),
+            "embedding_models": ",".join(m.name for m in models if m.is_embedding),
+            "model": models[0].path, "served_model_name": models[0].name}
+
+
+def worker_env(model: ServedModel) -> dict[str, str]:
+    """The environment of one worker process of `model` (this process's, plus the model)."""
+    return {**os.environ, "BATCHINFER_MODEL": model.path,
+            "BATCHINFER_SERVED_MODEL_NAME": model.name}
+
+
+@dataclass(slots=True)
+class ModelFleet:
+    """Worker supervisors (and autoscalers) of every served model; main thread only."""
+
+    models: list[ServedModel]
+    num_workers: int
+    supervisors: dict[str, Supervisor] = field(default_factory=dict)
+    _scalers: list[MainThreadScaler] = field(default_factory=list)
+    _readers: list[LagReader] = field(default_factory=list)
+
+    def start(self, argv: list[str]) -> None:
+        """Start num_workers of `argv` per model (workers read their model from the env)."""
+        for model in self.models:
+            # One model keeps the plain "worker" name its logs always had.
+            name = "worker" if len(self.models) == 1 else f"worker-{model_slug(model.name)}"
+            supervisor = Supervisor(argv, num_workers=self.num_workers, env=worker_env(model),
+                                    name=name)
+            self.supervisors[model.name] = supervisor
+            supervisor.start()
+
+    def start_autoscalers(self, settings: Settings, stop: threading.Event) -> threading.Thread:
+        """Size each model's workers by its own lag from now on; the reading thread."""
+        loops = []
+        for model in self.models:
+            supervisor = self.supervisors[model.name]
+            scaler = MainThreadScaler(supervisor.scale_to)
+            reader = LagReader(settings, model=model.name)
+            autoscaler = Autoscaler(AutoscalePolicy.from_settings(settings),
+                                    num_workers=supervisor.num_desired)
+            loops.append(AutoscaleLoop(autoscaler, read_lag=reader, scale_to=scaler,
+                                       job_topics=reader.job_topics,
+                                       interval_s=settings.autoscale_interval_s,
+                                       model=model.name))
+            self._scalers.append(scaler)
+            self._readers.append(reader)
+        return Periodic(_step_each(loops), settings.autoscale_interval_s,
+                        "autoscaler").start(stop)
+
+    def apply_scaling(self) -> None:
+        """Apply the counts the autoscalers last asked for (main thread)."""
+        for scaler in self._scalers:
+            scaler.apply()
+
+    def poll(self) -> None:
+        """Restart crashed workers of every model."""
+        for supervisor in self.supervisors.values():
+            supervisor.poll()
+
+    def stop(self) -> None:
+        """Drain and stop every model's workers."""
+        for supervisor in self.supervisors.values():
+            supervisor.stop()
+
+    def close_readers(self) -> None:
+        """Close the lag readers' Kafka clients (after their thread has ended)."""
+        for reader in self._readers:
+            reader.close()
+
+
+def _step_each(loops: list[AutoscaleLoop]) -> Callable[[], None]:
+    def step() -> None:
+        for loop in loops:
+            loop.step()  # a failed read is one model's problem: step() catches it
+
+    return step
