@@ -1,0 +1,179 @@
+"""The embedding runner: encoder models (BERT / MiniLM family) turning texts into vectors.
+
+Responsible for:
+- loading a local encoder directory through transformers' AutoModel and AutoTokenizer
+  (never the hub) with its sentence-transformers pooling (see embedding_pooling);
+- tokenizing texts (or taking token ids), truncating at the model's length when asked to
+  and saying so per input, refusing over-long inputs otherwise;
+- batching by a token budget: inputs sorted by length, so each batch pads to nearly its
+  own length, and as many rows per batch as the budget allows (short texts go in large
+  batches, long ones in small); results come back in input order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from workers.engine.embedding_pooling import PoolingConfig, pool, read_pooling_config
+from workers.engine.registry import resolve_model
+
+logger = logging.getLogger(__name__)
+
+EmbeddingInput = str | list[int]
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One input's vector (float32, on the CPU), how many tokens it used, and whether it
+    was cut at the model's length."""
+
+    embedding: torch.Tensor
+    num_tokens: int
+    is_truncated: bool
+
+
+@dataclass(slots=True)
+class _Encoded:
+    index: int
+    token_ids: list[int]
+    is_truncated: bool
+
+
+class EmbeddingRunner:
+    """Embeds batches of inputs with one encoder model (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        models_dir: Path | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_num_batched_tokens: int = 16_384,
+        max_batch_size: int = 512,
+    ) -> None:
+        if max_num_batched_tokens < 1 or max_batch_size < 1:
+            raise ValueError("max_num_batched_tokens and max_batch_size must be >= 1, got "
+                             f"{max_num_batched_tokens} and {max_batch_size}")
+        self.model_dir = resolve_model(str(model), models_dir or Path("."))
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+        self.dtype = _pick_dtype(dtype, self.device)
+        self.pooling: PoolingConfig = read_pooling_config(self.model_dir)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        self.model: Any = AutoModel.from_pretrained(
+            self.model_dir, local_files_only=True, dtype=self.dtype).to(self.device).eval()
+        positions = int(getattr(self.model.config, "max_position_embeddings", 512))
+        self.max_model_len = min(self.pooling.max_seq_length or positions, positions)
+        self.dimensions = int(self.model.config.hidden_size)
+        self.max_num_batched_tokens = max(max_num_batched_tokens, self.max_model_len)
+        self.max_batch_size = max_batch_size
+        # What wrapping one sequence adds around its tokens: [CLS] ... [SEP] for BERT.
+        self._prefix_ids, self._suffix_ids = _special_tokens_around(self.tokenizer)
+        self._num_special = len(self._prefix_ids) + len(self._suffix_ids)
+        logger.info("embedding runner ready: %s, %s on %s, %d dims, %d tokens, %s pooling%s",
+                    self.model_dir.name, self.dtype, self.device, self.dimensions,
+                    self.max_model_len, self.pooling.mode,
+                    " + normalisation" if self.pooling.normalize else "")
+
+    def encode(self, inputs: Sequence[EmbeddingInput], *, truncate: bool = True) -> list[_Encoded]:
+        """Token ids per input, special tokens added; ValueError (naming `input[i]`) for an
+        input over max_model_len when truncate is off, or an empty token list."""
+        texts = [(i, x) for i, x in enumerate(inputs) if isinstance(x, str)]
+        encoded: dict[int, list[int]] = {}
+        if texts:
+            ids = self.tokenizer([t for _, t in texts], add_special_tokens=False)["input_ids"]
+            encoded.update((i, list(row)) for (i, _), row in zip(texts, ids, strict=True))
+        results = []
+        limit = self.max_model_len - self._num_special
+        for i, item in enumerate(inputs):
+            content = encoded[i] if isinstance(item, str) else list(item)
+            if not isinstance(item, str):
+                if not content:
+                    raise ValueError(f"input[{i}] is an empty list of token ids")
+                vocab = len(self.tokenizer)
+                bad = [t for t in content if not 0 <= t < vocab]
+                if bad:
+                    raise ValueError(f"input[{i}] holds token id {bad[0]}, outside the "
+                                     f"vocabulary of {vocab}")
+            is_truncated = len(content) > limit
+            if is_truncated and not truncate:
+                raise ValueError(
+                    f"input[{i}] has {len(content) + self._num_special} tokens, more than the "
+                    f"model's {self.max_model_len}; shorten it or allow truncation")
+            content = content[:limit]
+            results.append(_Encoded(i, [*self._prefix_ids, *content, *self._suffix_ids],
+                                    is_truncated))
+        return results
+
+    @torch.inference_mode()
+    def embed(
+        self, inputs: Sequence[EmbeddingInput], *, truncate: bool = True
+    ) -> list[EmbeddingOutput]:
+        """One EmbeddingOutput per input, in input order (see `encode` for refusals)."""
+        encoded = self.encode(inputs, truncate=truncate)
+        outputs: list[EmbeddingOutput | None] = [None] * len(encoded)
+        for batch in self._batches(encoded):
+            vectors = self._run(batch)
+            for row, item in zip(vectors, batch, strict=True):
+                outputs[item.index] = EmbeddingOutput(row, len(item.token_ids),
+                                                      item.is_truncated)
+        assert all(o is not None for o in outputs), "every input belongs to one batch"
+        return [o for o in outputs if o is not None]
+
+    def _batches(self, encoded: list[_Encoded]) -> list[list[_Encoded]]:
+        """Longest first; each batch's rows × its longest row stays within the budget."""
+        ordered = sorted(encoded, key=lambda e: len(e.token_ids), reverse=True)
+        batches: list[list[_Encoded]] = []
+        current: list[_Encoded] = []
+        for item in ordered:
+            # Sorted longest first, so current[0] sets the batch's padded length.
+            width = len(current[0].token_ids) if current else len(item.token_ids)
+            if current and ((len(current) + 1) * width > self.max_num_batched_tokens
+                            or len(current) == self.max_batch_size):
+                batches.append(current)
+                current = []
+            current.append(item)
+        if current:
+            batches.append(current)
+        return batches
+
+    def _run(self, batch: list[_Encoded]) -> torch.Tensor:
+        """Pooled vectors (len(batch), H) of one right-padded batch, on the CPU."""
+        width = max(len(e.token_ids) for e in batch)
+        pad_id = self.tokenizer.pad_token_id or 0
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, item in enumerate(batch):
+            input_ids[row, : len(item.token_ids)] = torch.tensor(item.token_ids)
+            attention_mask[row, : len(item.token_ids)] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return pool(hidden, attention_mask, self.pooling).cpu()
+
+
+def _special_tokens_around(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after one sequence's own tokens."""
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    wrapped = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for start in range(len(wrapped) - len(bare) + 1):
+        if wrapped[start:start + len(bare)] == bare:
+            return list(wrapped[:start]), list(wrapped[start + len(bare):])
+    raise ValueError("cannot tell the tokenizer's special tokens from a sequence's own")
+
+
+def _pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # fp16 halves the work on a GPU and keeps cosine similarity to fp32 near 1.
+        return torch.float16 if device.type == "cuda" else torch.float32
+    choices = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if dtype not in choices:
+        raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {dtype!r}")
+    return choices[dtype]
