@@ -68,6 +68,9 @@ class Settings(BaseSettings):
     worker_metrics_port: int = Field(default=0, ge=0, le=65535)
     # On SIGTERM, how long in-flight jobs may take to finish before the worker exits anyway.
     worker_drain_timeout_s: float = Field(default=30.0, ge=0)
+    # A partition silent this long while records wait beyond the consumer's position is
+    # restarted from its committed offset (a fetch stall; see workers/inference/stall_watchdog).
+    worker_stall_after_s: float = Field(default=15.0, gt=0)
     result_cache_ttl_s: int = Field(default=86_400, ge=0)
 
     # Reconciler: re-publish jobs still queued after this long.

@@ -57,6 +57,18 @@ class PrefetchBuffer(Generic[RecordT]):
         """Partition → records it has waiting here."""
         return dict(self._counts)
 
+    def drop(self, partitions: set[TopicPartition]) -> int:
+        """Drop the records of these partitions (Kafka redelivers them); how many."""
+        dropped = 0
+        for queue in self._queues:
+            kept = [(tp, record) for tp, record in queue if tp not in partitions]
+            dropped += len(queue) - len(kept)
+            queue.clear()
+            queue.extend(kept)
+        for tp in partitions:
+            self._counts.pop(tp, None)
+        return dropped
+
     def clear(self) -> int:
         """Drop everything (Kafka redelivers it); how many records were dropped."""
         dropped = len(self)

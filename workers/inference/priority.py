@@ -141,19 +141,4 @@ def _apply(
         consumer.pause(*to_pause)
     if to_resume := paused - wanted:
         consumer.resume(*to_resume)
-        _release_parked_records(consumer)
 
-
-def _release_parked_records(consumer: KafkaConsumer) -> None:
-    """Let records parked while their partition was paused flow again after a resume.
-
-    kafka-python 3.0.12 parks a paused partition's parsed records and restores them only
-    when its in-line slot is None; an exhausted batch left in that slot (falsy, not None)
-    keeps the parked records, and the partition's fetches, blocked for good: a worker that
-    paused on a full prefetch then stalls with a backlog. Clearing an exhausted slot is
-    what the library does itself once it moves on, so it loses nothing.
-    """
-    fetcher = getattr(consumer, "_fetcher", None)
-    in_line = getattr(fetcher, "_next_partition_records", None)
-    if fetcher is not None and in_line is not None and not in_line:
-        fetcher._next_partition_records = None

@@ -40,10 +40,12 @@ from workers.inference.engine_loop import EngineLoop, FinishedRequest
 from workers.inference.job_store import JobStore
 from workers.inference.offsets import OffsetTracker
 from workers.inference.outcomes import OutcomeRecorder
+from workers.inference.parked_records import release_parked_records
 from workers.inference.prefetch import PrefetchBuffer
 from workers.inference.priority import PriorityPauser
 from workers.inference.rebalance import RebalanceListener, offsets_to_commit
 from workers.inference.sampling import prompt_from_body, sampling_params_from_body
+from workers.inference.stall_watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class Worker:
         # whole in-flight bound from one partition without waiting for a fetch.
         self._prefetch_limit = settings.worker_max_inflight
         self._listener = RebalanceListener(consumer, self._tracker, self._lock, self._pauser)
+        self._watchdog = StallWatchdog(consumer, stall_after_s=settings.worker_stall_after_s)
         self._max_model_len: int | None = getattr(engine_loop.engine, "max_model_len", None)
 
     @property
@@ -116,9 +119,14 @@ class Worker:
             self._pauser.update(
                 self._consumer, prefetched=self._prefetch.counts(), limit=self._prefetch_limit
             )
+            release_parked_records(self._consumer)
             batches = self._consumer.poll(timeout_ms=POLL_TIMEOUT_MS)
             if self._on_new_assignment():
                 batches = {}  # fetched before the restart from committed offsets: refetched
+            self._watchdog.on_records(batches)
+            if restarted := self._watchdog.check(is_idle=not self._inflight and not batches
+                                                 and not len(self._prefetch)):
+                self._prefetch.drop(restarted)
             with self._lock:
                 for tp, records in batches.items():
                     for record in records:
@@ -266,6 +274,7 @@ class Worker:
             return False
         self._prefetch.clear()
         self._restart_from_committed(assignment)
+        self._watchdog.on_assigned(assignment)
         for job in self._inflight.values():
             if not job.is_released and not any(tp in assignment for tp, _ in job.records):
                 # Its partition now belongs to another worker, which will run it again.
