@@ -14,7 +14,7 @@ import secrets
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import CursorResult, and_, func, literal, or_, select, update
+from sqlalchemy import ColumnElement, CursorResult, and_, func, literal, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -22,10 +22,11 @@ from core.topics import PRIORITIES, Priority
 from storage.models import Job, JobStatus, UTCDateTime, utcnow
 from storage.pages import keyset_page
 from storage.states import sources_of
+from storage.workers import has_live_owner
 
 logger = logging.getLogger(__name__)
 
-JOB_KINDS = ("chat.completion", "text_completion")
+JOB_KINDS = ("chat.completion", "text_completion", "embedding")
 MAX_LIST_LIMIT = 100
 # Statuses a job can still leave; result writes only ever touch these.
 UNFINISHED = (JobStatus.QUEUED, JobStatus.RUNNING)
@@ -247,6 +248,53 @@ def stale_queued_jobs(session: Session, *, older_than: datetime, limit: int) -> 
     return list(session.scalars(query))
 
 
+def release_jobs(session: Session, *, job_ids: list[str], worker_id: str) -> list[str]:
+    """Hand this worker's running jobs back to the queue (it stops without them); ids moved.
+
+    Guarded on status and worker_id: a job finished, cancelled or claimed by another
+    worker meanwhile is left alone. `queued_at` keeps the last publish: Kafka redelivers
+    the record whose offset the worker never committed, and should the broker have lost
+    it, the reconciler re-publishes the job once it is stale.
+    """
+    return _hand_back(session, job_ids=job_ids, worker_id=worker_id, guards=[])
+
+
+def requeue_orphaned_jobs(
+    session: Session,
+    *,
+    job_ids: list[str],
+    worker_id: str | None,
+    dead_before: datetime,
+    max_attempts: int,
+) -> list[str]:
+    """Hand back running jobs of a worker silent since `dead_before`, if attempts remain.
+
+    The heartbeat is re-checked in the same statement, so a worker that beat after the
+    caller's read keeps its jobs. Returns the ids moved to queued.
+    """
+    guards = [~has_live_owner(dead_before), Job.attempts < max_attempts]
+    return _hand_back(session, job_ids=job_ids, worker_id=worker_id, guards=guards)
+
+
+def fail_orphaned_jobs(
+    session: Session,
+    *,
+    job_ids: list[str],
+    worker_id: str | None,
+    dead_before: datetime,
+    max_attempts: int,
+    error: dict[str, Any],
+) -> list[str]:
+    """Fail running jobs of a worker silent since `dead_before` that used their last attempt.
+
+    Guarded like `requeue_orphaned_jobs`; returns the ids moved to failed.
+    """
+    guards = [~has_live_owner(dead_before), Job.attempts >= max_attempts]
+    return _move_owned(session, job_ids=job_ids, worker_id=worker_id, guards=guards,
+                       values={"status": JobStatus.FAILED, "error": error,
+                               "finished_at": utcnow()})
+
+
 def count_active_jobs(session: Session, *, tenant_id: str) -> int:
     """How many of the tenant's jobs are queued or running."""
     query = select(func.count(Job.id)).where(Job.tenant_id == tenant_id, Job.status.in_(UNFINISHED))
@@ -276,6 +324,43 @@ def _update_status(
     if not changed:
         logger.debug("job %s not moved to %s: missing or already finished", job_id, new.value)
     return changed
+
+
+def _hand_back(
+    session: Session,
+    *,
+    job_ids: list[str],
+    worker_id: str | None,
+    guards: list[ColumnElement[bool]],
+) -> list[str]:
+    """running → queued for these jobs of `worker_id` that pass `guards`; the ids moved."""
+    # worker_id names the owner of a running job; a queued one has none.
+    return _move_owned(session, job_ids=job_ids, worker_id=worker_id, guards=guards,
+                       values={"status": JobStatus.QUEUED, "worker_id": None})
+
+
+def _move_owned(
+    session: Session,
+    *,
+    job_ids: list[str],
+    worker_id: str | None,
+    guards: list[ColumnElement[bool]],
+    values: dict[str, Any],
+) -> list[str]:
+    """One guarded UPDATE of running jobs still claimed by `worker_id`; the ids it moved."""
+    if not job_ids:
+        return []
+    owner = Job.worker_id.is_(None) if worker_id is None else Job.worker_id == worker_id
+    statement = (
+        update(Job)
+        .where(Job.id.in_(job_ids), Job.status == JobStatus.RUNNING, owner, *guards)
+        .values(**values)
+        .returning(Job.id)
+        .execution_options(synchronize_session=False)
+    )
+    moved = sorted(session.scalars(statement))
+    _expire(session, job_ids)
+    return moved
 
 
 def _expire(session: Session, job_ids: list[str]) -> None:

@@ -1,7 +1,8 @@
-"""SQLAlchemy 2 table models: tenants, API keys and jobs.
+"""SQLAlchemy 2 table models: tenants, API keys, jobs and worker heartbeats.
 
 The job row is the source of truth for a job's state; its status follows
-`queued → running → succeeded | failed | cancelled` (see `storage.states`).
+`queued → running → succeeded | failed | cancelled` (see `storage.states`). A running
+job names its worker, whose heartbeat row says whether anyone still owns it.
 """
 
 from __future__ import annotations
@@ -152,3 +153,18 @@ class Job(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)
     # SHA-256 of the canonical request body: a replayed key with another body is a 409.
     request_hash: Mapped[str | None] = mapped_column(String(64), default=None)
+
+
+class WorkerHeartbeat(Base):
+    """A live inference worker: the id its claimed jobs carry and when it last beat.
+
+    A running job whose worker has no row here, or a row older than the heartbeat
+    timeout, has no live owner; the reconciler hands it back to the queue.
+    """
+
+    __tablename__ = "workers"
+
+    # Same width as jobs.worker_id, the value it is matched against.
+    id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -1,8 +1,11 @@
 """The job state machine: which status may follow which.
 
-    queued ──► running ──► succeeded | failed | cancelled
-      │  ▲──────┘ (re-claim after a redelivery)
+    queued ◄──► running ──► succeeded | failed | cancelled
+      │           ▲──┘ (re-claim after a redelivery)
       └──► failed | cancelled
+
+running → queued hands a job back when its worker drained without finishing it, or
+stopped heart-beating (see `storage.workers`).
 
 The query functions in `storage.jobs` enforce the same table atomically in SQL
 (`UPDATE ... WHERE status IN (...)`); `check_transition` is for code that moves a loaded
@@ -19,8 +22,10 @@ _QUEUED, _RUNNING = JobStatus.QUEUED, JobStatus.RUNNING
 ALLOWED_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.QUEUED: frozenset({_RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
     # running → running: a worker re-claims a job Kafka redelivered after a crash.
+    # running → queued: handed back by a draining worker, or by the reconciler when the
+    # worker that claimed it stopped heart-beating.
     JobStatus.RUNNING: frozenset(
-        {_RUNNING, JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED}
+        {_QUEUED, _RUNNING, JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED}
     ),
     JobStatus.SUCCEEDED: frozenset(),
     JobStatus.FAILED: frozenset(),
