@@ -71,6 +71,12 @@ class Settings(BaseSettings):
     # A partition silent this long while records wait beyond the consumer's position is
     # restarted from its committed offset (a fetch stall; see workers/inference/stall_watchdog).
     worker_stall_after_s: float = Field(default=15.0, gt=0)
+    # Liveness: each worker stamps its row in the `workers` table this often. One silent
+    # for worker_heartbeat_timeout_s counts as dead: the reconciler hands its running jobs
+    # back to the queue, or fails those that have had job_max_attempts claims already.
+    worker_heartbeat_interval_s: float = Field(default=5.0, gt=0)
+    worker_heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    job_max_attempts: int = Field(default=3, ge=1)
     result_cache_ttl_s: int = Field(default=86_400, ge=0)
 
     # Reconciler: re-publish jobs still queued after this long.
@@ -166,6 +172,11 @@ class Settings(BaseSettings):
                              "delivery would be claimed again while still in flight")
         if any(delay < 0 for delay in self.webhook_retry_schedule):
             raise ValueError("webhook_retry_schedule holds seconds, none negative")
+        if self.worker_heartbeat_timeout_s < 2 * self.worker_heartbeat_interval_s:
+            raise ValueError(
+                f"worker_heartbeat_timeout_s ({self.worker_heartbeat_timeout_s}) must be at "
+                f"least twice worker_heartbeat_interval_s ({self.worker_heartbeat_interval_s}), "
+                "or one late beat would declare a live worker dead and re-run its jobs")
         if self.autoscale_min_workers > self.autoscale_max_workers:
             raise ValueError(f"autoscale_min_workers ({self.autoscale_min_workers}) must not "
                              f"exceed autoscale_max_workers ({self.autoscale_max_workers})")

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import redis
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.messages import JobMessage
@@ -124,6 +125,22 @@ class JobStore:
                 self._redis, prefix=self._prefix, job_id=message.job_id, status=JobStatus.FAILED
             )
         return finished
+
+    def release(self, job_ids: list[str], *, worker_id: str) -> int:
+        """Hand this worker's unfinished jobs back to the queue as it stops; how many moved.
+
+        Only jobs still running under `worker_id` move. A database error is logged, not
+        raised: the worker leaves either way, and once its heartbeat row is gone the
+        reconciler hands the jobs back itself.
+        """
+        try:
+            with self._sessions() as session:
+                released = jobs.release_jobs(session, job_ids=job_ids, worker_id=worker_id)
+                session.commit()
+        except SQLAlchemyError as e:
+            logger.warning("cannot hand %d job(s) back to the queue: %s", len(job_ids), e)
+            return 0
+        return len(released)
 
     def _cache_key(self, message: JobMessage) -> str | None:
         # Salted by tenant: equal requests of one tenant share results, tenants never do;

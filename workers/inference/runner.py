@@ -1,9 +1,9 @@
 """Wiring one inference worker process: build its parts, run it, tear everything down.
 
 Responsible for: the order of start-up (topics, engine load before joining the consumer
-group so a slow load never stalls a rebalance, database, Redis, the cancel subscription,
-the consumer), a `finally` for every part started, SIGTERM/SIGINT turning into a clean
-drain, and the optional Prometheus exporter.
+group so a slow load never stalls a rebalance, database, the heartbeat, Redis, the cancel
+subscription, the consumer), a `finally` for every part started, SIGTERM/SIGINT turning
+into a clean drain, and the optional Prometheus exporter.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from workers.engine import EngineConfig, LLMEngine
 from workers.engine.model_card import ModelCard, describe_model
 from workers.engine.registry import resolve_model
 from workers.inference.engine_loop import EngineLoop
+from workers.inference.heartbeat import Heartbeat
 from workers.inference.job_store import JobStore
 from workers.inference.worker import Worker
 
@@ -88,6 +89,11 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
     with ExitStack() as stack:
         db_engine = create_db_engine(settings.database_url)
         stack.callback(db_engine.dispose)
+        worker_id = default_worker_id()
+        # Beating before the consumer joins, and stopped (its row deleted) only after
+        # the drain handed back what the worker could not finish.
+        stack.enter_context(Heartbeat(session_factory(db_engine), worker_id=worker_id,
+                                      interval_s=settings.worker_heartbeat_interval_s))
         redis_client = redis.Redis.from_url(settings.redis_url)
         stack.callback(redis_client.close)
         card = announce_model(settings, redis_client)
@@ -110,7 +116,7 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
                 model_revision=card.revision,
             ),
             cancels=cancels,
-            worker_id=default_worker_id(),
+            worker_id=worker_id,
         )
         stack.enter_context(_SignalStop(worker))
         worker.run()

@@ -172,6 +172,7 @@ class Worker:
             self._engine.abort(job.message.job_id)
         if self._inflight:
             logger.warning("released %d unfinished jobs for redelivery", len(self._inflight))
+            self._store.release(list(self._inflight), worker_id=self.worker_id)
         self._inflight.clear()
         self._commit()
         metrics.WORKER_INFLIGHT.set(0)

@@ -1,0 +1,122 @@
+"""The worker's heartbeat thread and its hand-back of unfinished jobs, on a SQLite file."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.settings import Settings
+from storage.db import create_db_engine, session_factory
+from storage.jobs import create_job, get_job, mark_running
+from storage.models import Base, JobStatus, WorkerHeartbeat
+from storage.tenants import create_tenant
+from workers.inference.heartbeat import Heartbeat
+from workers.inference.job_store import JobStore
+
+
+@pytest.fixture
+def sessions(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
+    """Sessions on a fresh SQLite file with every table."""
+    engine = create_db_engine(f"sqlite:///{tmp_path / 'db' / 'hb.db'}")
+    Base.metadata.create_all(engine)
+    yield session_factory(engine)
+    engine.dispose()
+
+
+@pytest.fixture
+def empty_sessions(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
+    """Sessions on a SQLite file without tables: every statement fails."""
+    engine = create_db_engine(f"sqlite:///{tmp_path / 'db' / 'empty.db'}")
+    yield session_factory(engine)
+    engine.dispose()
+
+
+def rows(sessions: sessionmaker[Session]) -> list[WorkerHeartbeat]:
+    """The workers table as committed."""
+    with sessions() as session:
+        return list(session.scalars(select(WorkerHeartbeat)))
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Poll `check` (the machine may be busy: no tight timing is asserted)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_start_writes_the_row_beats_move_it_and_stop_deletes_it(
+    sessions: sessionmaker[Session],
+) -> None:
+    heartbeat = Heartbeat(sessions, worker_id="host-1", interval_s=0.05)
+    heartbeat.start()
+    try:
+        (first,) = rows(sessions)  # before start returned: no job is ever claimed row-less
+        assert first.id == "host-1"
+        wait_until("a later beat",
+                   lambda: rows(sessions)[0].heartbeat_at > first.heartbeat_at)
+        # A reconciler pruned the row while the worker was stalled: the next beat is back.
+        with sessions() as session:
+            session.delete(session.get(WorkerHeartbeat, "host-1"))
+            session.commit()
+        wait_until("the row to come back", lambda: len(rows(sessions)) == 1)
+        assert heartbeat.is_running
+    finally:
+        heartbeat.stop()
+    assert not heartbeat.is_running
+    assert rows(sessions) == []
+
+
+def test_a_database_that_cannot_take_the_first_beat_fails_the_start(
+    empty_sessions: sessionmaker[Session],
+) -> None:
+    heartbeat = Heartbeat(empty_sessions, worker_id="host-1", interval_s=1.0)
+    with pytest.raises(OperationalError):
+        heartbeat.start()
+    assert not heartbeat.is_running
+    heartbeat.stop()  # logs that the row cannot be deleted; does not raise
+
+
+def test_interval_must_be_positive(sessions: sessionmaker[Session]) -> None:
+    with pytest.raises(ValueError, match="interval"):
+        Heartbeat(sessions, worker_id="w", interval_s=0)
+
+
+def test_release_hands_back_this_workers_running_jobs(sessions: sessionmaker[Session]) -> None:
+    store = JobStore(sessions, redis.Redis(), prefix="t", result_cache_ttl_s=0)
+    with sessions() as session:
+        tenant = create_tenant(session, name="acme")
+        job_ids = [
+            create_job(session, tenant_id=tenant.id, priority="low", model="m",
+                       kind="text_completion", request={"prompt": f"p{i}"}).id
+            for i in range(3)
+        ]
+        mark_running(session, job_id=job_ids[0], worker_id="me")
+        mark_running(session, job_id=job_ids[1], worker_id="me")
+        mark_running(session, job_id=job_ids[1], worker_id="other")  # redelivered elsewhere
+        session.commit()
+    assert store.release(job_ids, worker_id="me") == 1
+    with sessions() as session:
+        statuses = [get_job(session, job_id=i).status for i in job_ids]  # type: ignore[union-attr]
+    assert statuses == [JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.QUEUED]
+
+
+def test_release_logs_instead_of_raising_when_the_database_fails(
+    empty_sessions: sessionmaker[Session], caplog: pytest.LogCaptureFixture
+) -> None:
+    store = JobStore(empty_sessions, redis.Redis(), prefix="t", result_cache_ttl_s=0)
+    assert store.release(["job_1"], worker_id="me") == 0
+    assert "cannot hand 1 job(s) back" in caplog.text
+
+
+def test_a_timeout_shorter_than_two_beats_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least twice worker_heartbeat_interval_s"):
+        Settings(worker_heartbeat_interval_s=5, worker_heartbeat_timeout_s=9)
+    assert Settings(worker_heartbeat_interval_s=5, worker_heartbeat_timeout_s=10)

@@ -1,0 +1,100 @@
+"""A worker's heartbeat: its row in the `workers` table, stamped by a small daemon thread.
+
+Why one row per worker rather than a lease on each claimed job: a lease has to be renewed
+on every running job (a worker holding 128 jobs rewrites 128 hot rows per interval, racing
+the result writes on the same rows), while a heartbeat is one UPDATE per interval whatever
+the worker runs. Jobs already name their worker (`jobs.worker_id`), so the worker's
+liveness says whether they have an owner; the table also shows operators who is alive.
+
+Responsible for:
+- the first beat, written before `start` returns, so the row exists before the worker
+  claims anything (otherwise its first jobs would look orphaned); an unreachable
+  database fails the start;
+- one beat every interval on a daemon thread. A failed beat is logged and retried at
+  the next tick: a worker that cannot reach the database for the whole timeout cannot
+  store results either, and its jobs are better off with another worker;
+- deleting the row at stop, so whatever the worker leaves `running` is handed back by
+  the reconciler's next pass instead of after the timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from types import TracebackType
+
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage.workers import record_heartbeat, remove_worker
+
+logger = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Keeps `worker_id`'s row fresh every `interval_s` between start and stop."""
+
+    def __init__(
+        self, sessions: sessionmaker[Session], *, worker_id: str, interval_s: float
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"heartbeat interval must be positive seconds, got {interval_s}")
+        self.worker_id = worker_id
+        self.interval_s = interval_s
+        self._sessions = sessions
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the beating thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Write the first beat (raising if it fails), then beat on a daemon thread."""
+        if self._thread is not None:
+            raise RuntimeError(f"heartbeat of {self.worker_id} already started")
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+        logger.info("worker %s heart-beating every %.1fs", self.worker_id, self.interval_s)
+
+    def beat(self) -> None:
+        """Stamp the row now (inserting it if missing)."""
+        with self._sessions() as session:
+            record_heartbeat(session, worker_id=self.worker_id)
+            session.commit()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop beating and delete the row: the worker no longer owns anything."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        try:
+            with self._sessions() as session:
+                remove_worker(session, worker_id=self.worker_id)
+                session.commit()
+        except SQLAlchemyError as e:
+            # The row then ages out: its jobs are handed back after the timeout instead.
+            logger.warning("cannot delete the heartbeat row of %s: %s", self.worker_id, e)
+
+    def __enter__(self) -> Heartbeat:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.beat()
+            except SQLAlchemyError as e:
+                logger.warning("heartbeat of %s failed (%s); retrying in %.1fs",
+                               self.worker_id, e, self.interval_s)
