@@ -48,7 +48,8 @@ class SchedulerRole:
             self._stack.callback(redis_client.close)
             sessions = session_factory(engine)
             store = FileStore.from_settings(settings)
-            self.reconciler = Reconciler(settings, sessions, producer)
+            self.reconciler = Reconciler(settings, sessions, producer,
+                                         redis_client=redis_client)
             self.batches = BatchRunner(settings, sessions, producer, redis_client, store)
             # Expiry is hour-grained and the API hides expired files at once, so the
             # reconciler's pace is plenty.

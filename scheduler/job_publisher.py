@@ -1,0 +1,119 @@
+"""Produce stored jobs to Kafka a page at a time, telling a bad row from a bad broker.
+
+Responsible for: building each job's message, sending the page, waiting for the broker's
+acknowledgements, and sorting every job of the page into one of three outcomes:
+- published: the broker has it;
+- unpublishable: no message can ever carry this row (its text cannot be encoded, it is
+  larger than a record may be, a field fails the message schema). Retrying cannot help,
+  so the caller fails the job with the reason and moves on: one bad row never holds
+  back the rows behind it;
+- unsent: the broker did not answer (down, slow, no leader). Nothing is wrong with the
+  job; it stays stale and a later pass sends it again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kafka import KafkaProducer
+from kafka.errors import (
+    InvalidRecordError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+)
+from kafka.producer.future import FutureRecordMetadata
+
+from core.kafka import publish_job
+from core.messages import JobMessage
+from core.settings import Settings
+from storage.models import Job
+
+logger = logging.getLogger(__name__)
+
+# Broker and client errors about one record itself, not about the broker: sending the
+# same record again fails the same way.
+RECORD_ERRORS: tuple[type[KafkaError], ...] = (
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    InvalidRecordError,
+)
+
+
+def job_message(job: Job) -> JobMessage:
+    """The Kafka message that carries a stored job."""
+    return JobMessage(
+        job_id=job.id,
+        tenant_id=job.tenant_id,
+        priority=job.priority,
+        model=job.model,
+        kind=job.kind,  # type: ignore[arg-type]
+        body=job.request,
+        batch_id=job.batch_id,
+        custom_id=job.custom_id,
+        cache_key=job.cache_key,
+        attempt=job.attempts + 1,
+    )
+
+
+@dataclass(slots=True)
+class PublishOutput:
+    """What became of one page of jobs (see the module docstring)."""
+
+    published_ids: list[str] = field(default_factory=list)
+    # job id → why no message can carry it, in words safe to store and show.
+    id_to_unpublishable_reason: dict[str, str] = field(default_factory=dict)
+    unsent_ids: list[str] = field(default_factory=list)
+    # The first broker error met, for the caller to raise once it has stored the rest.
+    broker_error: KafkaError | None = None
+
+
+def publish_jobs(
+    producer: KafkaProducer, settings: Settings, jobs: list[Job], *, timeout_s: float
+) -> PublishOutput:
+    """Send every job of the page and sort each into published, unpublishable or unsent.
+
+    Raises nothing for a row's own fault or a broker failure; those are in the output.
+    """
+    output = PublishOutput()
+    pending: list[tuple[str, FutureRecordMetadata]] = []
+    for job in jobs:
+        if output.broker_error is not None:
+            output.unsent_ids.append(job.id)  # the broker is gone: spare it the rest
+            continue
+        try:
+            pending.append((job.id, publish_job(producer, settings, job_message(job))))
+        except RECORD_ERRORS as e:
+            output.id_to_unpublishable_reason[job.id] = describe(e)
+        except KafkaError as e:
+            output.broker_error = e
+            output.unsent_ids.append(job.id)
+        except (ValueError, TypeError) as e:
+            # Schema, priority and encoding errors (UnicodeEncodeError is a ValueError).
+            output.id_to_unpublishable_reason[job.id] = describe(e)
+    if pending:
+        producer.flush(timeout=timeout_s)
+    for job_id, future in pending:
+        try:
+            future.get(timeout=timeout_s)
+        except RECORD_ERRORS as e:
+            output.id_to_unpublishable_reason[job_id] = describe(e)
+        except KafkaError as e:
+            output.broker_error = output.broker_error or e
+            output.unsent_ids.append(job_id)
+        else:
+            output.published_ids.append(job_id)
+    for job_id, reason in output.id_to_unpublishable_reason.items():
+        logger.warning("job %s cannot be published: %s", job_id, reason)
+    return output
+
+
+def describe(error: BaseException) -> str:
+    """`Type: message`, with any unencodable character escaped so it can be stored.
+
+    The error may quote the very text that could not be encoded (a lone surrogate); the
+    stored reason must not carry it on.
+    """
+    text = f"{type(error).__name__}: {error}"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
