@@ -68,6 +68,25 @@ class AttentionBackend(ABC):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
 
+    def decode_metadata(
+        self,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+    ) -> object:
+        """Metadata over fixed decode buffers, for backends that support CUDA graphs.
+
+        slot_mapping (B,) int64, seq_lens (B,) int32, block_tables (B, W) int32 and
+        cu_seqlens_q (B + 1,) int32 = 0..B: their contents change between replays, never
+        their addresses.
+        """
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA-graph path")
+
+    def pool_workspace_ratio(self, num_layers: int) -> float:
+        """Bytes of gather workspace a step may need per byte of KV pool (0: reads in place)."""
+        return 0.0
+
     @abstractmethod
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> object:
         """Turn the step's layout into the tensors forward() needs, once for all layers."""
@@ -155,9 +174,18 @@ class TorchAttentionBackend(AttentionBackend):
         self._k_workspace: torch.Tensor | None = None
         self._v_workspace: torch.Tensor | None = None
 
+    def pool_workspace_ratio(self, num_layers: int) -> float:
+        """A decode group gathers up to one layer's K and V, padded by the group growth."""
+        return _DECODE_GROUP_GROWTH / num_layers
+
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchAttentionMetadata:
-        """Group decodes by length, describe each longer chunk, list the blocks to gather."""
+        """Group decodes by length, describe each longer chunk, list the blocks to gather.
+
+        Masks are built on the device from the step's lengths: the host sends one small
+        vector of lengths, not (rows, keys) matrices.
+        """
         block_size = layout.block_size
+        seq_lens_dev: torch.Tensor | None = None
         meta = TorchAttentionMetadata(layout.slot_mapping, torch.empty(0, dtype=torch.int64))
         seq_nblocks = [-(-n // block_size) for n in layout.seq_lens]
         gather: list[int] = []
@@ -172,9 +200,12 @@ class TorchAttentionBackend(AttentionBackend):
             for i in range(start, end):
                 gather += layout.block_tables[i][: seq_nblocks[i]]
                 gather += [0] * (num_blocks - seq_nblocks[i])
-            seq_lens = torch.tensor(layout.seq_lens[start:end])
-            allowed = torch.arange(num_blocks * block_size)[None, :] < seq_lens[:, None]
-            mask = to_device(_additive(allowed, layout.dtype)[:, None, None, :], device)
+            if seq_lens_dev is None:
+                decode_lens = torch.tensor(layout.seq_lens[: layout.num_decodes])
+                seq_lens_dev = to_device(decode_lens, device)
+            keys = torch.arange(num_blocks * block_size, device=device)
+            allowed = keys[None, :] < seq_lens_dev[start:end, None]
+            mask = _additive(allowed, layout.dtype)[:, None, None, :]
             meta.decode_groups.append(_DecodeGroup(start, end, offset, num_blocks, mask))
             meta.max_part_blocks = max(meta.max_part_blocks, len(gather) - offset)
             start = end
@@ -187,8 +218,9 @@ class TorchAttentionBackend(AttentionBackend):
                 chunk.offset = len(gather)
                 gather += layout.block_tables[i][: seq_nblocks[i]]
                 # Query j sits at position num_cached + j and sees keys 0..num_cached + j.
-                allowed = torch.arange(seq_len)[None, :] <= (num_cached + torch.arange(n))[:, None]
-                chunk.mask = to_device(_additive(allowed, layout.dtype), device)
+                keys = torch.arange(seq_len, device=device)
+                queries = torch.arange(num_cached, seq_len, device=device)
+                chunk.mask = _additive(keys[None, :] <= queries[:, None], layout.dtype)
                 meta.max_part_blocks = max(meta.max_part_blocks, seq_nblocks[i])
             meta.chunks.append(chunk)
             row += n
@@ -268,4 +300,5 @@ class TorchAttentionBackend(AttentionBackend):
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool mask -> 0 / -inf in q's dtype, built once per step instead of by SDPA per layer."""
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return zeros.masked_fill_(~allowed, float("-inf"))

@@ -13,7 +13,8 @@ class EngineConfig:
     """Everything that shapes one engine instance.
 
     `block_size=None` lets the attention backend choose (flash-attn's paged KV needs a
-    multiple of 256; the torch path defaults to 16). The KV pool is sized from
+    multiple of 256; Triton a power of two >= 16, default 16; the torch path any, default
+    16). The KV pool is sized from
     `kv_cache_memory_bytes` when given, else from `gpu_memory_utilization` of free CUDA
     memory, else (CPU) 1 GiB or what `max_num_seqs` full-length sequences need, if less;
     `num_kv_blocks` overrides both, for tests that want preemption.
@@ -23,7 +24,7 @@ class EngineConfig:
     models_dir: Path = DEFAULT_MODELS_DIR
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    attention_backend: str = "auto"  # auto | torch | flash
+    attention_backend: str = "auto"  # auto | torch | triton | flash
     block_size: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -46,9 +47,10 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
-        if self.attention_backend not in {"auto", "torch", "flash"}:
+        if self.attention_backend not in {"auto", "torch", "triton", "flash"}:
             raise ValueError(
-                f"attention_backend must be auto, torch or flash, got {self.attention_backend!r}"
+                "attention_backend must be auto, torch, triton or flash, "
+                f"got {self.attention_backend!r}"
             )
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")

@@ -5,6 +5,11 @@ one graph per batch size in `capture_sizes(max_batch_size)` (largest first, shar
 memory pool), and for padding a decode batch up to the next captured size. Padded rows
 write into and read from a scratch block the block manager never hands out, so they
 cannot disturb real sequences. Nothing is captured again after start-up.
+
+Any backend with `supports_cuda_graphs` (Triton, flash-attn) works: it builds its decode
+metadata over the buffers here, whose addresses stay fixed while their contents change.
+A captured forward must not sync with the host, read host memory or allocate outside the
+graph's pool; tests check that with a capture emulator on the CPU.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 
 import torch
 
-from workers.engine.flash_attention import FlashAttentionBackend
+from workers.engine.attention import AttentionBackend
 from workers.engine.model import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -34,7 +39,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        backend: FlashAttentionBackend,
+        backend: AttentionBackend,
         kv_cache: torch.Tensor,
         *,
         max_batch_size: int,
@@ -42,6 +47,8 @@ class DecodeGraphs:
         scratch_block: int,
         block_size: int,
     ) -> None:
+        if not backend.supports_cuda_graphs:
+            raise ValueError(f"the {backend.name} attention backend cannot run in CUDA graphs")
         self.model = model
         self.backend = backend
         self.kv_cache = kv_cache
@@ -55,6 +62,8 @@ class DecodeGraphs:
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        # One query per sequence: row i's queries are i..i+1, for every batch size.
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.full(
             (n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device
         )
@@ -71,7 +80,10 @@ class DecodeGraphs:
         pool = None
         for size in reversed(self.sizes):
             meta = self.backend.decode_metadata(
-                self.slot_mapping[:size], self.seq_lens[:size], self.block_tables[:size]
+                self.slot_mapping[:size],
+                self.seq_lens[:size],
+                self.block_tables[:size],
+                self.cu_seqlens_q[: size + 1],
             )
             args = (self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
             self.hidden[:size] = self.model(*args)  # warm-up: lazy kernel initialisation
@@ -101,8 +113,8 @@ class DecodeGraphs:
         width = max(len(t) for t in block_tables)
         tables = [t + [self.scratch_block] * (width - len(t)) for t in block_tables]
         tables += [[self.scratch_block] * width] * pad
-        # One pinned host tensor per dtype; the caching host allocator keeps each alive until
-        # its asynchronous copy has finished, so no buffer is overwritten while in flight.
+        # One host tensor per dtype, pinned on CUDA; the caching host allocator keeps each
+        # alive until its asynchronous copy has finished, so none is overwritten in flight.
         rows = torch.tensor(
             [
                 input_ids + [0] * pad,
@@ -110,13 +122,16 @@ class DecodeGraphs:
                 slot_mapping + [self.scratch_slot] * pad,
             ],
             dtype=torch.int64,
-        ).pin_memory()
-        lens = torch.tensor(seq_lens + [1] * pad, dtype=torch.int32).pin_memory()
-        table = torch.tensor(tables, dtype=torch.int32).pin_memory()
-        self.input_ids[:size].copy_(rows[0], non_blocking=True)
-        self.positions[:size].copy_(rows[1], non_blocking=True)
-        self.slot_mapping[:size].copy_(rows[2], non_blocking=True)
-        self.seq_lens[:size].copy_(lens, non_blocking=True)
-        self.block_tables[:size, :width].copy_(table, non_blocking=True)
+        )
+        lens = torch.tensor(seq_lens + [1] * pad, dtype=torch.int32)
+        table = torch.tensor(tables, dtype=torch.int32)
+        is_cuda = self.input_ids.device.type == "cuda"
+        if is_cuda:
+            rows, lens, table = rows.pin_memory(), lens.pin_memory(), table.pin_memory()
+        self.input_ids[:size].copy_(rows[0], non_blocking=is_cuda)
+        self.positions[:size].copy_(rows[1], non_blocking=is_cuda)
+        self.slot_mapping[:size].copy_(rows[2], non_blocking=is_cuda)
+        self.seq_lens[:size].copy_(lens, non_blocking=is_cuda)
+        self.block_tables[:size, :width].copy_(table, non_blocking=is_cuda)
         self.graphs[size].replay()
         return self.hidden[:batch]

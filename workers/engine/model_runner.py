@@ -10,6 +10,7 @@ It reads sequences and never changes them.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,13 +20,18 @@ from transformers import PretrainedConfig
 from workers.engine.attention import AttentionBackend, BatchLayout, TorchAttentionBackend, to_device
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs
-from workers.engine.flash_attention import HAS_FLASH_ATTN, FlashAttentionBackend
+from workers.engine.flash_attention import (
+    HAS_FLASH_ATTN,
+    MIN_FLASH_CAPABILITY,
+    FlashAttentionBackend,
+)
 from workers.engine.loader import load_hf_config, load_model, read_eos_token_ids
 from workers.engine.model import check_supported, head_dim_of
 from workers.engine.registry import resolve_model
 from workers.engine.sampler import SampledToken, Sampler
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence
+from workers.engine.triton_attention import HAS_TRITON, TritonAttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +64,10 @@ class ModelRunner:
         self.hf_config: PretrainedConfig = load_hf_config(self.model_dir)
         check_supported(self.hf_config)
         self.device = _pick_device(config.device)
+        if self.device.type == "cuda":
+            # cuda:N must be the current device: graphs capture on the current device's
+            # stream, and Triton launches on it.
+            torch.cuda.set_device(self.device)
         self.dtype = _pick_dtype(config.dtype, self.hf_config, self.device)
         self.backend = _pick_backend(
             config.attention_backend, self.device, self.dtype, self.hf_config
@@ -248,17 +258,30 @@ class ModelRunner:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _cuda_kv_budget(self) -> int:
-        """gpu_memory_utilization of free memory, less what the largest step needs."""
+        """gpu_memory_utilization of free memory, less every workspace a step can need.
+
+        Measured: the largest prefill step's activations, attention metadata and masks,
+        and the sampler's temporaries for a full batch with top-k, top-p and logprobs.
+        Computed: a gathering backend's workspace, which grows with the pool itself.
+        """
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         self._profile_step()
+        self._profile_sampler()
         peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
-        # The sampler's (num_seqs, vocab) fp32 temporaries for a full decode batch.
-        sampler_bytes = 4 * 4 * self.config.max_num_seqs * self.hf_config.vocab_size
-        return int(free * self.config.gpu_memory_utilization) - peak - sampler_bytes
+        budget = int(free * self.config.gpu_memory_utilization) - peak
+        ratio = self.backend.pool_workspace_ratio(self.hf_config.num_hidden_layers)
+        return int(budget / (1 + ratio))
+
+    def _profile_sampler(self) -> None:
+        """Sample a full batch of vocab-wide rows with every option that allocates."""
+        num_rows = self.config.max_num_seqs
+        logits = torch.zeros(num_rows, self.hf_config.vocab_size, device=self.device)
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=True, seed=0)
+        self.sampler.sample(logits, [params] * num_rows, [0] * num_rows)
 
     def _profile_step(self) -> None:
         """Run the largest prefill step once on a throwaway pool to measure activations."""
@@ -280,8 +303,11 @@ class ModelRunner:
         del self.kv_cache
 
     def _capture_graphs(self) -> None:
-        if not isinstance(self.backend, FlashAttentionBackend):
-            logger.info("CUDA graphs need the flash attention backend; running decode eagerly")
+        if not self.backend.supports_cuda_graphs:
+            logger.warning(
+                "the %s attention backend cannot run in CUDA graphs; decode runs eagerly",
+                self.backend.name,
+            )
             return
         self.graphs = DecodeGraphs(
             self.model,
@@ -320,19 +346,48 @@ def _pick_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) ->
 def _pick_backend(
     name: str, device: torch.device, dtype: torch.dtype, hf_config: PretrainedConfig
 ) -> AttentionBackend:
-    """auto: flash-attn on CUDA in fp16/bf16 when it imports, else the torch path."""
+    """auto: on CUDA flash-attn (fp16/bf16, sm80+) when installed, else Triton; CPU: torch."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = head_dim_of(hf_config)
-    is_half = dtype in (torch.float16, torch.bfloat16)
-    if name == "flash":
-        if device.type != "cuda" or not HAS_FLASH_ATTN:
+    if name == "torch":
+        return TorchAttentionBackend(heads, kv_heads, head_dim)
+    if name == "flash" or name == "auto" and device.type == "cuda":
+        reason = _flash_unusable(device, dtype)
+        if reason is None:
+            return FlashAttentionBackend(heads, kv_heads, head_dim)
+        if name == "flash":
+            raise ValueError(f"attention_backend 'flash' cannot run here: {reason}")
+        logger.info("flash attention not used: %s", reason)
+    if name == "triton" or name == "auto" and device.type == "cuda":
+        if HAS_TRITON and (device.type == "cuda" or _is_triton_interpreting()):
+            return TritonAttentionBackend(heads, kv_heads, head_dim)
+        if name == "triton":
             raise ValueError(
-                "attention_backend 'flash' needs CUDA and the flash-attn package "
-                "(pip install 'batchinfer[flash]')"
+                "attention_backend 'triton' needs CUDA and the triton package (it comes with "
+                "torch's CUDA wheels)"
             )
-        if not is_half:
-            raise ValueError("dtype must be float16 or bfloat16 with attention_backend 'flash'")
-    if name == "flash" or (name == "auto" and device.type == "cuda" and HAS_FLASH_ATTN and is_half):
-        return FlashAttentionBackend(heads, kv_heads, head_dim)
+        logger.warning(
+            "CUDA without flash-attn or Triton: falling back to torch paged attention, "
+            "without CUDA graphs and several times slower; install torch's CUDA wheel "
+            "(which brings triton)"
+        )
     return TorchAttentionBackend(heads, kv_heads, head_dim)
+
+
+def _flash_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why flash-attn cannot run here, or None when it can."""
+    if device.type != "cuda":
+        return "it needs CUDA"
+    if not HAS_FLASH_ATTN:
+        return "the flash-attn package is not installed (see the README)"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "dtype must be float16 or bfloat16"
+    if torch.cuda.get_device_capability(device) < MIN_FLASH_CAPABILITY:
+        return "it needs a GPU of compute capability 8.0 or newer"
+    return None
+
+
+def _is_triton_interpreting() -> bool:
+    """Triton's interpreter runs kernels on the CPU (TRITON_INTERPRET=1), for tests."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

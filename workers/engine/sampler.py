@@ -53,24 +53,41 @@ class Sampler:
 
         Transfers the results to the host once: the only device sync of a step.
         """
+        token_ids, logprobs = self.sample_on_device(logits, params, steps)
+        return self.to_host(token_ids, logprobs, params)
+
+    def sample_on_device(
+        self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token ids (R,) int64 and, when any row asked, logprobs (R,) float64 (NaN for the
+        rows that did not), both still on the logits' device: no host sync."""
         num_rows = logits.shape[0]
         if len(params) != num_rows or len(steps) != num_rows:
             raise ValueError("params and steps must have one entry per logits row")
         token_ids = self._pick(logits, params, steps)
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs]
-        if want_logprobs:
-            rows = _on(want_logprobs, torch.int64, logits.device)
-            logprobs = torch.full(
-                (num_rows,), float("nan"), device=logits.device, dtype=torch.float64
-            )
-            picked = torch.log_softmax(logits[rows], dim=-1).gather(1, token_ids[rows, None])
-            logprobs[rows] = picked.squeeze(1).double()
-            host = torch.stack([token_ids.double(), logprobs]).tolist()
-            return [
-                SampledToken(int(t), lp if params[i].logprobs else None)
-                for i, (t, lp) in enumerate(zip(host[0], host[1], strict=True))
-            ]
-        return [SampledToken(t, None) for t in token_ids.tolist()]
+        if not want_logprobs:
+            return token_ids, None
+        rows = _on(want_logprobs, torch.int64, logits.device)
+        logprobs = torch.full((num_rows,), float("nan"), device=logits.device, dtype=torch.float64)
+        picked = torch.log_softmax(logits[rows], dim=-1).gather(1, token_ids[rows, None])
+        logprobs[rows] = picked.squeeze(1).double()
+        return token_ids, logprobs
+
+    def to_host(
+        self,
+        token_ids: torch.Tensor,
+        logprobs: torch.Tensor | None,
+        params: list[SamplingParams],
+    ) -> list[SampledToken]:
+        """One device-to-host transfer of sample_on_device()'s results."""
+        if logprobs is None:
+            return [SampledToken(t, None) for t in token_ids.tolist()]
+        host = torch.stack([token_ids.double(), logprobs]).tolist()
+        return [
+            SampledToken(int(t), lp if params[i].logprobs else None)
+            for i, (t, lp) in enumerate(zip(host[0], host[1], strict=True))
+        ]
 
     def _pick(
         self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
