@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
-from tests.unit.engine.checkpoints import make_seq, place, save_llama
+from tests.unit.engine.checkpoints import TINY, make_seq, place, save_llama
+from workers.engine import model_runner
 from workers.engine.attention import (
     AttentionBackend,
     BatchLayout,
@@ -17,7 +21,8 @@ from workers.engine.attention import (
 )
 from workers.engine.config import EngineConfig
 from workers.engine.flash_attention import HAS_FLASH_ATTN, FlashAttentionBackend
-from workers.engine.model_runner import ModelRunner
+from workers.engine.model_runner import ModelRunner, _pick_backend
+from workers.engine.triton_attention import TritonAttentionBackend
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
 # (cached tokens, new tokens) per sequence: decodes of many lengths, then chunks with and
@@ -40,13 +45,17 @@ def dense_reference(
 
 
 def run_backend(
-    backend: AttentionBackend, block_size: int, device: torch.device, dtype: torch.dtype
+    backend: AttentionBackend,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    step_shapes: list[tuple[int, int]] = SHAPES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One paged step over SHAPES; returns (backend output, float64 reference)."""
+    """One paged step over (cached, new) step_shapes; returns (output, float64 reference)."""
     gen = torch.Generator().manual_seed(0)
     # Rows ordered as the runner orders them: single queries first, shortest first.
-    shapes = sorted((s for s in SHAPES if s[1] == 1), key=lambda s: s[0])
-    shapes += [s for s in SHAPES if s[1] != 1]
+    shapes = sorted((s for s in step_shapes if s[1] == 1), key=lambda s: s[0])
+    shapes += [s for s in step_shapes if s[1] != 1]
     seq_lens = [c + n for c, n in shapes]
     needed = [-(-n // block_size) for n in seq_lens]
     ids = list(range(sum(needed)))
@@ -154,13 +163,17 @@ def test_flash_backend_refused_without_cuda(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend_name", ["torch", "flash"])
+@pytest.mark.parametrize("backend_name", ["torch", "triton", "flash"])
 def test_cuda_backends_match_dense_attention(backend_name: str) -> None:
-    """Both backends on CUDA in bf16, within bf16 rounding of the float64 reference."""
+    """Every backend on CUDA in bf16, within bf16 rounding of the float64 reference."""
     if backend_name == "flash" and not HAS_FLASH_ATTN:
         pytest.skip("flash-attn is not installed")
-    cls = FlashAttentionBackend if backend_name == "flash" else TorchAttentionBackend
-    backend = cls(HEADS, KV_HEADS, HEAD_DIM)
+    classes: dict[str, type[AttentionBackend]] = {
+        "torch": TorchAttentionBackend,
+        "triton": TritonAttentionBackend,
+        "flash": FlashAttentionBackend,
+    }
+    backend = classes[backend_name](HEADS, KV_HEADS, HEAD_DIM)
     block_size = backend.default_block_size
     out, ref = run_backend(backend, block_size, torch.device("cuda"), torch.bfloat16)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
@@ -168,9 +181,7 @@ def test_cuda_backends_match_dense_attention(backend_name: str) -> None:
 
 @pytest.mark.gpu
 def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
-    """Decode logits replayed from a CUDA graph equal the eager forward's."""
-    if not HAS_FLASH_ATTN:
-        pytest.skip("CUDA graphs run with the flash attention backend")
+    """Decode logits replayed from a CUDA graph (Triton or flash-attn) equal eager ones."""
     save_llama(tmp_path, head_dim=64, num_attention_heads=2, num_key_value_heads=1, hidden_size=128)
     runners = [
         ModelRunner(
@@ -188,3 +199,55 @@ def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
             s.num_computed_tokens = s.num_tokens - 1
         results.append(runner.compute_logits(seqs, [1, 1, 1])[1].cpu())
     torch.testing.assert_close(results[0], results[1], atol=1e-2, rtol=0)
+
+
+def _tiny_config() -> LlamaConfig:
+    options: dict[str, Any] = dict(TINY)
+    return LlamaConfig(**options)
+
+
+def test_cpu_gets_the_torch_backend() -> None:
+    """auto on the CPU is the torch path; Triton there only under its interpreter."""
+    cpu = torch.device("cpu")
+    assert _pick_backend("auto", cpu, torch.float32, _tiny_config()).name == "torch"
+    with pytest.raises(ValueError, match="attention_backend 'triton'"):
+        _pick_backend("triton", cpu, torch.float32, _tiny_config())
+
+
+def test_cuda_prefers_flash_on_sm80_then_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash-attn where installed on sm80+ in half precision, Triton otherwise."""
+    cuda = torch.device("cuda")
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(model_runner, "HAS_TRITON", True)
+    monkeypatch.setattr(model_runner, "HAS_FLASH_ATTN", True)
+    assert _pick_backend("auto", cuda, torch.bfloat16, _tiny_config()).name == "flash"
+    assert _pick_backend("auto", cuda, torch.float32, _tiny_config()).name == "triton"
+    capability[0] = (7, 5)  # T4: flash-attn 2 does not run there
+    assert _pick_backend("auto", cuda, torch.float16, _tiny_config()).name == "triton"
+    with pytest.raises(ValueError, match="compute capability 8.0"):
+        _pick_backend("flash", cuda, torch.float16, _tiny_config())
+    monkeypatch.setattr(model_runner, "HAS_FLASH_ATTN", False)
+    assert _pick_backend("auto", cuda, torch.bfloat16, _tiny_config()).name == "triton"
+
+
+def test_cuda_without_a_fast_path_warns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Neither flash-attn nor Triton: the torch path, with a WARNING saying what to install."""
+    monkeypatch.setattr(model_runner, "HAS_TRITON", False)
+    monkeypatch.setattr(model_runner, "HAS_FLASH_ATTN", False)
+    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
+        backend = _pick_backend("auto", torch.device("cuda"), torch.bfloat16, _tiny_config())
+    assert backend.name == "torch"
+    assert any(r.levelno == logging.WARNING and "triton" in r.message for r in caplog.records)
+
+
+def test_triton_block_size_is_a_kernel_tile() -> None:
+    """A power of two of at least 16 tokens."""
+    backend = TritonAttentionBackend(HEADS, KV_HEADS, HEAD_DIM)
+    backend.check_block_size(16)
+    backend.check_block_size(64)
+    for bad in (8, 24):
+        with pytest.raises(ValueError, match="power of two"):
+            backend.check_block_size(bad)

@@ -1,0 +1,123 @@
+"""The Triton kernels against their torch references, on CPU tensors via the interpreter.
+
+fp32 and fp16 run natively in the interpreter; bf16 tiles are loaded as bf16 and computed
+in fp32 there (its bf16 arithmetic is wrong), so the bf16 cases check loads, stores,
+layouts and masks, and the fp32 arithmetic the GPU runs on bf16 data.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.unit.engine.test_attention import SHAPES, run_backend
+from workers.engine.attention import TorchAttentionBackend
+from workers.engine.kernels.kv_write import kv_write
+from workers.engine.kernels.paged_attention import paged_attention
+from workers.engine.kernels.reference import paged_attention_reference, write_kv_reference
+from workers.engine.triton_attention import TritonAttentionBackend
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# (cached, new) per sequence: decodes of several lengths, chunks with and without a cache,
+# one crossing a 32-query tile.
+STEP = [(0, 1), (5, 1), (16, 1), (40, 1), (0, 12), (20, 7), (3, 40)]
+
+
+def paged_inputs(
+    step: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Random q/k/v, a pool of random cached K/V and scattered tables for `step`."""
+    gen = torch.Generator().manual_seed(0)
+    num_tokens = sum(n for _, n in step)
+    needed = [-(-(c + n) // block_size) for c, n in step]
+    width = max(needed) + 1  # a wider table than needed: the tail must never be read
+    num_blocks = sum(needed) + 2
+    ids = list(range(num_blocks))
+    random.Random(0).shuffle(ids)
+    tables = torch.zeros(len(step), width, dtype=torch.int32)
+    for i, n in enumerate(needed):
+        tables[i, :n] = torch.tensor(ids[:n])
+        tables[i, n:] = num_blocks + 1000  # out of the pool: a read past the prefix crashes
+        ids = ids[n:]
+    cu = [0]
+    for _, n in step:
+        cu.append(cu[-1] + n)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    # q/k/v as views of one fused projection, like the model's.
+    qkv = rand(num_tokens, heads + 2 * kv_heads, head_dim)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "k_cache": rand(num_blocks, block_size, kv_heads, head_dim),
+        "v_cache": rand(num_blocks, block_size, kv_heads, head_dim),
+        "cu_seqlens_q": torch.tensor(cu, dtype=torch.int32),
+        "seq_lens": torch.tensor([c + n for c, n in step], dtype=torch.int32),
+        "block_tables": tables,
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(6, 2, 16, 16), (2, 2, 24, 32)],
+    ids=["gqa3-d16-b16", "mha-d24-b32"],
+)
+def test_paged_attention_matches_reference(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """Mixed prefill + decode step, GQA or not, a head size that is no power of two."""
+    t = paged_inputs(STEP, heads, kv_heads, head_dim, block_size, dtype)
+    out = torch.full_like(t["q"], float("nan"), memory_format=torch.contiguous_format)
+    scale = head_dim**-0.5
+    max_query_len = max(n for _, n in STEP)
+    paged_attention(**t, out=out, scale=scale, max_query_len=max_query_len)
+    ref = paged_attention_reference(**t, scale=scale)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_paged_attention_decode_grid() -> None:
+    """max_query_len 1 (the CUDA-graph launch) over decodes only matches the reference."""
+    step = [(0, 1), (15, 1), (16, 1), (33, 1)]
+    t = paged_inputs(step, 6, 2, 16, 16, torch.float32)
+    out = torch.empty_like(t["q"], memory_format=torch.contiguous_format)
+    paged_attention(**t, out=out, scale=0.25, max_query_len=1)
+    ref = paged_attention_reference(**t, scale=0.25)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kv_write_matches_reference(dtype: torch.dtype) -> None:
+    """Rows land in exactly their slots, bit for bit; other slots keep their values."""
+    t = paged_inputs(STEP, 6, 2, 24, 16, dtype)
+    num_slots = t["k_cache"].shape[0] * t["k_cache"].shape[1]
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(1))
+    slots = slots[: t["k"].shape[0]]
+    k_cache, v_cache = t["k_cache"].clone(), t["v_cache"].clone()
+    kv_write(t["k"], t["v"], k_cache, v_cache, slots)
+    write_kv_reference(t["k"], t["v"], t["k_cache"], t["v_cache"], slots)
+    assert torch.equal(k_cache, t["k_cache"]) and torch.equal(v_cache, t["v_cache"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_backend_matches_dense_and_torch_backend(dtype: torch.dtype) -> None:
+    """The backend as the model calls it: KV write, then attention over the pool."""
+    cpu = torch.device("cpu")
+    out, ref = run_backend(TritonAttentionBackend(6, 2, 16), 16, cpu, dtype, SHAPES)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    if dtype == torch.float32:
+        torch_out, _ = run_backend(TorchAttentionBackend(6, 2, 16), 16, cpu, dtype, SHAPES)
+        torch.testing.assert_close(out, torch_out, atol=1e-5, rtol=1e-5)
