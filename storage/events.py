@@ -64,6 +64,23 @@ def publish_job_done(
     _publish(redis_client, job_done_channel(prefix, job_id), payload)
 
 
+def publish_jobs_done(
+    redis_client: redis.Redis, *, prefix: str, statuses: dict[str, JobStatus]
+) -> None:
+    """`publish_job_done` for many jobs in one round trip (a pipeline)."""
+    if not statuses:
+        return
+    pipe = redis_client.pipeline(transaction=False)
+    for job_id, status in statuses.items():
+        pipe.publish(job_done_channel(prefix, job_id),
+                     json.dumps({"job_id": job_id, "status": status.value}))
+    try:
+        pipe.execute()
+    except redis.RedisError as e:
+        logger.warning("could not announce %d finished jobs (%s); waiters fall back to "
+                       "timeouts", len(statuses), e)
+
+
 def publish_cancel(redis_client: redis.Redis, *, prefix: str, job_id: str) -> None:
     """Ask every worker to abort a job (after its row says cancelled)."""
     _publish(redis_client, cancel_channel(prefix), json.dumps({"job_id": job_id}))

@@ -126,14 +126,38 @@ class ResultCache:
         except redis.RedisError as e:
             logger.warning("result cache read failed (%s); treating as a miss", e)
             return None
-        if raw is None:
-            return None
+        return _decoded(key, raw)
+
+    def get_many(self, keys: list[str | None]) -> list[dict[str, Any] | None]:
+        """`get` for each key in one round trip (MGET); misses and None keys give None."""
+        wanted = [key for key in keys if key is not None]
+        if not wanted:
+            return [None] * len(keys)
         try:
-            value = json.loads(raw)
-        except ValueError:
-            logger.warning("result cache entry %s is not JSON; ignoring it", key)
-            return None
-        return value if isinstance(value, dict) else None
+            raws = self._redis.mget([self.redis_key(key) for key in wanted])
+        except redis.RedisError as e:
+            logger.warning("result cache read failed (%s); treating as misses", e)
+            return [None] * len(keys)
+        found = dict(zip(wanted, raws, strict=True))
+        return [None if key is None else _decoded(key, found[key]) for key in keys]
+
+    def put_many(self, entries: list[tuple[str | None, dict[str, Any]]], ttl: int) -> None:
+        """`put` for each (key, result) in one round trip (a pipeline)."""
+        if ttl < 0:
+            raise ValueError(f"ttl must be >= 0 seconds (0 disables caching), got {ttl}")
+        entries = [(key, value) for key, value in entries if key is not None]
+        if not entries or ttl == 0:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for key, value in entries:
+            assert key is not None
+            pipe.set(self.redis_key(key),
+                     json.dumps(value, separators=(",", ":"), ensure_ascii=False), ex=ttl)
+        try:
+            pipe.execute()
+        except redis.RedisError as e:
+            logger.warning("result cache write failed (%s); %d results not cached", e,
+                           len(entries))
 
     def put(self, key: str | None, value: dict[str, Any], ttl: int) -> None:
         """Store a result for `ttl` seconds; nothing for a None key or a ttl of 0."""
@@ -146,6 +170,17 @@ class ResultCache:
             self._redis.set(self.redis_key(key), payload, ex=ttl)
         except redis.RedisError as e:
             logger.warning("result cache write failed (%s); result not cached", e)
+
+
+def _decoded(key: str, raw: Any) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        logger.warning("result cache entry %s is not JSON; ignoring it", key)
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _canonical_value(value: Any) -> Any:

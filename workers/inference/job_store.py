@@ -6,8 +6,10 @@ idempotent storage calls, and, after a write that actually finished the job, fil
 exact-result cache and announcing completion. A webhook delivery is enqueued in the same
 transaction as the status write, so a crash keeps both or neither.
 
-Every write is its own short transaction: a row is committed before its Kafka offset is
-acknowledged, which is what makes the offset commit safe.
+Work is done per batch where the worker has one: the jobs of a poll are loaded with one
+SELECT and claimed with one UPDATE, the results of an engine step are stored in one
+transaction, and Redis hears of them in one pipeline. Every write is committed before
+its Kafka offset is acknowledged, which is what makes the offset commit safe.
 """
 
 from __future__ import annotations
@@ -18,17 +20,28 @@ from datetime import UTC, datetime
 from typing import Any
 
 import redis
+from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.messages import JobMessage
-from storage import jobs
-from storage.events import publish_job_done
-from storage.models import JobStatus
+from storage import job_batches, jobs
+from storage.events import publish_job_done, publish_jobs_done
+from storage.models import Job, JobStatus
 from storage.result_cache import ResultCache, result_cache_key
 from storage.webhook_events import enqueue_job_event
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Success:
+    """A result to store for a job (see `JobStore.succeed_many`)."""
+
+    message: JobMessage
+    result: dict[str, Any]
+    first_token_at: datetime | None
+    fill_cache: bool = True
 
 
 @dataclass(slots=True)
@@ -76,6 +89,23 @@ class JobStore:
         """A stored result for an identical deterministic request, or None."""
         return self._cache.get(self._cache_key(message))
 
+    def load_many(self, job_ids: list[str]) -> dict[str, JobSnapshot]:
+        """`load` for many jobs in one statement; ids without a row are left out."""
+        with self._sessions() as session:
+            found = job_batches.load_statuses(session, job_ids=job_ids)
+        return {job_id: JobSnapshot(status, created) for job_id, (status, created) in found.items()}
+
+    def claim_many(self, job_ids: list[str], *, worker_id: str) -> set[str]:
+        """`claim` for many jobs in one statement and commit; the ids claimed."""
+        with self._sessions() as session:
+            claimed = job_batches.claim_jobs(session, job_ids=job_ids, worker_id=worker_id)
+            session.commit()
+        return claimed
+
+    def cached_results(self, messages: list[JobMessage]) -> list[dict[str, Any] | None]:
+        """`cached_result` for each message in one Redis round trip."""
+        return self._cache.get_many([self._cache_key(m) for m in messages])
+
     def succeed(
         self,
         message: JobMessage,
@@ -84,34 +114,45 @@ class JobStore:
         first_token_at: datetime | None,
         fill_cache: bool = True,
     ) -> bool:
-        """Store the result; True only if this call finished the job (then cache and announce).
+        """Store the result; True only if this call finished the job (then cache and announce)."""
+        success = Success(message, result, first_token_at, fill_cache)
+        return message.job_id in self.succeed_many([success])
 
-        Token counts come from the result's OpenAI `usage` object.
+    def succeed_many(self, successes: list[Success]) -> set[str]:
+        """Store results in one transaction; the ids this call finished (cached, announced).
+
+        Token counts come from each result's OpenAI `usage` object. Cache fills and
+        announcements go to Redis in one pipeline each, after the commit.
         """
-        usage = result.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
+        if not successes:
+            return set()
+        finished: set[str] = set()
         with self._sessions() as session:
-            finished = jobs.complete_job(
-                session,
-                job_id=message.job_id,
-                result=result,
-                prompt_tokens=int(usage.get("prompt_tokens", 0)),
-                completion_tokens=int(usage.get("completion_tokens", 0)),
-                cached_tokens=int(details.get("cached_tokens", 0)),
-                first_token_at=first_token_at,
-            )
-            if finished:
-                self._enqueue_webhook(session, message.job_id)
+            for success in successes:
+                usage = success.result.get("usage") or {}
+                details = usage.get("prompt_tokens_details") or {}
+                if jobs.complete_job(
+                    session,
+                    job_id=success.message.job_id,
+                    result=success.result,
+                    prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                    completion_tokens=int(usage.get("completion_tokens", 0)),
+                    cached_tokens=int(details.get("cached_tokens", 0)),
+                    first_token_at=success.first_token_at,
+                ):
+                    finished.add(success.message.job_id)
+            self._enqueue_webhooks(session, finished)
             session.commit()
-        if not finished:
-            logger.info("job %s was already finished; result dropped", message.job_id)
-            return False
-        if fill_cache:
-            self._cache.put(self._cache_key(message), result, self._cache_ttl_s)
-        publish_job_done(
-            self._redis, prefix=self._prefix, job_id=message.job_id, status=JobStatus.SUCCEEDED
+        if dropped := len(successes) - len(finished):
+            logger.info("%d result(s) dropped: their jobs were already finished", dropped)
+        self._cache.put_many(
+            [(self._cache_key(s.message), s.result) for s in successes
+             if s.fill_cache and s.message.job_id in finished],
+            self._cache_ttl_s,
         )
-        return True
+        publish_jobs_done(self._redis, prefix=self._prefix,
+                          statuses=dict.fromkeys(finished, JobStatus.SUCCEEDED))
+        return finished
 
     def fail(self, message: JobMessage, *, error: dict[str, Any]) -> bool:
         """Store the error; True only if this call finished the job (then announce)."""
@@ -156,6 +197,14 @@ class JobStore:
     def _enqueue_webhook(self, session: Session, job_id: str) -> None:
         job = jobs.get_job(session, job_id=job_id)
         if job is not None:
+            enqueue_job_event(session, job=job)
+
+    def _enqueue_webhooks(self, session: Session, job_ids: set[str]) -> None:
+        """`_enqueue_webhook` for the jobs among these that have a callback (one SELECT)."""
+        if not job_ids:
+            return
+        query = select(Job).where(Job.id.in_(list(job_ids)), Job.callback_url.is_not(None))
+        for job in session.scalars(query):
             enqueue_job_event(session, job=job)
 
 

@@ -19,7 +19,7 @@ from core import metrics
 from core.messages import JobMessage
 from storage.models import utcnow
 from workers.engine import RequestOutput
-from workers.inference.job_store import JobStore, epoch_to_datetime
+from workers.inference.job_store import JobStore, Success, epoch_to_datetime
 from workers.inference.results import Completion, build_result, error_body, param_of
 
 logger = logging.getLogger(__name__)
@@ -38,8 +38,39 @@ class OutcomeRecorder:
         self._store = store
         self._token_text = token_text
 
-    def succeeded(self, message: JobMessage, output: RequestOutput, created_at: datetime) -> None:
-        """Store a finished engine output as the job's result."""
+    def succeeded(self, finished: list[tuple[JobMessage, RequestOutput, datetime]]) -> None:
+        """Store finished engine outputs as their jobs' results, in one transaction.
+
+        Each item is (message, output, the job's created_at).
+        """
+        successes = [
+            Success(message, self._result_of(message, output),
+                    epoch_to_datetime(output.metrics.first_token_time))
+            for message, output, _ in finished
+        ]
+        stored = self._store.succeed_many(successes)
+        for message, _, created_at in finished:
+            if message.job_id in stored:
+                self._count_success(message, created_at)
+
+    def answered_from_cache(self, hits: list[tuple[JobMessage, dict[str, Any], datetime]]) -> None:
+        """Store identical requests' cached results as these jobs' (each with its own id).
+
+        Each item is (message, the cached result, the job's created_at).
+        """
+        successes = []
+        for message, cached, _ in hits:
+            result = dict(cached)
+            prefix = "chatcmpl" if message.kind == "chat.completion" else "cmpl"
+            result.update(id=f"{prefix}-{message.job_id}", created=int(time.time()))
+            successes.append(Success(message, result, None, fill_cache=False))
+        stored = self._store.succeed_many(successes)
+        for message, _, created_at in hits:
+            if message.job_id in stored:
+                metrics.RESULT_CACHE_HITS.labels(message.priority).inc()
+                self._count_success(message, created_at)
+
+    def _result_of(self, message: JobMessage, output: RequestOutput) -> dict[str, Any]:
         completion = Completion(
             text=output.text,
             token_ids=list(output.token_ids),
@@ -48,7 +79,7 @@ class OutcomeRecorder:
             num_cached_tokens=output.num_cached_tokens,
             logprobs=output.logprobs,
         )
-        result = build_result(
+        return build_result(
             message.kind,
             job_id=message.job_id,
             model=message.model,
@@ -57,20 +88,6 @@ class OutcomeRecorder:
             token_text=self._token_text,
             system_fingerprint=self._store.system_fingerprint,
         )
-        first_token_at = epoch_to_datetime(output.metrics.first_token_time)
-        if self._store.succeed(message, result=result, first_token_at=first_token_at):
-            self._count_success(message, created_at)
-
-    def answered_from_cache(
-        self, message: JobMessage, cached: dict[str, Any], created_at: datetime
-    ) -> None:
-        """Store an identical request's cached result as this job's (with its own id)."""
-        result = dict(cached)
-        prefix = "chatcmpl" if message.kind == "chat.completion" else "cmpl"
-        result.update(id=f"{prefix}-{message.job_id}", created=int(time.time()))
-        if self._store.succeed(message, result=result, first_token_at=None, fill_cache=False):
-            metrics.RESULT_CACHE_HITS.labels(message.priority).inc()
-            self._count_success(message, created_at)
 
     def failed(self, message: JobMessage, reason: str) -> None:
         """Store `reason` as the job's error."""

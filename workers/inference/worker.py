@@ -36,6 +36,7 @@ from core.settings import Settings
 from core.topics import Priority
 from storage.events import CancelSubscription
 from storage.models import utcnow
+from workers.engine import RequestOutput, SamplingParams
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
 from workers.inference.job_store import JobStore
 from workers.inference.offsets import OffsetTracker
@@ -44,7 +45,7 @@ from workers.inference.parked_records import release_parked_records
 from workers.inference.prefetch import PrefetchBuffer
 from workers.inference.priority import PriorityPauser
 from workers.inference.rebalance import RebalanceListener, offsets_to_commit
-from workers.inference.sampling import prompt_from_body, sampling_params_from_body
+from workers.inference.sampling import Prompt, prompt_from_body, sampling_params_from_body
 from workers.inference.stall_watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,21 @@ class InFlightJob:
     records: set[tuple[TopicPartition, int]] = field(default_factory=set)
     is_cancelled: bool = False  # aborted because the user cancelled it
     is_released: bool = False  # aborted so that another worker (or restart) runs it
+
+
+@dataclass(slots=True)
+class _Candidate:
+    """A prefetched job about to be started, with every record that carried it."""
+
+    message: JobMessage
+    records: set[tuple[TopicPartition, int]]
+    created_at: datetime | None = None
+
+    @property
+    def started_from(self) -> datetime:
+        """The job's creation time (known once its row is loaded)."""
+        assert self.created_at is not None, "loaded before use"
+        return self.created_at
 
 
 class Worker:
@@ -137,11 +153,17 @@ class Worker:
         self._drain()
 
     def _start_prefetched(self) -> None:
-        while len(self._inflight) < self.settings.worker_max_inflight:
-            item = self._prefetch.pop_most_urgent()
-            if item is None:
+        """Start prefetched jobs, most urgent first, a batch at a time while there is room."""
+        while (room := self.settings.worker_max_inflight - len(self._inflight)) > 0:
+            candidates: dict[str, _Candidate] = {}
+            while len(candidates) < room:
+                item = self._prefetch.pop_most_urgent()
+                if item is None:
+                    break
+                self._take_record(*item, candidates)
+            if not candidates:
                 return
-            self._handle_record(*item)
+            self._start_batch(candidates)
 
     def _check_engine(self) -> None:
         if not self._engine.is_healthy:
@@ -177,7 +199,10 @@ class Worker:
         self._commit()
         metrics.WORKER_INFLIGHT.set(0)
 
-    def _handle_record(self, tp: TopicPartition, record: ConsumerRecord) -> None:
+    def _take_record(
+        self, tp: TopicPartition, record: ConsumerRecord, candidates: dict[str, _Candidate]
+    ) -> None:
+        """Decode a prefetched record into `candidates`, or settle it if it needs no start."""
         if not self._tracker.owns(tp):
             return  # its partition moved during a rebalance; the new owner has it
         try:
@@ -188,43 +213,72 @@ class Worker:
             )
             self._ack({(tp, record.offset)})
             return
-        running = self._inflight.get(message.job_id)
+        running = self._inflight.get(message.job_id) or candidates.get(message.job_id)
         if running is not None:
-            running.records.add((tp, record.offset))
+            running.records.add((tp, record.offset))  # a redelivered or re-published copy
             return
-        if not self._start(message, (tp, record.offset)):
-            self._ack({(tp, record.offset)})
+        candidates[message.job_id] = _Candidate(message, {(tp, record.offset)})
 
-    def _start(self, message: JobMessage, record: tuple[TopicPartition, int]) -> bool:
-        """Put a job into the engine; False when it needs no engine (done, cached, refused)."""
-        snapshot = self._store.load(message.job_id)
-        if snapshot is None:
-            logger.warning("job %s has no row; skipping its record", message.job_id)
-            return False
-        if snapshot.status.is_terminal:
-            logger.debug("job %s already %s; skipping", message.job_id, snapshot.status.value)
-            return False
-        cached = self._store.cached_result(message)
-        if cached is not None:
-            self._outcomes.answered_from_cache(message, cached, snapshot.created_at)
-            return False
-        try:
-            self._check_model(message)
-            prompt = prompt_from_body(message.kind, message.body)
-            params = sampling_params_from_body(
-                message.kind, message.body, max_model_len=self._max_model_len
+    def _start_batch(self, candidates: dict[str, _Candidate]) -> None:
+        """Put jobs into the engine: one SELECT, one cache round trip and one claim for all.
+
+        Jobs that need no engine (finished already, answered from the cache, refused) are
+        settled and their records acknowledged.
+        """
+        snapshots = self._store.load_many(list(candidates))
+        runnable: list[_Candidate] = []
+        for job_id, candidate in candidates.items():
+            snapshot = snapshots.get(job_id)
+            if snapshot is None:
+                logger.warning("job %s has no row; skipping its record", job_id)
+            elif snapshot.status.is_terminal:
+                logger.debug("job %s already %s; skipping", job_id, snapshot.status.value)
+            else:
+                candidate.created_at = snapshot.created_at
+                runnable.append(candidate)
+                continue
+            self._ack(candidate.records)
+        hits = self._store.cached_results([c.message for c in runnable])
+        if answered := [(c, hit) for c, hit in zip(runnable, hits, strict=True) if hit]:
+            self._outcomes.answered_from_cache(
+                [(c.message, hit, c.started_from) for c, hit in answered]
             )
-        except ValueError as e:
-            self._outcomes.failed(message, str(e))
-            return False
-        if not self._store.claim(message.job_id, worker_id=self.worker_id):
-            return False
-        metrics.QUEUE_WAIT_SECONDS.labels(message.priority).observe(
-            max(0.0, (utcnow() - snapshot.created_at).total_seconds())
+            for c, _ in answered:
+                self._ack(c.records)
+        prepared: list[tuple[_Candidate, Prompt, SamplingParams]] = []
+        for candidate, hit in zip(runnable, hits, strict=True):
+            if hit:
+                continue
+            message = candidate.message
+            try:
+                self._check_model(message)
+                prompt = prompt_from_body(message.kind, message.body)
+                params = sampling_params_from_body(
+                    message.kind, message.body, max_model_len=self._max_model_len
+                )
+            except ValueError as e:
+                self._outcomes.failed(message, str(e))
+                self._ack(candidate.records)
+                continue
+            prepared.append((candidate, prompt, params))
+        claimed = self._store.claim_many(
+            [c.message.job_id for c, _, _ in prepared], worker_id=self.worker_id
         )
-        self._inflight[message.job_id] = InFlightJob(message, snapshot.created_at, {record})
-        self._engine.add(message.job_id, prompt, params, priority=Priority(message.priority).rank)
-        return True
+        now = utcnow()
+        for candidate, prompt, params in prepared:
+            message = candidate.message
+            if message.job_id not in claimed:
+                self._ack(candidate.records)  # finished or cancelled meanwhile
+                continue
+            metrics.QUEUE_WAIT_SECONDS.labels(message.priority).observe(
+                max(0.0, (now - candidate.started_from).total_seconds())
+            )
+            self._inflight[message.job_id] = InFlightJob(
+                message, candidate.started_from, candidate.records
+            )
+            self._engine.add(
+                message.job_id, prompt, params, priority=Priority(message.priority).rank
+            )
 
     def _check_model(self, message: JobMessage) -> None:
         if message.model != self.settings.served_model_name:
@@ -234,6 +288,9 @@ class Worker:
             )
 
     def _handle_finished(self, finished: list[FinishedRequest]) -> None:
+        """Store how these requests ended (successes in one transaction), then ack them."""
+        successes: list[tuple[JobMessage, RequestOutput, datetime]] = []
+        settled: list[set[tuple[TopicPartition, int]]] = []
         for done in finished:
             job = self._inflight.pop(done.request_id, None)
             if job is None:
@@ -248,8 +305,12 @@ class Worker:
             elif aborted or done.error is not None or done.output is None:
                 self._outcomes.failed(job.message, done.error or "the engine aborted the request")
             else:
-                self._outcomes.succeeded(job.message, done.output, job.created_at)
-            self._ack(job.records)
+                successes.append((job.message, done.output, job.created_at))
+            settled.append(job.records)
+        if successes:
+            self._outcomes.succeeded(successes)
+        for records in settled:
+            self._ack(records)
 
     def _token_text(self, token_id: int) -> str:
         tokenizer = getattr(self._engine.engine, "tokenizer", None)
