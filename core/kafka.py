@@ -23,6 +23,8 @@ from core.settings import Settings
 logger = logging.getLogger(__name__)
 
 CLIENT_ID = "batchinfer"
+# A consumer's longest wait for one broker round trip; see make_consumer.
+CONSUMER_REQUEST_TIMEOUT_MS = 5_000
 
 
 def _bootstrap(settings: Settings) -> list[str]:
@@ -37,6 +39,11 @@ def make_producer(settings: Settings, **overrides: object) -> KafkaProducer:
         # A job is written to the database first; losing its record would leave it queued
         # until the reconciler notices, so trade a little latency for durability.
         "acks": "all",
+        # Off (kafka-python 3 turns it on with acks=all): a duplicate record is harmless,
+        # since workers skip jobs already finished, while an idempotent producer whose
+        # broker restarted empty can be left unable to get a producer id, failing every
+        # later send (seen with the embedded broker).
+        "enable_idempotence": False,
         "retries": 5,
         "linger_ms": 5,
     }
@@ -123,6 +130,14 @@ def make_consumer(
         # Kafka's advice: heartbeat at most a third of the session timeout.
         "heartbeat_interval_ms": max(100, settings.kafka_session_timeout_ms // 3),
         "fetch_max_wait_ms": 100,
+        # Bounds every round trip (offset commits, close, committed offsets) so a worker
+        # facing a dead broker stops in seconds; kafka-python's 30 s default made one
+        # shutdown commit block that long. Group joins have their own, longer timeout.
+        "request_timeout_ms": CONSUMER_REQUEST_TIMEOUT_MS,
+        # Topics come from ensure_topics, with the configured partitions. A consumer
+        # reconnecting to a broker that came back empty must not re-create them first
+        # with the broker's default partition count.
+        "allow_auto_create_topics": False,
     }
     config.update(overrides)
     return KafkaConsumer(**config)

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # Seconds the engine thread may take to leave its current step at shutdown.
 ENGINE_STOP_TIMEOUT_S = 30.0
+# Milliseconds the consumer gets to leave its group at shutdown.
+CONSUMER_CLOSE_TIMEOUT_MS = 3_000
 
 
 def build_engine(settings: Settings) -> LLMEngine:
@@ -103,7 +105,9 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
         cancels = CancelSubscription(redis_client, prefix=settings.topic_prefix)
         stack.callback(cancels.close)
         consumer = make_consumer(settings)
-        stack.callback(consumer.close)
+        # Offsets were committed by the drain; leaving the group is a courtesy that a dead
+        # broker must not turn into a long wait.
+        stack.callback(consumer.close, autocommit=False, timeout_ms=CONSUMER_CLOSE_TIMEOUT_MS)
         worker = Worker(
             settings,
             consumer=consumer,
