@@ -1,7 +1,8 @@
 """What the API process holds open for its lifetime, opened and closed by the app's lifespan.
 
 Responsible for: the database engine and session factory, the Kafka producer (connected on
-first use, so the API starts, and answers /readyz, while the broker is still coming up),
+first use, so the API starts, and answers /readyz, while the broker is still coming up;
+dropped and re-made in the background when the broker dies and returns),
 the Redis clients (sync for publishing and the rate limiter, async for long-polls), and
 closing all of them in reverse order.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,9 +42,13 @@ PRODUCER_MAX_BLOCK_MS = 5_000
 # job was withdrawn (see api.submission) is not delivered later by a retry.
 PUBLISH_TIMEOUT_S = 10.0
 PRODUCER_REQUEST_TIMEOUT_MS = 5_000
-# After a failed connect, fail fast for this long instead of every request waiting out
-# another bootstrap timeout in turn.
-RECONNECT_BACKOFF_S = 2.0
+# How often the broker's listener is checked (a loopback TCP connect: cheap). A dead
+# broker is noticed this soon, so submissions are refused at once instead of each one
+# waiting out PUBLISH_TIMEOUT_S; while it is down, reconnection is tried as often.
+BROKER_CHECK_INTERVAL_S = 0.25
+BROKER_CONNECT_TIMEOUT_S = 0.5
+# Seconds close() waits for the watcher thread (it never blocks longer than a reconnect).
+WATCHER_JOIN_TIMEOUT_S = 10.0
 # Redis is local and quick; one retry rides out a dropped connection, more only delays
 # the fallback (the rate limiter admits, long-polls poll the database).
 REDIS_CONNECT_TIMEOUT_S = 2.0
@@ -50,59 +56,158 @@ REDIS_RETRIES = 1
 
 
 class BrokerUnavailable(ConnectionError):
-    """The Kafka producer could not be created (broker down or unreachable)."""
+    """No job can be handed to the broker now (it is down, or the service is stopping)."""
 
 
 class LazyProducer:
-    """The process's one KafkaProducer, created on first use and retried after failures."""
+    """The process's one KafkaProducer, and whether the broker can take jobs right now.
 
-    def __init__(self, settings: Settings) -> None:
+    Responsible for: connecting on first use (and creating the job topics); a watcher
+    thread that, from then on, checks the broker still accepts connections, drops the
+    producer the moment it does not and connects again in the background once it
+    answers; refusing new work for good once the service stops.
+    While the broker is down, get() raises BrokerUnavailable without waiting (a request
+    whose record was already sent waits for its ack, up to PUBLISH_TIMEOUT_S).
+    """
+
+    def __init__(self, settings: Settings,
+                 check_interval_s: float = BROKER_CHECK_INTERVAL_S) -> None:
         self._settings = settings
+        self._check_interval_s = check_interval_s
         self._lock = threading.Lock()
         self._producer: KafkaProducer | None = None
-        self._failed_at: float | None = None
+        # Why the broker counts as down (None while it answers or before first use).
+        self._down_reason: str | None = None
+        self._refusal: str | None = None
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why jobs are refused right now (broker down, service stopping), else None."""
+        return self._refusal or self._down_reason
 
     def get(self) -> KafkaProducer:
-        """The connected producer; BrokerUnavailable if the broker cannot be reached."""
+        """The connected producer; BrokerUnavailable at once while jobs cannot be handed over."""
         with self._lock:
+            reason = self._refusal or self._down_reason
+            if reason is not None:
+                raise BrokerUnavailable(reason)
             if self._producer is not None:
                 return self._producer
-            if self._failed_at is not None and time.monotonic() - self._failed_at < (
-                RECONNECT_BACKOFF_S
-            ):
-                raise BrokerUnavailable("the last connection attempt failed moments ago")
             try:
-                producer = make_producer(
-                    self._settings,
-                    bootstrap_timeout_ms=PRODUCER_MAX_BLOCK_MS,
-                    max_block_ms=PRODUCER_MAX_BLOCK_MS,
-                    request_timeout_ms=PRODUCER_REQUEST_TIMEOUT_MS,
-                    delivery_timeout_ms=int(PUBLISH_TIMEOUT_S * 1000),
-                    # Topics come from ensure_topics, with the configured partitions; an
-                    # auto-created one would get the broker's default instead.
-                    allow_auto_create_topics=False,
-                )
-                # The broker answered, so this is quick; without it a first publish to a
-                # missing topic could auto-create it with the broker's default partitions.
-                ensure_topics(self._settings, timeout_s=PRODUCER_MAX_BLOCK_MS / 1000)
-            except (KafkaError, ConnectionError) as e:
-                self._failed_at = time.monotonic()
-                raise BrokerUnavailable(str(e)) from e
-            self._producer = producer
-            self._failed_at = None
-            return producer
+                self._producer = self._connect()
+            except BrokerUnavailable as e:
+                self._down_reason = str(e)
+                raise
+            finally:
+                self._start_watcher()
+            return self._producer
+
+    def refuse(self, reason: str) -> None:
+        """Refuse every later get() with reason (the service is stopping); sends in
+        progress finish."""
+        self._refusal = reason
+        logger.info("refusing new jobs: %s", reason)
 
     def close(self) -> None:
-        """Flush pending sends and close the connection, if one was made."""
+        """Stop watching, flush pending sends and close the connection, if one was made."""
+        self._closed.set()
+        if self._watcher is not None:
+            self._watcher.join(WATCHER_JOIN_TIMEOUT_S)
         with self._lock:
             producer, self._producer = self._producer, None
-        if producer is None:
-            return
+        if producer is not None:
+            _close_producer(producer, PUBLISH_TIMEOUT_S)
+
+    def _connect(self) -> KafkaProducer:
         try:
-            producer.close(timeout=PUBLISH_TIMEOUT_S)
-        except KafkaError as e:
-            # Only records already given up on (their requests got a 503) can be pending.
-            logger.warning("kafka producer closed with unsent records: %s", e)
+            producer = make_producer(
+                self._settings,
+                bootstrap_timeout_ms=PRODUCER_MAX_BLOCK_MS,
+                max_block_ms=PRODUCER_MAX_BLOCK_MS,
+                request_timeout_ms=PRODUCER_REQUEST_TIMEOUT_MS,
+                delivery_timeout_ms=int(PUBLISH_TIMEOUT_S * 1000),
+                # Topics come from ensure_topics, with the configured partitions; an
+                # auto-created one would get the broker's default instead.
+                allow_auto_create_topics=False,
+            )
+        except (KafkaError, ConnectionError) as e:
+            raise BrokerUnavailable(f"cannot connect to the broker: {e}") from e
+        try:
+            # The broker answered, so this is quick. It also restores the topics of a
+            # broker that came back empty (the embedded one keeps them in memory).
+            ensure_topics(self._settings, timeout_s=PRODUCER_MAX_BLOCK_MS / 1000)
+        except (KafkaError, ConnectionError) as e:
+            _close_producer(producer, 0)
+            raise BrokerUnavailable(f"cannot create the job topics: {e}") from e
+        return producer
+
+    def _start_watcher(self) -> None:
+        if self._watcher is None and not self._closed.is_set():
+            self._watcher = threading.Thread(target=self._watch, name="broker-watch",
+                                             daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self._check_interval_s):
+            if self._down_reason is None:
+                if not self._is_reachable():
+                    self._mark_down("the broker stopped accepting connections")
+            elif self._is_reachable():
+                self._reconnect()
+
+    def _mark_down(self, reason: str) -> None:
+        with self._lock:
+            producer, self._producer = self._producer, None
+            self._down_reason = reason
+        logger.warning("broker unavailable (%s); refusing jobs until it answers", reason)
+        if producer is not None:
+            # Records already sent keep their delivery timeout: the broker may be back
+            # within it (`batchinfer up` restarts its own), and their requests then get a
+            # 202; otherwise a 503 that withdraws the job. Closing waits for them, so off
+            # this thread; new requests meanwhile get their 503 from get() at once.
+            threading.Thread(target=_close_producer, args=(producer, PUBLISH_TIMEOUT_S),
+                             name="broker-drop", daemon=True).start()
+
+    def _reconnect(self) -> None:
+        try:
+            producer = self._connect()
+        except BrokerUnavailable as e:
+            logger.info("broker still unavailable: %s", e)
+            return
+        with self._lock:
+            if self._closed.is_set():
+                self._producer, producer = None, producer
+            else:
+                self._producer, self._down_reason = producer, None
+                producer = None
+        if producer is not None:
+            _close_producer(producer, 0)  # closed meanwhile: nobody will use it
+            return
+        logger.info("broker answers again; accepting jobs")
+
+    def _is_reachable(self) -> bool:
+        """Whether any bootstrap server accepts a TCP connection."""
+        for server in self._settings.kafka_bootstrap_servers.split(","):
+            host, _, port = server.strip().rpartition(":")
+            if not port.isdigit():
+                continue
+            try:
+                with socket.create_connection((host.strip("[]"), int(port)),
+                                              timeout=BROKER_CONNECT_TIMEOUT_S):
+                    return True
+            except OSError:
+                continue
+        return False
+
+
+def _close_producer(producer: KafkaProducer, timeout_s: float) -> None:
+    try:
+        producer.close(timeout=timeout_s)
+    except KafkaError as e:
+        # Only records already given up on (their requests got a 503) can be pending.
+        logger.warning("kafka producer closed with unsent records: %s", e)
 
 
 def _redis_options(retry_class: type[Retry] | type[AsyncRetry]) -> dict[str, Any]:

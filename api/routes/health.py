@@ -1,4 +1,5 @@
-"""`GET /healthz` (the process answers) and `GET /readyz` (its dependencies answer too)."""
+"""`GET /healthz` (the process answers) and `GET /readyz` (its dependencies answer too,
+and it takes jobs: not while stopping)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ async def readyz(resources: ResourcesDep) -> JSONResponse:
     names = ("database", "broker", "redis")
     outcomes = await asyncio.gather(
         _timed(asyncio.to_thread(_ping_database, resources)),
-        _timed(asyncio.to_thread(_ping_broker, resources)),
+        _broker_check(resources),
         _timed(resources.aredis.ping()),
     )
     checks = dict(zip(names, outcomes, strict=True))
@@ -59,6 +60,15 @@ async def _timed(check: Any) -> str:
     except Exception as e:
         return f"{type(e).__name__}: {e}".rstrip(".")
     return "ok"
+
+
+async def _broker_check(resources: Resources) -> str:
+    """Why jobs are refused, when the producer knows (broker down, service stopping): the
+    same answer submissions get; else a fresh metadata request."""
+    reason = resources.producer.unavailable_reason
+    if reason is not None:
+        return reason
+    return await _timed(asyncio.to_thread(_ping_broker, resources))
 
 
 def _ping_database(resources: Resources) -> None:
