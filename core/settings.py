@@ -138,6 +138,10 @@ class Settings(BaseSettings):
     # Port of the callbacks role's Prometheus endpoint; 0 turns it off.
     webhook_metrics_port: int = Field(default=0, ge=0, le=65535)
 
+    # `batchinfer up`: seconds before restarting an embedded broker or Redis that died;
+    # doubled for each crash soon after a restart, up to 30 s.
+    embedded_restart_backoff_s: float = Field(default=0.5, ge=0, le=30)
+
     log_level: str = "INFO"
 
     @field_validator(

@@ -14,8 +14,12 @@ Responsible for, in start order:
    moves its N between the two by that model's Kafka consumer lag (readings on a
    thread, scaling on the main thread).
 
-Ctrl-C or SIGTERM stops everything in reverse order: workers drain first, while the
-broker, Redis and the database they need are still there.
+While it runs, a broker or Redis that dies is restarted on its port with backoff (see
+service_keeper); the restarted broker gets its topics and every queued job again.
+
+Ctrl-C or SIGTERM first makes the API refuse new jobs (503), then stops everything in
+reverse order: workers drain first, while the broker, Redis and the database they need
+are still there.
 """
 
 from __future__ import annotations
@@ -30,10 +34,18 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scheduler.embedded_services import free_port, is_port_open, redis_service, tansu_service
+from scheduler.embedded_services import (
+    ChildService,
+    free_port,
+    is_port_open,
+    redis_service,
+    tansu_service,
+)
+from scheduler.service_keeper import ServiceKeeper
 
 if TYPE_CHECKING:
     from scheduler.model_fleet import ModelFleet
+    from scheduler.role import SchedulerRole
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +54,9 @@ DEV_KEY_FILE = "dev-api-key"
 API_START_TIMEOUT_S = 60.0
 # Seconds the autoscaler thread gets to finish a lag reading at shutdown.
 AUTOSCALER_JOIN_TIMEOUT_S = 10.0
+# Seconds a restarted broker has to take the topics and the re-published jobs; after that
+# the reconciler's periodic pass is left to catch up.
+BROKER_RESTORE_TIMEOUT_S = 30.0
 
 
 def _set_env(**values: object) -> None:
@@ -117,15 +132,20 @@ def dev_webhook_secret(database_url: str) -> str:
     return secret
 
 
-def _start_api(host: str, port: int, stack: ExitStack) -> threading.Thread:
-    """Serve the API on a thread; registers its shutdown on stack."""
+def _start_api(host: str, port: int, stack: ExitStack) -> Callable[[], None]:
+    """Serve the API on a thread; registers its shutdown on stack.
+
+    Returns the hook that makes it refuse new jobs at once (503), called as soon as a stop
+    is asked for: the API itself keeps serving reads until the workers have drained.
+    """
     import uvicorn
 
     from api.app import create_app
     from core.settings import get_settings
 
     settings = get_settings()
-    config = uvicorn.Config(create_app(settings), host=host, port=port,
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=host, port=port,
                             log_level=settings.log_level.lower(), lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="api", daemon=True)
@@ -144,10 +164,26 @@ def _start_api(host: str, port: int, stack: ExitStack) -> threading.Thread:
             raise RuntimeError(f"the API did not start on {host}:{port} in "
                                f"{API_START_TIMEOUT_S:.0f}s")
         time.sleep(0.05)
-    return thread
+
+    def refuse_new_work() -> None:
+        # The lifespan put the resources there before the server counted as started.
+        app.state.resources.producer.refuse("the service is shutting down")
+
+    return refuse_new_work
 
 
-def _start_scheduler(stop: threading.Event, stack: ExitStack) -> int:
+def _refuse_on_stop(stop: threading.Event, refuse_new_work: Callable[[], None]) -> None:
+    """Refuse new jobs the moment stop is set (on a thread: the main loop may be busy
+    restarting a service); a job accepted while stopping could not be handed over."""
+
+    def wait_then_refuse() -> None:
+        stop.wait()
+        refuse_new_work()
+
+    threading.Thread(target=wait_then_refuse, name="refuse-on-stop", daemon=True).start()
+
+
+def _start_scheduler(stop: threading.Event, stack: ExitStack) -> tuple[SchedulerRole, int]:
     """Re-publish everything left queued, then run the reconciler and batch loops."""
     from core.settings import get_settings
     from scheduler.role import SchedulerRole
@@ -158,7 +194,49 @@ def _start_scheduler(stop: threading.Event, stack: ExitStack) -> int:
     # The embedded broker starts empty: every queued job must go out again, however new.
     num_republished = role.run_once(republish_older_than=utcnow())
     role.start(stop)
-    return num_republished
+    return role, num_republished
+
+
+def _keep_alive(broker: ChildService, redis: ChildService, role: SchedulerRole,
+                stop: threading.Event) -> list[ServiceKeeper]:
+    """Keepers restarting the broker and Redis when they die; a restarted broker has its
+    topics created and every queued job re-published (it comes back empty)."""
+    from core.settings import get_settings
+
+    backoff_s = get_settings().embedded_restart_backoff_s
+
+    def restore_broker() -> None:
+        threading.Thread(target=_restore_broker, args=(role, stop), name="broker-restore",
+                         daemon=True).start()
+
+    return [ServiceKeeper(broker, on_restart=restore_broker, min_backoff_s=backoff_s),
+            ServiceKeeper(redis, min_backoff_s=backoff_s)]
+
+
+def _restore_broker(role: SchedulerRole, stop: threading.Event) -> None:
+    """Create the topics again and re-publish every queued job, retrying until it works.
+
+    Jobs a worker was running stay with it: it still finishes and stores them.
+    """
+    from core.kafka import ensure_topics
+    from storage.models import utcnow
+
+    deadline = time.monotonic() + BROKER_RESTORE_TIMEOUT_S
+    while not stop.is_set():
+        try:
+            ensure_topics(role.settings, timeout_s=BROKER_RESTORE_TIMEOUT_S)
+            num_republished = role.reconciler.republish_stale(older_than=utcnow())
+        except Exception as e:
+            if time.monotonic() > deadline:
+                logger.error("could not re-publish the queued jobs after the broker restart "
+                             "(%s); the reconciler's next pass will", e)
+                return
+            logger.warning("re-publishing after the broker restart failed (%s); retrying", e)
+            stop.wait(1.0)
+            continue
+        logger.warning("broker restored: topics created, %d queued job(s) re-published",
+                       num_republished)
+        return
 
 
 def _start_autoscalers(workers: ModelFleet, stop: threading.Event, stack: ExitStack) -> None:
@@ -237,8 +315,8 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
             upgrade(settings.database_url)
             api_key = dev_api_key(data_dir, settings.database_url)
             webhook_secret = dev_webhook_secret(settings.database_url)
-            num_republished = _start_scheduler(stop, stack)
-            _start_api(host, settings.api_port, stack)
+            role, num_republished = _start_scheduler(stop, stack)
+            _refuse_on_stop(stop, _start_api(host, settings.api_port, stack))
             callbacks = Supervisor([sys.executable, "-m", "workers.callbacks"], num_workers=1,
                                    name="callbacks", log_dir=data_dir / "logs")
             stack.callback(callbacks.stop)
@@ -261,15 +339,13 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
         print(f"API key: {api_key}", flush=True)
         print(f"Webhook secret: {webhook_secret}", flush=True)
         print("Press Ctrl-C to stop.", flush=True)
+        keepers = _keep_alive(broker, redis, role, stop)
         while not stop.wait(0.5):
             workers.apply_scaling()
             workers.poll()
             callbacks.poll()
-            dead = [svc.name for svc in (broker, redis) if not svc.is_running]
-            if dead:
-                logger.error("%s exited unexpectedly; stopping", ", ".join(dead))
-                exit_code = 1
-                stop.set()
+            for keeper in keepers:
+                keeper.poll()
         print("stopping...", flush=True)
     print("stopped", flush=True)
     return exit_code

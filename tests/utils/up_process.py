@@ -67,6 +67,27 @@ class UpProcess:
         except psutil.NoSuchProcess:
             return []
 
+    def child(self, name: str) -> psutil.Process:
+        """The one live descendant whose command line mentions name (a binary or module)."""
+        found = []
+        for proc in self.descendants():
+            try:
+                if any(name in part for part in proc.cmdline()):
+                    found.append(proc)
+            except psutil.NoSuchProcess:
+                continue
+        if len(found) != 1:
+            raise AssertionError(f"expected one {name!r} process under `batchinfer up`, found "
+                                 f"{[p.pid for p in found]}")
+        return found[0]
+
+    def kill_child(self, name: str) -> int:
+        """SIGKILL the descendant running name (see child), as a crash would; its pid."""
+        proc = self.child(name)
+        proc.kill()
+        proc.wait(10)
+        return proc.pid
+
     def stop(self, timeout: float = 120.0) -> int:
         """SIGTERM and wait; the exit code."""
         if self.process.poll() is None:
