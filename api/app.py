@@ -18,7 +18,17 @@ from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
 from api.metrics import HTTPMetricsMiddleware
 from api.resources import Resources
-from api.routes import batches, completions, deliveries, files, health, jobs, metrics, models
+from api.routes import (
+    batches,
+    completions,
+    deliveries,
+    embeddings,
+    files,
+    health,
+    jobs,
+    metrics,
+    models,
+)
 from core.settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
@@ -60,6 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         limits_by_prefix={"/v1/files": app_settings.max_file_bytes + MULTIPART_OVERHEAD_BYTES},
     )
     app.add_middleware(HTTPMetricsMiddleware)
-    for module in (jobs, completions, models, health, metrics, files, batches, deliveries):
+    for module in (jobs, completions, embeddings, models, health, metrics, files, batches,
+                   deliveries):
         app.include_router(module.router)
     return app

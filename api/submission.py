@@ -25,8 +25,10 @@ from sqlalchemy.orm import Session
 
 from api.auth import CurrentTenant
 from api.capabilities import AnyRequest, check_model, check_supported
+from api.embedding_checks import check_embedding_request, check_generation_model
 from api.errors import Conflict, InvalidParameter, RateLimited, ServiceUnavailable
 from api.resources import PUBLISH_TIMEOUT_S, BrokerUnavailable, LazyProducer, Resources
+from core.embedding_requests import EmbeddingRequest
 from core.kafka import publish_job
 from core.messages import JobMessage
 from core.metrics import JOBS_SUBMITTED
@@ -56,7 +58,7 @@ class Submission:
     is_replay: bool
 
 
-def request_hash(request: AnyRequest) -> str:
+def request_hash(request: AnyRequest | EmbeddingRequest) -> str:
     """SHA-256 of the request's canonical JSON (sorted keys, unset and null fields dropped)."""
     body = request.model_dump(mode="json", exclude_unset=True, exclude_none=True)
     canonical = json.dumps({"endpoint": type(request).__name__, "body": body},
@@ -66,7 +68,7 @@ def request_hash(request: AnyRequest) -> str:
 
 def submit(
     *,
-    request: AnyRequest,
+    request: AnyRequest | EmbeddingRequest,
     priority: Priority,
     tenant: CurrentTenant,
     idempotency_key: str | None,
@@ -75,8 +77,12 @@ def submit(
 ) -> Submission:
     """Store and publish one job, or return the job an identical earlier request made."""
     settings = resources.settings
-    check_supported(request)
-    check_model(request.model, settings.served_models)
+    if isinstance(request, EmbeddingRequest):
+        check_embedding_request(request, resources)
+    else:
+        check_supported(request)
+        check_model(request.model, settings.served_models)
+        check_generation_model(request.model, settings)
     callback_url = getattr(request, "callback_url", None)
     if callback_url is not None:
         try:

@@ -27,8 +27,9 @@ class JobMessage(BaseModel):
     tenant_id: str
     priority: str
     model: str
-    # "chat.completion" (body has `messages`) or "text_completion" (body has `prompt`).
-    kind: Literal["chat.completion", "text_completion"]
+    # "chat.completion" (body has `messages`), "text_completion" (body has `prompt`) or
+    # "embedding" (body has `input`, for an embedding model).
+    kind: Literal["chat.completion", "text_completion", "embedding"]
     body: dict[str, Any]
     batch_id: str | None = None
     custom_id: str | None = None
@@ -59,7 +60,7 @@ def prompt_affinity_key(body: dict[str, Any], model: str) -> bytes:
     if "messages" in body:
         head = json.dumps(body["messages"], sort_keys=True, ensure_ascii=False)
     else:
-        prompt = body.get("prompt", "")
+        prompt = body.get("prompt", body.get("input", ""))
         head = prompt if isinstance(prompt, str) else json.dumps(prompt)
     digest = hashlib.blake2b(f"{model}\0{head[:AFFINITY_PREFIX_CHARS]}".encode(), digest_size=8)
     return digest.hexdigest().encode()

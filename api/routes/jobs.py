@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Body, Query, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from api.deps import (
     IdempotencyKeyDep,
@@ -20,6 +22,7 @@ from api.job_state import cancel_and_announce, wait_for_job
 from api.pagination import invalid_cursor
 from api.schemas import JobCreate, JobListPublic, JobPublic, job_path
 from api.submission import submit
+from core.embedding_requests import EmbeddingJobCreate
 from storage.jobs import MAX_LIST_LIMIT, list_jobs
 from storage.models import JobStatus
 
@@ -35,14 +38,18 @@ def job_not_found(job_id: str) -> NotFound:
 
 @router.post("", status_code=202, response_model=JobPublic)
 def create_job(
-    body: JobCreate,
+    raw: Annotated[dict[str, Any], Body()],
     response: Response,
     tenant: TenantDep,
     resources: ResourcesDep,
     producer: ProducerDep,
     idempotency_key: IdempotencyKeyDep = None,
 ) -> JobPublic:
-    """Queue a job; 202 with its id and links (200 when an Idempotency-Key replays one)."""
+    """Queue a job; 202 with its id and links (200 when an Idempotency-Key replays one).
+
+    A body with `input` is an embeddings request; any other a chat or text completion.
+    """
+    body = _job_request(raw)
     submission = submit(request=body, priority=body.priority, tenant=tenant,
                         idempotency_key=idempotency_key, resources=resources, producer=producer)
     response.headers["Location"] = job_path(submission.job.id)
@@ -50,6 +57,19 @@ def create_job(
         response.status_code = 200
         response.headers["Idempotent-Replayed"] = "true"
     return JobPublic.from_job(submission.job)
+
+
+def _job_request(raw: dict[str, Any]) -> JobCreate | EmbeddingJobCreate:
+    """The body as the request it is; a 422 naming the field, exactly as FastAPI's own."""
+    model: type[JobCreate] | type[EmbeddingJobCreate] = (
+        EmbeddingJobCreate if "input" in raw else JobCreate)
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        # One model, not a union, so each error's loc is the field's own path.
+        raise RequestValidationError(
+            [{**error, "loc": ("body", *error["loc"])} for error in e.errors(include_url=False)]
+        ) from e
 
 
 @router.get("/{job_id}", response_model=JobPublic)

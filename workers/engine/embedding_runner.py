@@ -40,7 +40,10 @@ class EmbeddingOutput:
 
 
 @dataclass(slots=True)
-class _Encoded:
+class EncodedInput:
+    """One input as the model will see it: its position, token ids (special tokens
+    included) and whether it was cut at the model's length."""
+
     index: int
     token_ids: list[int]
     is_truncated: bool
@@ -83,7 +86,9 @@ class EmbeddingRunner:
                     self.max_model_len, self.pooling.mode,
                     " + normalisation" if self.pooling.normalize else "")
 
-    def encode(self, inputs: Sequence[EmbeddingInput], *, truncate: bool = True) -> list[_Encoded]:
+    def encode(
+        self, inputs: Sequence[EmbeddingInput], *, truncate: bool = True
+    ) -> list[EncodedInput]:
         """Token ids per input, special tokens added; ValueError (naming `input[i]`) for an
         input over max_model_len when truncate is off, or an empty token list."""
         texts = [(i, x) for i, x in enumerate(inputs) if isinstance(x, str)]
@@ -109,16 +114,19 @@ class EmbeddingRunner:
                     f"input[{i}] has {len(content) + self._num_special} tokens, more than the "
                     f"model's {self.max_model_len}; shorten it or allow truncation")
             content = content[:limit]
-            results.append(_Encoded(i, [*self._prefix_ids, *content, *self._suffix_ids],
+            results.append(EncodedInput(i, [*self._prefix_ids, *content, *self._suffix_ids],
                                     is_truncated))
         return results
 
-    @torch.inference_mode()
     def embed(
         self, inputs: Sequence[EmbeddingInput], *, truncate: bool = True
     ) -> list[EmbeddingOutput]:
         """One EmbeddingOutput per input, in input order (see `encode` for refusals)."""
-        encoded = self.encode(inputs, truncate=truncate)
+        return self.embed_encoded(self.encode(inputs, truncate=truncate))
+
+    @torch.inference_mode()
+    def embed_encoded(self, encoded: list[EncodedInput]) -> list[EmbeddingOutput]:
+        """One EmbeddingOutput per encoded input, ordered by their `index` (0..n-1)."""
         outputs: list[EmbeddingOutput | None] = [None] * len(encoded)
         for batch in self._batches(encoded):
             vectors = self._run(batch)
@@ -128,11 +136,11 @@ class EmbeddingRunner:
         assert all(o is not None for o in outputs), "every input belongs to one batch"
         return [o for o in outputs if o is not None]
 
-    def _batches(self, encoded: list[_Encoded]) -> list[list[_Encoded]]:
+    def _batches(self, encoded: list[EncodedInput]) -> list[list[EncodedInput]]:
         """Longest first; each batch's rows × its longest row stays within the budget."""
         ordered = sorted(encoded, key=lambda e: len(e.token_ids), reverse=True)
-        batches: list[list[_Encoded]] = []
-        current: list[_Encoded] = []
+        batches: list[list[EncodedInput]] = []
+        current: list[EncodedInput] = []
         for item in ordered:
             # Sorted longest first, so current[0] sets the batch's padded length.
             width = len(current[0].token_ids) if current else len(item.token_ids)
@@ -145,7 +153,7 @@ class EmbeddingRunner:
             batches.append(current)
         return batches
 
-    def _run(self, batch: list[_Encoded]) -> torch.Tensor:
+    def _run(self, batch: list[EncodedInput]) -> torch.Tensor:
         """Pooled vectors (len(batch), H) of one right-padded batch, on the CPU."""
         width = max(len(e.token_ids) for e in batch)
         pad_id = self.tokenizer.pad_token_id or 0

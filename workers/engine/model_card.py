@@ -40,6 +40,8 @@ class ModelCard:
     context_length: int | None
     revision: str
     path: str
+    # Length of an embedding model's vectors; None for a chat model.
+    dimensions: int | None = None
 
     def to_json(self) -> str:
         """The card as one JSON object."""
@@ -52,7 +54,8 @@ class ModelCard:
             data = json.loads(text)
             return cls(name=str(data["name"]), kind=data["kind"],
                        context_length=data.get("context_length"),
-                       revision=str(data["revision"]), path=str(data["path"]))
+                       revision=str(data["revision"]), path=str(data["path"]),
+                       dimensions=data.get("dimensions"))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"not a model card: {e}") from e
 
@@ -61,9 +64,12 @@ def describe_model(model_dir: Path, *, name: str, cache_dir: Path | None = None)
     """The card of a prepared directory served as `name` (revision cached under cache_dir)."""
     config = read_config(model_dir)
     kind = model_kind(model_dir, config)
+    hidden_size = config.get("hidden_size")
     return ModelCard(name=name, kind=kind, context_length=context_length(model_dir, config, kind),
                      revision=model_revision(model_dir, cache_dir=cache_dir),
-                     path=str(model_dir))
+                     path=str(model_dir),
+                     dimensions=hidden_size if kind == "embedding" and isinstance(
+                         hidden_size, int) else None)
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:

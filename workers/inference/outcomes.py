@@ -19,6 +19,7 @@ from core import metrics
 from core.messages import JobMessage
 from storage.models import utcnow
 from workers.engine import RequestOutput
+from workers.inference.embedding_jobs import build_embedding_result
 from workers.inference.job_store import JobStore, Success, epoch_to_datetime
 from workers.inference.results import Completion, build_result, error_body, param_of
 
@@ -71,6 +72,10 @@ class OutcomeRecorder:
                 self._count_success(message, created_at)
 
     def _result_of(self, message: JobMessage, output: RequestOutput) -> dict[str, Any]:
+        if message.kind == "embedding":
+            # The embedding engine's EmbeddingRequestOutput, through the same engine loop.
+            return build_embedding_result(output, model=message.model,  # type: ignore[arg-type]
+                                          body=message.body)
         completion = Completion(
             text=output.text,
             token_ids=list(output.token_ids),

@@ -26,7 +26,9 @@ from storage.db import create_db_engine, session_factory
 from storage.events import CancelSubscription
 from storage.model_cards import publish_card
 from workers.engine import EngineConfig, LLMEngine
-from workers.engine.model_card import ModelCard, describe_model
+from workers.engine.embedding_engine import EmbeddingEngine
+from workers.engine.embedding_runner import EmbeddingRunner
+from workers.engine.model_card import ModelCard, describe_model, model_kind, read_config
 from workers.engine.registry import resolve_model
 from workers.inference.engine_loop import EngineLoop
 from workers.inference.heartbeat import Heartbeat
@@ -42,7 +44,15 @@ CONSUMER_CLOSE_TIMEOUT_MS = 3_000
 
 
 def build_engine(settings: Settings) -> LLMEngine:
-    """The engine for `settings.model`, sized by the `engine_*` settings."""
+    """The engine for `settings.model`, sized by the `engine_*` settings: the paged-KV
+    generator, or for an encoder (an embedding model) the embedding runner behind the
+    same add_request / abort / step surface."""
+    model_dir = resolve_model(settings.model, settings.models_dir)
+    if model_kind(model_dir, read_config(model_dir)) == "embedding":
+        runner = EmbeddingRunner(model_dir, device=settings.engine_device,
+                                 dtype=settings.engine_dtype,
+                                 max_num_batched_tokens=settings.engine_max_num_batched_tokens)
+        return EmbeddingEngine(runner)  # type: ignore[return-value]  # same duck surface
     return LLMEngine(
         EngineConfig(
             model=settings.model,

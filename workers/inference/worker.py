@@ -37,6 +37,7 @@ from core.topics import Priority
 from storage.events import CancelSubscription
 from storage.models import utcnow
 from workers.engine import RequestOutput, SamplingParams
+from workers.inference.embedding_jobs import embedding_request_from_body
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
 from workers.inference.job_store import JobStore
 from workers.inference.offsets import OffsetTracker
@@ -252,10 +253,14 @@ class Worker:
             message = candidate.message
             try:
                 self._check_model(message)
-                prompt = prompt_from_body(message.kind, message.body)
-                params = sampling_params_from_body(
-                    message.kind, message.body, max_model_len=self._max_model_len
-                )
+                if message.kind == "embedding":
+                    prompt, params = embedding_request_from_body(message.body,
+                                                                 self._engine.engine)
+                else:
+                    prompt = prompt_from_body(message.kind, message.body)
+                    params = sampling_params_from_body(
+                        message.kind, message.body, max_model_len=self._max_model_len
+                    )
             except ValueError as e:
                 self._outcomes.failed(message, str(e))
                 self._ack(candidate.records)

@@ -19,7 +19,7 @@ def test_a_causal_lm_directory_is_a_chat_model(tmp_path: Path) -> None:
     save_llama(tmp_path / "tiny")
     card = describe_model(tmp_path / "tiny", name="tiny", cache_dir=tmp_path / "models")
     config = json.loads((tmp_path / "tiny" / "config.json").read_text())
-    assert card.kind == "chat"
+    assert (card.kind, card.dimensions) == ("chat", None)
     assert card.context_length == config["max_position_embeddings"]
     assert len(card.revision) == 16 and int(card.revision, 16) >= 0
     assert ModelCard.from_json(card.to_json()) == card
@@ -34,7 +34,7 @@ def test_the_packaged_minilm_is_an_embedding_model(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir())  # nothing fetched or copied
     card = describe_model(model_dir, name="emb", cache_dir=tmp_path)
     # sentence-transformers truncates at 256 although BERT's table has 512 positions.
-    assert (card.kind, card.context_length) == ("embedding", 256)
+    assert (card.kind, card.context_length, card.dimensions) == ("embedding", 256, 384)
 
 
 def test_revision_follows_the_weights_and_is_cached(tmp_path: Path) -> None:
