@@ -8,7 +8,7 @@ as a real graph replays kernels over fixed addresses. So a replay sees new value
 through the buffers the caller updates in place, exactly like CUDA.
 
 Capture fails, as a real one would (or worse, would silently bake values in), on:
-- a host sync: `.item()`, `.tolist()`, `bool(tensor)`, `int(tensor)` (`_local_scalar_dense`);
+- a host sync: `.item()`, `.tolist()`, `bool(tensor)`, `int(tensor)`, `torch.equal`;
 - host data turned into a tensor (`torch.tensor(...)`: `lift_fresh`), pinned memory, or a
   copy between devices.
 """
@@ -26,7 +26,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 aten = torch.ops.aten
-_HOST_SYNC_OPS = {aten._local_scalar_dense.default}
+# Under inference_mode `item` reaches the mode whole, not as _local_scalar_dense.
+_HOST_SYNC_OPS = {
+    aten._local_scalar_dense.default,
+    aten.item.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+}
 _HOST_DATA_OPS = {aten.lift_fresh.default, aten.lift_fresh_copy.default, aten._pin_memory.default}
 
 

@@ -43,17 +43,20 @@ def test_replay_recomputes_from_the_buffers() -> None:
     "bad",
     [
         lambda x: x.sum().item(),
+        lambda x: int(x.max()),
         lambda x: x.tolist(),
         lambda x: bool(x.sum() > 0),
         lambda x: x + torch.tensor([1.0, 2.0, 3.0]),
         lambda x: x.cpu(),
     ],
-    ids=["item", "tolist", "bool", "host-data", "cpu"],
+    ids=["item", "int", "tolist", "bool", "host-data", "cpu"],
 )
-def test_capture_refuses_host_syncs_and_host_data(bad) -> None:  # type: ignore[no-untyped-def]
-    """Reading a device value on the host, or baking host data in, fails at capture."""
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_capture_refuses_host_syncs_and_host_data(bad, inference: bool) -> None:  # type: ignore[no-untyped-def]
+    """Reading a device value on the host, or baking host data in, fails at capture, also
+    under inference_mode (where DecodeGraphs captures)."""
     x = torch.ones(3)
-    with pytest.raises(CaptureError):
+    with torch.inference_mode(inference), pytest.raises(CaptureError):
         capture(lambda: bad(x))
 
 
