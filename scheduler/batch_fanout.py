@@ -20,13 +20,12 @@ from itertools import islice
 from kafka import KafkaProducer
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.kafka import publish_job
 from core.settings import Settings
 from scheduler.batch_input import ENDPOINT_TO_KIND, BatchRequest, iter_requests
-from scheduler.reconciler import job_message
+from scheduler.job_publisher import count_failed, publish_jobs, record_output
 from storage.batches import BatchStatus, lock_batch
 from storage.files import FileStore
-from storage.jobs import create_job, mark_published
+from storage.jobs import create_job
 from storage.models import Job
 
 logger = logging.getLogger(__name__)
@@ -95,12 +94,14 @@ def _add_chunk(
 
 def _publish(settings: Settings, sessions: sessionmaker[Session], producer: KafkaProducer,
              jobs: list[Job]) -> None:
-    """Produce the jobs, wait for the broker, and stamp them published."""
-    futures = [publish_job(producer, settings, job_message(job)) for job in jobs]
-    producer.flush(timeout=PUBLISH_TIMEOUT_S)
-    for future in futures:
-        future.get(timeout=PUBLISH_TIMEOUT_S)
+    """Produce the jobs, wait for the broker, and stamp them published.
+
+    A line no message can carry fails as its own job; the rest of the chunk goes out.
+    """
+    output = publish_jobs(producer, settings, jobs, timeout_s=PUBLISH_TIMEOUT_S)
     with sessions() as session:
-        mark_published(session, job_ids=[job.id for job in jobs])
+        failed = record_output(session, output)
         session.commit()
+    count_failed(failed)
+    output.raise_for_broker()
 

@@ -1,20 +1,23 @@
 """Produce stored jobs to Kafka a page at a time, telling a bad row from a bad broker.
 
 Responsible for: building each job's message, sending the page, waiting for the broker's
-acknowledgements, and sorting every job of the page into one of three outcomes:
+acknowledgements, sorting every job of the page into one of three outcomes, and storing
+what they mean (`record_output`):
 - published: the broker has it;
 - unpublishable: no message can ever carry this row (its text cannot be encoded, it is
   larger than a record may be, a field fails the message schema). Retrying cannot help,
   so the caller fails the job with the reason and moves on: one bad row never holds
   back the rows behind it;
 - unsent: the broker did not answer (down, slow, no leader). Nothing is wrong with the
-  job; it stays stale and a later pass sends it again.
+  job; it stays stale and a later pass sends it again (`raise_for_broker` after the rest
+  is stored).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from kafka import KafkaProducer
 from kafka.errors import (
@@ -24,11 +27,15 @@ from kafka.errors import (
     RecordListTooLargeError,
 )
 from kafka.producer.future import FutureRecordMetadata
+from sqlalchemy.orm import Session
 
+from core import metrics
 from core.kafka import publish_job
 from core.messages import JobMessage
 from core.settings import Settings
+from storage.jobs import fail_job, get_job, mark_published
 from storage.models import Job
+from storage.webhook_events import enqueue_job_event
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +74,14 @@ class PublishOutput:
     unsent_ids: list[str] = field(default_factory=list)
     # The first broker error met, for the caller to raise once it has stored the rest.
     broker_error: KafkaError | None = None
+
+    def raise_for_broker(self) -> None:
+        """Raise if the broker left jobs unsent (call after `record_output` is committed)."""
+        if self.broker_error is not None:
+            raise RuntimeError(
+                f"the broker did not take {len(self.unsent_ids)} job(s) ({self.broker_error}); "
+                "they stay stale and the reconciler's next pass retries them"
+            ) from self.broker_error
 
 
 def publish_jobs(
@@ -107,6 +122,41 @@ def publish_jobs(
     for job_id, reason in output.id_to_unpublishable_reason.items():
         logger.warning("job %s cannot be published: %s", job_id, reason)
     return output
+
+
+def record_output(session: Session, output: PublishOutput) -> list[Job]:
+    """Stamp the published jobs and fail the unpublishable ones; the rows failed.
+
+    A failed job's webhook is enqueued in the same transaction; the caller commits, then
+    passes the rows to `count_failed`.
+    """
+    mark_published(session, job_ids=output.published_ids)
+    failed: list[Job] = []
+    for job_id, reason in output.id_to_unpublishable_reason.items():
+        if not fail_job(session, job_id=job_id, error=unpublishable_error(reason)):
+            continue  # finished or cancelled meanwhile
+        job = get_job(session, job_id=job_id)
+        if job is not None:
+            enqueue_job_event(session, job=job)
+            failed.append(job)
+    return failed
+
+
+def count_failed(jobs: list[Job]) -> None:
+    """Count jobs failed as unpublishable (after their commit)."""
+    metrics.JOBS_UNPUBLISHABLE.inc(len(jobs))
+    for job in jobs:
+        metrics.JOBS_FAILED.labels(job.priority).inc()
+
+
+def unpublishable_error(reason: str) -> dict[str, Any]:
+    """The stored error of a job no Kafka message can carry."""
+    return {
+        "message": f"the job could not be queued for a worker: {reason}",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "unpublishable",
+    }
 
 
 def describe(error: BaseException) -> str:

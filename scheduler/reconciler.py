@@ -35,21 +35,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core import metrics
 from core.settings import Settings
-from scheduler.job_publisher import job_message, publish_jobs
+from scheduler.job_publisher import count_failed, publish_jobs, record_output
 from storage.events import publish_job_done
-from storage.jobs import (
-    fail_job,
-    fail_orphaned_jobs,
-    get_job,
-    mark_published,
-    requeue_orphaned_jobs,
-    stale_queued_jobs,
-)
+from storage.jobs import fail_orphaned_jobs, get_job, requeue_orphaned_jobs, stale_queued_jobs
 from storage.models import Job, JobStatus, utcnow
 from storage.webhook_events import enqueue_job_event
 from storage.workers import orphaned_jobs, prune_dead_workers
-
-__all__ = ["PAGE_SIZE", "PUBLISH_TIMEOUT_S", "Reconciler", "job_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +110,9 @@ class Reconciler:
                 requeued_ids, failed = self._hand_back(session, orphans, dead_before)
                 prune_dead_workers(session, dead_before=dead_before)
                 session.commit()
-            self._announce_failed(failed)
+            for job in failed:
+                metrics.JOBS_FAILED.labels(job.priority).inc()
+            self._wake_waiters(failed)
             if requeued_ids:
                 with self.sessions() as session:
                     jobs = list(session.scalars(
@@ -177,27 +170,12 @@ class Reconciler:
         some were not acknowledged.
         """
         output = publish_jobs(self.producer, self.settings, jobs, timeout_s=PUBLISH_TIMEOUT_S)
-        mark_published(session, job_ids=output.published_ids)
-        failed = [
-            job
-            for job_id, reason in output.id_to_unpublishable_reason.items()
-            if (job := self._fail(session, job_id, unpublishable_error(reason))) is not None
-        ]
+        failed = record_output(session, output)
         session.commit()
-        metrics.JOBS_UNPUBLISHABLE.inc(len(failed))
-        self._announce_failed(failed)
-        if output.broker_error is not None:
-            raise RuntimeError(
-                f"the broker did not take {len(output.unsent_ids)} of {len(jobs)} job(s) "
-                f"({output.broker_error}); they stay stale and the next pass retries them"
-            ) from output.broker_error
+        count_failed(failed)
+        self._wake_waiters(failed)
+        output.raise_for_broker()
         return len(output.published_ids)
-
-    def _fail(self, session: Session, job_id: str, error: dict[str, Any]) -> Job | None:
-        """Fail a queued job with `error` and enqueue its webhook; None if it had moved on."""
-        if not fail_job(session, job_id=job_id, error=error):
-            return None
-        return self._enqueue_webhook(session, job_id)
 
     def _enqueue_webhook(self, session: Session, job_id: str) -> Job | None:
         """Enqueue the failed job's webhook in this transaction; the row, None if gone."""
@@ -206,13 +184,13 @@ class Reconciler:
             enqueue_job_event(session, job=job)
         return job
 
-    def _announce_failed(self, jobs: list[Job]) -> None:
-        """Count the jobs failed here and wake long-polls waiting on them (after commit)."""
+    def _wake_waiters(self, jobs: list[Job]) -> None:
+        """Wake long-polls waiting on jobs failed here (after their commit)."""
+        if self.redis_client is None:
+            return
         for job in jobs:
-            metrics.JOBS_FAILED.labels(job.priority).inc()
-            if self.redis_client is not None:
-                publish_job_done(self.redis_client, prefix=self.settings.topic_prefix,
-                                 job_id=job.id, status=JobStatus.FAILED)
+            publish_job_done(self.redis_client, prefix=self.settings.topic_prefix,
+                             job_id=job.id, status=JobStatus.FAILED)
 
 
 def worker_lost_error(max_attempts: int) -> dict[str, Any]:
@@ -225,12 +203,3 @@ def worker_lost_error(max_attempts: int) -> dict[str, Any]:
         "code": "worker_lost",
     }
 
-
-def unpublishable_error(reason: str) -> dict[str, Any]:
-    """The stored error of a job no Kafka message can carry."""
-    return {
-        "message": f"the job could not be queued for a worker: {reason}",
-        "type": "invalid_request_error",
-        "param": None,
-        "code": "unpublishable",
-    }
