@@ -7,6 +7,9 @@ older than the heartbeat timeout (it crashed, or hangs). The reconciler hands or
 to the queue with the guarded writes in `storage.jobs`, which re-check the heartbeat in
 the same statement, so a worker that beats between the read and the write keeps its job.
 
+Times come from each process's own clock, like every timestamp in these tables, so the
+hosts' clocks must agree to well within the heartbeat timeout (NTP does).
+
 Functions flush but never commit: the caller owns the transaction.
 """
 
