@@ -38,6 +38,10 @@ class EngineConfig:
     # rarely need preempting to grow.
     watermark: float = 0.01
     enforce_eager: bool = False  # True disables CUDA graphs
+    # Build step N's outputs (detokenize, stop strings) while the GPU runs step N+1; steps
+    # then return the previous step's outputs. None: on for CUDA, off on the CPU (no GPU
+    # to overlap with).
+    overlap_output_processing: bool | None = None
     skip_tokenizer_init: bool = False  # token-id-only use, e.g. random-weight models
     seed: int = 0
 

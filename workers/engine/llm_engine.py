@@ -5,7 +5,8 @@ Responsibilities:
   and chat template, rejecting bad input with a ValueError naming the field, for that
   request only;
 - own the Scheduler and the ModelRunner and run the step loop: schedule, execute,
-  postprocess;
+  postprocess; on CUDA, detokenize and build the previous step's outputs while the GPU
+  runs the current step (`overlap_output_processing`);
 - detokenize incrementally, apply stop strings, and emit one RequestOutput per request
   that progressed (with its deltas) or finished;
 - keep per-request timings and engine-wide counters for `stats()`.
@@ -78,6 +79,10 @@ class LLMEngine:
         self._num_computed_tokens = 0
         self._num_generated_tokens = 0
         self._busy_seconds = 0.0
+        overlap = config.overlap_output_processing
+        self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
+        # Sequences that got a token in the last step, their outputs not built yet (overlap).
+        self._deferred: list[Sequence] = []
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d",
             block_manager.num_blocks,
@@ -129,35 +134,48 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
+        if request.seq.is_finished:  # finished in the last step, its output not built yet
+            return
         self.scheduler.finish(request.seq, SequenceStatus.FINISHED_ABORTED)
         logger.debug("aborted %s", request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running."""
-        return self.scheduler.has_unfinished()
+        """True while any request is waiting or running, or has an output to come."""
+        return self.scheduler.has_unfinished() or bool(self._deferred)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests waiting or running."""
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch: new tokens for running requests, outputs for those that moved."""
+        """Run one batch: new tokens for running requests, outputs for those that moved.
+
+        With overlap, a step returns the outputs of the tokens sampled by the step before:
+        their detokenization runs on the host while the GPU computes this step, and a
+        sequence a stop string ends there has its extra token of this step discarded.
+        """
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            outputs = self._advance_all(self._deferred)
+            self._deferred = []
+            return outputs
         now = time.time()
         for seq in out.seqs:
             request = self._requests[seq.request_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
                 request.num_cached_tokens = seq.num_cached_tokens
-        sampled = self.runner.execute(out.seqs, out.num_scheduled_tokens)
+        pending = self.runner.execute_async(out.seqs, out.num_scheduled_tokens)
+        outputs = self._advance_all(self._deferred)  # host work while the GPU runs
+        sampled = pending.result()
         updated = self.scheduler.postprocess(out, sampled)
         self._num_computed_tokens += out.total_num_scheduled_tokens
         self._num_generated_tokens += len(updated)
-        now = time.time()
-        outputs = [self._advance(self._requests[seq.request_id], now) for seq in updated]
+        if self._overlap:
+            self._deferred = updated
+        else:
+            outputs = self._advance_all(updated)
         self._busy_seconds += time.perf_counter() - start
         return outputs
 
@@ -175,6 +193,12 @@ class LLMEngine:
             num_generated_tokens=self._num_generated_tokens,
             busy_seconds=self._busy_seconds,
         )
+
+    def _advance_all(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Outputs for sequences that got a token, skipping requests aborted since."""
+        now = time.time()
+        requests = [self._requests.get(seq.request_id) for seq in seqs]
+        return [self._advance(r, now) for r in requests if r is not None]
 
     def _advance(self, request: _Request, now: float) -> RequestOutput:
         """Detokenize a request's new token, apply stop strings, build its output."""

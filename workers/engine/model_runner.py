@@ -55,6 +55,30 @@ class _Step:
     sample_seq_indices: list[int] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class PendingTokens:
+    """The sampled tokens of a step that may still be running on the GPU."""
+
+    num_seqs: int
+    indices: list[int]  # sequences that sample this step, ascending
+    params: list[SamplingParams]
+    token_ids: torch.Tensor | None  # (len(indices),) int64, on the host once `event` is done
+    logprobs: torch.Tensor | None
+    event: torch.cuda.Event | None  # None: already complete (CPU)
+
+    def result(self) -> list[SampledToken | None]:
+        """Wait for the step; a token per sequence that sampled, None for the others."""
+        results: list[SampledToken | None] = [None] * self.num_seqs
+        if self.token_ids is None:
+            return results
+        if self.event is not None:
+            self.event.synchronize()
+        tokens = Sampler.to_host(self.token_ids, self.logprobs, self.params)
+        for i, token in zip(self.indices, tokens, strict=True):
+            results[i] = token
+        return results
+
+
 class ModelRunner:
     """Owns the model, the KV pool and the sampler; executes scheduled batches."""
 
@@ -96,7 +120,6 @@ class ModelRunner:
             self.num_kv_blocks, self.block_size,
         )  # fmt: skip
 
-    @torch.inference_mode()
     def execute(
         self, seqs: list[Sequence], num_scheduled_tokens: list[int]
     ) -> list[SampledToken | None]:
@@ -106,17 +129,29 @@ class ModelRunner:
         n = num_scheduled_tokens[i]), writes their K/V into the pool, and returns a sampled
         token for every sequence that reaches its last token (c + n == num_tokens), else None.
         """
+        return self.execute_async(seqs, num_scheduled_tokens).result()
+
+    @torch.inference_mode()
+    def execute_async(
+        self, seqs: list[Sequence], num_scheduled_tokens: list[int]
+    ) -> PendingTokens:
+        """execute() without waiting: on CUDA the step is queued on the GPU and its tokens
+        start copying to pinned host memory; the host is free until result()."""
         indices, logits = self.compute_logits(seqs, num_scheduled_tokens)
-        results: list[SampledToken | None] = [None] * len(seqs)
         if not indices:
-            return results
-        sampling = [seqs[i] for i in indices]
-        tokens = self.sampler.sample(
-            logits, [s.params for s in sampling], [s.num_output_tokens for s in sampling]
+            return PendingTokens(len(seqs), [], [], None, None, None)
+        params = [seqs[i].params for i in indices]
+        token_ids, logprobs = self.sampler.sample_on_device(
+            logits, params, [seqs[i].num_output_tokens for i in indices]
         )
-        for i, token in zip(indices, tokens, strict=True):
-            results[i] = token
-        return results
+        event = None
+        if self.device.type == "cuda":
+            # Pinned destinations make both copies asynchronous; the event marks their end.
+            token_ids = token_ids.to("cpu", non_blocking=True)
+            logprobs = None if logprobs is None else logprobs.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return PendingTokens(len(seqs), indices, params, token_ids, logprobs, event)
 
     @torch.inference_mode()
     def compute_logits(

@@ -74,8 +74,8 @@ class Sampler:
         logprobs[rows] = picked.squeeze(1).double()
         return token_ids, logprobs
 
+    @staticmethod
     def to_host(
-        self,
         token_ids: torch.Tensor,
         logprobs: torch.Tensor | None,
         params: list[SamplingParams],

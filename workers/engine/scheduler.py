@@ -152,6 +152,10 @@ class Scheduler:
             raise ValueError(f"sampled has {len(sampled)} entries for {len(out.seqs)} seqs")
         updated: list[Sequence] = []
         for seq, n, token in zip(out.seqs, out.num_scheduled_tokens, sampled, strict=True):
+            if seq.is_finished:
+                # Ended by a stop string (or aborted) while this step ran: the engine
+                # overlaps the last step's output processing with this one. Drop its work.
+                continue
             assert seq.status is SequenceStatus.RUNNING
             seq.num_computed_tokens += n
             self.block_manager.cache_computed_blocks(seq)

@@ -117,9 +117,13 @@ def test_bad_input_names_the_field_and_spares_the_others(
     assert engine.stats().num_kv_blocks_used == 0
 
 
-def test_abort_frees_blocks_and_unknown_ids_are_ignored(model_dir: Path) -> None:
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+
+
+@OVERLAP
+def test_abort_frees_blocks_and_unknown_ids_are_ignored(model_dir: Path, overlap: bool) -> None:
     """Aborting running and waiting requests frees everything; unknown ids do nothing."""
-    engine = make_engine(model_dir, max_num_seqs=2)
+    engine = make_engine(model_dir, max_num_seqs=2, overlap_output_processing=overlap)
     rng = random.Random(0)
     for i in range(4):
         engine.add_request(f"r{i}", random_prompt(rng, 40), greedy(50))
@@ -176,9 +180,12 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(model_dir: Pa
     assert llm.generate([prompt], other_seed)[0].token_ids != alone.token_ids
 
 
-def test_stop_strings_and_stop_token_ids(model_dir: Path) -> None:
-    """A stop string is trimmed from the text; a stop token id ends the output with it."""
-    llm = make_llm(model_dir)
+@OVERLAP
+def test_stop_strings_and_stop_token_ids(model_dir: Path, overlap: bool) -> None:
+    """A stop string is trimmed from the text; a stop token id ends the output with it.
+
+    With overlap the stop string is found while the next step runs: the same output."""
+    llm = make_llm(model_dir, overlap_output_processing=overlap)
     prompt = "hello world"
     free = llm.generate(prompt, greedy(30))[0]
     assert len(free.text) > 6, "the model should say something visible"
@@ -255,10 +262,14 @@ def test_priority_request_overtakes_a_full_engine(model_dir: Path) -> None:
     assert engine.stats().num_preemptions == 1
 
 
-def test_random_adds_aborts_and_priorities_leave_no_block_held(model_dir: Path) -> None:
+@OVERLAP
+def test_random_adds_aborts_and_priorities_leave_no_block_held(
+    model_dir: Path, overlap: bool
+) -> None:
     """A random mix of arrivals, priorities and aborts on a tight pool ends fully free."""
     rng = random.Random(11)
-    engine = make_engine(model_dir, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=64)
+    engine = make_engine(model_dir, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=64,
+                         overlap_output_processing=overlap)  # fmt: skip
     expected: dict[str, int] = {}
     finished: dict[str, RequestOutput] = {}
     for i in range(40):
@@ -282,3 +293,28 @@ def test_random_adds_aborts_and_priorities_leave_no_block_held(model_dir: Path) 
     assert {r: len(o.token_ids) for r, o in finished.items()} == expected
     stats = engine.stats()
     assert stats.num_kv_blocks_used == 0 and stats.num_preemptions > 0
+
+
+def test_overlap_returns_what_sync_returns_one_step_later(model_dir: Path) -> None:
+    """Overlapped output processing changes when outputs arrive, never what they are."""
+    rng = random.Random(5)
+    prompts: list[Prompt] = [random_prompt(rng, rng.randint(2, 30)) for _ in range(6)]
+    free = make_llm(model_dir).generate(prompts, greedy(12))
+    params = [
+        greedy(12, stop=[o.text[2:4]]) if i % 2 and len(o.text) > 4 else greedy(5 + i)
+        for i, o in enumerate(free)
+    ]
+    results = []
+    for overlap in (False, True):
+        engine = make_engine(model_dir, overlap_output_processing=overlap)
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(f"r{i}", prompt, p)
+        first = engine.step()
+        assert (first == []) == overlap  # the first step's outputs come with the second
+        outputs = {o.request_id: o for o in first}
+        for outs in run_all(engine).values():
+            outputs[outs[-1].request_id] = outs[-1]
+        results.append({r: (o.token_ids, o.text, o.finish_reason) for r, o in outputs.items()})
+        assert engine.stats().num_kv_blocks_used == 0
+    assert results[0] == results[1]
+    assert any(reason == "stop" for _, _, reason in results[1].values())
