@@ -27,6 +27,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.job_writer import JobWriter
 from api.rate_limit import TokenBucketLimiter
 from core.kafka import ensure_topics, make_producer
 from core.settings import Settings
@@ -47,6 +48,7 @@ PRODUCER_REQUEST_TIMEOUT_MS = 5_000
 # waiting out PUBLISH_TIMEOUT_S; while it is down, reconnection is tried as often.
 BROKER_CHECK_INTERVAL_S = 0.25
 BROKER_CONNECT_TIMEOUT_S = 0.5
+RECONNECT_MAX_BACKOFF_S = 5.0
 # Seconds close() waits for the watcher thread (it never blocks longer than a reconnect).
 WATCHER_JOIN_TIMEOUT_S = 10.0
 # Redis is local and quick; one retry rides out a dropped connection, more only delays
@@ -150,12 +152,18 @@ class LazyProducer:
             self._watcher.start()
 
     def _watch(self) -> None:
+        # A broker that accepts connections yet fails the connect (still starting, topics
+        # refused) is retried less and less often, up to RECONNECT_MAX_BACKOFF_S.
+        backoff_s, next_attempt_at = self._check_interval_s, 0.0
         while not self._closed.wait(self._check_interval_s):
             if self._down_reason is None:
+                backoff_s, next_attempt_at = self._check_interval_s, 0.0
                 if not self._is_reachable():
                     self._mark_down("the broker stopped accepting connections")
-            elif self._is_reachable():
-                self._reconnect()
+            elif time.monotonic() >= next_attempt_at and self._is_reachable():
+                if not self._reconnect():
+                    backoff_s = min(RECONNECT_MAX_BACKOFF_S, backoff_s * 2)
+                    next_attempt_at = time.monotonic() + backoff_s
 
     def _mark_down(self, reason: str) -> None:
         with self._lock:
@@ -170,12 +178,13 @@ class LazyProducer:
             threading.Thread(target=_close_producer, args=(producer, PUBLISH_TIMEOUT_S),
                              name="broker-drop", daemon=True).start()
 
-    def _reconnect(self) -> None:
+    def _reconnect(self) -> bool:
+        """Connect again; False when the broker still does not take the connection."""
         try:
             producer = self._connect()
         except BrokerUnavailable as e:
             logger.info("broker still unavailable: %s", e)
-            return
+            return False
         with self._lock:
             if self._closed.is_set():
                 self._producer, producer = None, producer
@@ -184,8 +193,9 @@ class LazyProducer:
                 producer = None
         if producer is not None:
             _close_producer(producer, 0)  # closed meanwhile: nobody will use it
-            return
+            return True
         logger.info("broker answers again; accepting jobs")
+        return True
 
     def _is_reachable(self) -> bool:
         """Whether any bootstrap server accepts a TCP connection."""
@@ -230,6 +240,8 @@ class Resources:
     redis: redis.Redis
     aredis: aioredis.Redis
     limiter: TokenBucketLimiter
+    # Stores and produces submissions in groups (see api.job_writer).
+    writer: JobWriter
     # Unix time the app started: the `created` of the models it serves.
     started_at: float = field(default_factory=time.time)
 
@@ -238,10 +250,11 @@ class Resources:
         """Create every client; none of them connects before first use."""
         engine = create_db_engine(settings.database_url)
         sync_redis = redis.Redis.from_url(settings.redis_url, **_redis_options(Retry))
+        sessions = session_factory(engine)
         return cls(
             settings=settings,
             engine=engine,
-            sessions=session_factory(engine),
+            sessions=sessions,
             producer=LazyProducer(settings),
             redis=sync_redis,
             aredis=aioredis.Redis.from_url(settings.redis_url, **_redis_options(AsyncRetry)),
@@ -249,11 +262,13 @@ class Resources:
                 sync_redis, prefix=settings.topic_prefix,
                 rate_per_s=settings.tenant_rate_limit_per_s,
             ),
+            writer=JobWriter(settings, sessions, publish_timeout_s=PUBLISH_TIMEOUT_S),
         )
 
     async def aclose(self) -> None:
         """Close in reverse order of use; one failing close does not skip the others."""
         closers = [
+            ("job writer", self.writer.close),
             ("kafka producer", self.producer.close),
             ("redis", self.redis.close),
             ("database", self.engine.dispose),
