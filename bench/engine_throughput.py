@@ -109,6 +109,8 @@ def run_engine(model_dir: Path, work: Workload, args: argparse.Namespace) -> Res
         "dtype": args.dtype,
         "skip_tokenizer_init": True,
         "max_num_seqs": args.max_num_seqs,
+        "attention_backend": args.attention_backend,
+        "enforce_eager": args.enforce_eager,
     }
     if args.kv_cache_gib is not None:
         options["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
@@ -128,6 +130,9 @@ def run_engine(model_dir: Path, work: Workload, args: argparse.Namespace) -> Res
         raise RuntimeError("the engine did not produce exactly the requested tokens")
     stats = llm.engine.stats()
     computed = stats.num_computed_tokens
+    runner = llm.engine.runner
+    graphs = "decode in CUDA graphs" if runner.graphs is not None else "no CUDA graphs"
+    print(f"  engine: {runner.backend.name} attention, {graphs}, on {runner.device}")
     print(f"  engine: {stats.num_preemptions} preemptions, {computed} tokens computed")
     if args.roofline:
         decode_roofline(llm, args)
@@ -314,6 +319,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-hf-cb", action="store_true")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"]
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--kv-cache-gib", type=float, default=None)
     parser.add_argument("--roofline", action="store_true", help="decode roofline at batch 128")
