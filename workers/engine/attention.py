@@ -1,10 +1,12 @@
-"""Attention over the paged KV cache: a pure-torch backend and a flash-attn backend.
+"""Attention over the paged KV cache: the backend interface and the pure-torch backend.
 
-Each backend is responsible for two things per layer: writing this step's new K/V into the
-pool (one vectorised `index_copy_` per tensor, never a loop over tokens) and attending every
-query to the cached positions of its own sequence, causally.
+The torch backend runs anywhere and is tuned for the CPU; on CUDA the Triton backend
+(triton_attention.py) or flash-attn (flash_attention.py) take over. Each backend is
+responsible for two things per layer: writing this step's new K/V into the pool (one
+vectorised op, never a loop over tokens) and attending every query to the cached
+positions of its own sequence, causally.
 
-Pool layout per layer, shared by both backends (it is flash-attn's paged layout):
+Pool layout per layer, shared by all backends (it is flash-attn's paged layout):
 `(num_blocks, block_size, num_kv_heads, head_dim)`. Token position p of a sequence lives in
 slot `block_table[p // block_size] * block_size + p % block_size`; e.g. with block_size 16
 and block_table [7, 2], position 20 is slot 2 * 16 + 4 = 36.
@@ -86,6 +88,10 @@ class AttentionBackend(ABC):
     def pool_workspace_ratio(self, num_layers: int) -> float:
         """Bytes of gather workspace a step may need per byte of KV pool (0: reads in place)."""
         return 0.0
+
+    def mask_bytes(self, max_num_batched_tokens: int, max_model_len: int, itemsize: int) -> int:
+        """Most bytes of attention masks one step can hold (0: masks live in the kernel)."""
+        return 0
 
     @abstractmethod
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> object:
@@ -177,6 +183,11 @@ class TorchAttentionBackend(AttentionBackend):
     def pool_workspace_ratio(self, num_layers: int) -> float:
         """A decode group gathers up to one layer's K and V, padded by the group growth."""
         return _DECODE_GROUP_GROWTH / num_layers
+
+    def mask_bytes(self, max_num_batched_tokens: int, max_model_len: int, itemsize: int) -> int:
+        """Every query row of a step has at most max_model_len keys in its mask (an 8k-token
+        chunk over 32k of context: 512 MB in bf16)."""
+        return max_num_batched_tokens * max_model_len * itemsize
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchAttentionMetadata:
         """Group decodes by length, describe each longer chunk, list the blocks to gather.

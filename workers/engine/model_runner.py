@@ -10,33 +10,26 @@ It reads sequences and never changes them.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import PretrainedConfig
 
-from workers.engine.attention import AttentionBackend, BatchLayout, TorchAttentionBackend, to_device
+from workers.engine.attention import BatchLayout, to_device
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs
-from workers.engine.flash_attention import (
-    HAS_FLASH_ATTN,
-    MIN_FLASH_CAPABILITY,
-    FlashAttentionBackend,
-)
 from workers.engine.loader import load_hf_config, load_model, read_eos_token_ids
 from workers.engine.model import check_supported, head_dim_of
+from workers.engine.placement import pick_backend, pick_device, pick_dtype
 from workers.engine.registry import resolve_model
 from workers.engine.sampler import SampledToken, Sampler
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence
-from workers.engine.triton_attention import HAS_TRITON, TritonAttentionBackend
 
 logger = logging.getLogger(__name__)
 
 _CPU_KV_BYTES = 1 << 30
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -87,13 +80,13 @@ class ModelRunner:
         self.model_dir: Path = resolve_model(config.model, config.models_dir)
         self.hf_config: PretrainedConfig = load_hf_config(self.model_dir)
         check_supported(self.hf_config)
-        self.device = _pick_device(config.device)
+        self.device = pick_device(config.device)
         if self.device.type == "cuda":
             # cuda:N must be the current device: graphs capture on the current device's
             # stream, and Triton launches on it.
             torch.cuda.set_device(self.device)
-        self.dtype = _pick_dtype(config.dtype, self.hf_config, self.device)
-        self.backend = _pick_backend(
+        self.dtype = pick_dtype(config.dtype, self.hf_config, self.device)
+        self.backend = pick_backend(
             config.attention_backend, self.device, self.dtype, self.hf_config
         )
         self.block_size = config.block_size or self.backend.default_block_size
@@ -295,9 +288,10 @@ class ModelRunner:
     def _cuda_kv_budget(self) -> int:
         """gpu_memory_utilization of free memory, less every workspace a step can need.
 
-        Measured: the largest prefill step's activations, attention metadata and masks,
-        and the sampler's temporaries for a full batch with top-k, top-p and logprobs.
-        Computed: a gathering backend's workspace, which grows with the pool itself.
+        Measured: the largest prefill step's activations and attention metadata, and the
+        sampler's temporaries for a full batch with top-k, top-p and logprobs. Computed
+        (the profile step has nothing cached): the torch backend's masks over cached
+        context, and its gather workspace, which grows with the pool itself.
         """
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -307,7 +301,11 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
-        budget = int(free * self.config.gpu_memory_utilization) - peak
+        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        masks = self.backend.mask_bytes(
+            self.config.max_num_batched_tokens, self.max_model_len, itemsize
+        )
+        budget = int(free * self.config.gpu_memory_utilization) - peak - masks
         ratio = self.backend.pool_workspace_ratio(self.hf_config.num_hidden_layers)
         return int(budget / (1 + ratio))
 
@@ -354,75 +352,3 @@ class ModelRunner:
             block_size=self.block_size,
         )
         self.graphs.capture()
-
-
-def _pick_device(name: str) -> torch.device:
-    """auto: CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
-
-
-def _pick_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    """auto: fp32 on CPU; on CUDA the checkpoint's half type, else bfloat16."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type != "cuda":
-        return torch.float32
-    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(saved, str):
-        saved = _DTYPES.get(saved)
-    return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
-
-
-def _pick_backend(
-    name: str, device: torch.device, dtype: torch.dtype, hf_config: PretrainedConfig
-) -> AttentionBackend:
-    """auto: on CUDA flash-attn (fp16/bf16, sm80+) when installed, else Triton; CPU: torch."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = head_dim_of(hf_config)
-    if name == "torch":
-        return TorchAttentionBackend(heads, kv_heads, head_dim)
-    if name == "flash" or name == "auto" and device.type == "cuda":
-        reason = _flash_unusable(device, dtype)
-        if reason is None:
-            return FlashAttentionBackend(heads, kv_heads, head_dim)
-        if name == "flash":
-            raise ValueError(f"attention_backend 'flash' cannot run here: {reason}")
-        logger.info("flash attention not used: %s", reason)
-    if name == "triton" or name == "auto" and device.type == "cuda":
-        if HAS_TRITON and (device.type == "cuda" or _is_triton_interpreting()):
-            return TritonAttentionBackend(heads, kv_heads, head_dim)
-        if name == "triton":
-            raise ValueError(
-                "attention_backend 'triton' needs CUDA and the triton package (it comes with "
-                "torch's CUDA wheels)"
-            )
-        logger.warning(
-            "CUDA without flash-attn or Triton: falling back to torch paged attention, "
-            "without CUDA graphs and several times slower; install torch's CUDA wheel "
-            "(which brings triton)"
-        )
-    return TorchAttentionBackend(heads, kv_heads, head_dim)
-
-
-def _flash_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why flash-attn cannot run here, or None when it can."""
-    if device.type != "cuda":
-        return "it needs CUDA"
-    if not HAS_FLASH_ATTN:
-        return "the flash-attn package is not installed (see the README)"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return "dtype must be float16 or bfloat16"
-    if torch.cuda.get_device_capability(device) < MIN_FLASH_CAPABILITY:
-        return "it needs a GPU of compute capability 8.0 or newer"
-    return None
-
-
-def _is_triton_interpreting() -> bool:
-    """Triton's interpreter runs kernels on the CPU (TRITON_INTERPRET=1), for tests."""
-    return os.environ.get("TRITON_INTERPRET") == "1"

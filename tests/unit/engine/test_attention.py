@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig
 
 from tests.unit.engine.checkpoints import TINY, make_seq, place, save_llama
-from workers.engine import model_runner
+from workers.engine import placement
 from workers.engine.attention import (
     AttentionBackend,
     BatchLayout,
@@ -21,7 +21,8 @@ from workers.engine.attention import (
 )
 from workers.engine.config import EngineConfig
 from workers.engine.flash_attention import HAS_FLASH_ATTN, FlashAttentionBackend
-from workers.engine.model_runner import ModelRunner, _pick_backend
+from workers.engine.model_runner import ModelRunner
+from workers.engine.placement import pick_backend
 from workers.engine.triton_attention import TritonAttentionBackend
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
@@ -209,9 +210,9 @@ def _tiny_config() -> LlamaConfig:
 def test_cpu_gets_the_torch_backend() -> None:
     """auto on the CPU is the torch path; Triton there only under its interpreter."""
     cpu = torch.device("cpu")
-    assert _pick_backend("auto", cpu, torch.float32, _tiny_config()).name == "torch"
+    assert pick_backend("auto", cpu, torch.float32, _tiny_config()).name == "torch"
     with pytest.raises(ValueError, match="attention_backend 'triton'"):
-        _pick_backend("triton", cpu, torch.float32, _tiny_config())
+        pick_backend("triton", cpu, torch.float32, _tiny_config())
 
 
 def test_cuda_prefers_flash_on_sm80_then_triton(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,26 +220,26 @@ def test_cuda_prefers_flash_on_sm80_then_triton(monkeypatch: pytest.MonkeyPatch)
     cuda = torch.device("cuda")
     capability = [(9, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
-    monkeypatch.setattr(model_runner, "HAS_TRITON", True)
-    monkeypatch.setattr(model_runner, "HAS_FLASH_ATTN", True)
-    assert _pick_backend("auto", cuda, torch.bfloat16, _tiny_config()).name == "flash"
-    assert _pick_backend("auto", cuda, torch.float32, _tiny_config()).name == "triton"
+    monkeypatch.setattr(placement, "HAS_TRITON", True)
+    monkeypatch.setattr(placement, "HAS_FLASH_ATTN", True)
+    assert pick_backend("auto", cuda, torch.bfloat16, _tiny_config()).name == "flash"
+    assert pick_backend("auto", cuda, torch.float32, _tiny_config()).name == "triton"
     capability[0] = (7, 5)  # T4: flash-attn 2 does not run there
-    assert _pick_backend("auto", cuda, torch.float16, _tiny_config()).name == "triton"
+    assert pick_backend("auto", cuda, torch.float16, _tiny_config()).name == "triton"
     with pytest.raises(ValueError, match="compute capability 8.0"):
-        _pick_backend("flash", cuda, torch.float16, _tiny_config())
-    monkeypatch.setattr(model_runner, "HAS_FLASH_ATTN", False)
-    assert _pick_backend("auto", cuda, torch.bfloat16, _tiny_config()).name == "triton"
+        pick_backend("flash", cuda, torch.float16, _tiny_config())
+    monkeypatch.setattr(placement, "HAS_FLASH_ATTN", False)
+    assert pick_backend("auto", cuda, torch.bfloat16, _tiny_config()).name == "triton"
 
 
 def test_cuda_without_a_fast_path_warns(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Neither flash-attn nor Triton: the torch path, with a WARNING saying what to install."""
-    monkeypatch.setattr(model_runner, "HAS_TRITON", False)
-    monkeypatch.setattr(model_runner, "HAS_FLASH_ATTN", False)
-    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
-        backend = _pick_backend("auto", torch.device("cuda"), torch.bfloat16, _tiny_config())
+    monkeypatch.setattr(placement, "HAS_TRITON", False)
+    monkeypatch.setattr(placement, "HAS_FLASH_ATTN", False)
+    with caplog.at_level(logging.WARNING, logger=placement.__name__):
+        backend = pick_backend("auto", torch.device("cuda"), torch.bfloat16, _tiny_config())
     assert backend.name == "torch"
     assert any(r.levelno == logging.WARNING and "triton" in r.message for r in caplog.records)
 

@@ -1,0 +1,100 @@
+"""Where and how the model runs: the device, the dtype and the attention backend.
+
+On CUDA the attention backend is flash-attn where it is installed and can run (sm80+,
+fp16/bf16), else this project's Triton kernels (Triton ships with torch's CUDA wheels);
+the torch path on CUDA is a last resort, announced with a WARNING. The CPU runs the torch
+path; Triton there only under its interpreter, for tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from transformers import PretrainedConfig
+
+from workers.engine.attention import AttentionBackend, TorchAttentionBackend
+from workers.engine.flash_attention import (
+    HAS_FLASH_ATTN,
+    MIN_FLASH_CAPABILITY,
+    FlashAttentionBackend,
+)
+from workers.engine.model import head_dim_of
+from workers.engine.triton_attention import HAS_TRITON, TritonAttentionBackend
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    """auto: CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def pick_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """auto: fp32 on CPU; on CUDA the checkpoint's half type, else bfloat16."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(saved, str):
+        saved = _DTYPES.get(saved)
+    return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def pick_backend(
+    name: str, device: torch.device, dtype: torch.dtype, hf_config: PretrainedConfig
+) -> AttentionBackend:
+    """auto: on CUDA flash-attn (fp16/bf16, sm80+) when installed, else Triton; CPU: torch."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = head_dim_of(hf_config)
+    if name == "torch":
+        return TorchAttentionBackend(heads, kv_heads, head_dim)
+    if name == "flash" or name == "auto" and device.type == "cuda":
+        reason = _flash_unusable(device, dtype)
+        if reason is None:
+            return FlashAttentionBackend(heads, kv_heads, head_dim)
+        if name == "flash":
+            raise ValueError(f"attention_backend 'flash' cannot run here: {reason}")
+        logger.info("flash attention not used: %s", reason)
+    if name == "triton" or name == "auto" and device.type == "cuda":
+        if HAS_TRITON and (device.type == "cuda" or _is_triton_interpreting()):
+            return TritonAttentionBackend(heads, kv_heads, head_dim)
+        if name == "triton":
+            raise ValueError(
+                "attention_backend 'triton' needs CUDA and the triton package (it comes with "
+                "torch's CUDA wheels)"
+            )
+        logger.warning(
+            "CUDA without flash-attn or Triton: falling back to torch paged attention, "
+            "without CUDA graphs and several times slower; install torch's CUDA wheel "
+            "(which brings triton)"
+        )
+    return TorchAttentionBackend(heads, kv_heads, head_dim)
+
+
+def _flash_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why flash-attn cannot run here, or None when it can."""
+    if device.type != "cuda":
+        return "it needs CUDA"
+    if not HAS_FLASH_ATTN:
+        return "the flash-attn package is not installed (see the README)"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "dtype must be float16 or bfloat16"
+    if torch.cuda.get_device_capability(device) < MIN_FLASH_CAPABILITY:
+        return "it needs a GPU of compute capability 8.0 or newer"
+    return None
+
+
+def _is_triton_interpreting() -> bool:
+    """Triton's interpreter runs kernels on the CPU (TRITON_INTERPRET=1), for tests."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
