@@ -117,8 +117,9 @@ class UpProcess:
 
 def start_up(data_dir: Path, port: int, *, num_workers: int, log_path: Path,
              timeout: float = 600.0, extra_env: dict[str, str] | None = None,
-             max_workers: int | None = None) -> UpProcess:
-    """Start `batchinfer up` (extra_env on top) and return once it printed its API key."""
+             max_workers: int | None = None, args: list[str] | None = None) -> UpProcess:
+    """Start `batchinfer up` (extra_env on top, args after the others) and return once it
+    printed its API key."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHINFER_")}
     if "BATCHINFER_MODELS_DIR" in os.environ:
         env["BATCHINFER_MODELS_DIR"] = os.environ["BATCHINFER_MODELS_DIR"]
@@ -128,6 +129,7 @@ def start_up(data_dir: Path, port: int, *, num_workers: int, log_path: Path,
             str(data_dir), "--workers", str(num_workers)]
     if max_workers is not None:
         argv += ["--max-workers", str(max_workers)]
+    argv += args or []
     with log_path.open("ab") as log:
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True,
                                    env=env, cwd=ROOT)

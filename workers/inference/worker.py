@@ -128,7 +128,8 @@ class Worker:
     def run(self) -> None:
         """Subscribe, process jobs until asked to stop, then drain and commit."""
         self._consumer.subscribe(list(self.settings.job_topics.values()), listener=self._listener)
-        logger.info("worker %s consuming %s", self.worker_id, ", ".join(self.settings.job_topics))
+        logger.info("worker %s consuming %s", self.worker_id,
+                    ", ".join(self.settings.job_topics.values()))
         while not self._stop.is_set():
             self._check_engine()
             self._housekeeping()

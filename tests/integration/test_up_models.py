@@ -1,0 +1,82 @@
+"""`batchinfer up` with two models: a chat model directory and the packaged embedding model.
+
+Each model is served under its --served-model-name, gets its own worker process consuming
+only its own topics, and answers its own kind of request; results carry the model's
+weights revision.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from core.settings import Settings
+from scheduler.embedded_services import free_port
+from tests.unit.engine.tiny_models import save_tiny_llama
+from tests.utils.up_process import UpProcess, start_up
+
+
+@pytest.fixture
+def up_two_models(tmp_path: Path) -> Iterator[UpProcess]:
+    """`up` serving a random tiny Llama as `tiny` and all-MiniLM-L6-v2 as `emb`."""
+    save_tiny_llama(tmp_path / "tiny-llama")
+    run = start_up(tmp_path / "data", free_port(), num_workers=1, log_path=tmp_path / "up.log",
+                   extra_env={"BATCHINFER_MODELS_DIR": str(tmp_path / "models")},
+                   args=["--model", str(tmp_path / "tiny-llama"), "--served-model-name", "tiny",
+                         "--model", "all-minilm-l6-v2", "--served-model-name", "emb"])
+    try:
+        yield run
+    finally:
+        if run.process.poll() is None:
+            run.kill_tree()
+
+
+def _wait(client: httpx.Client, job_id: str, timeout: float = 600) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job: dict[str, Any] = client.get(f"/v1/jobs/{job_id}", params={"wait": 10}).json()
+        if job["status"] not in ("queued", "running"):
+            return job
+    raise AssertionError(f"job {job_id} did not finish in {timeout}s")
+
+
+def test_up_serves_two_models_each_on_its_own_workers(up_two_models: UpProcess) -> None:
+    """Banner, model list, one worker per model, each kind answered with its revision."""
+    run = up_two_models
+    banner = {name: line for line in run.lines
+              if (m := re.match(r"model (\S+) \((\w+), revision (\w+)\)", line))
+              for name in [m.group(1)]}
+    assert set(banner) == {"tiny", "emb"}, run.lines
+    workers = [p for p in run.descendants() if "workers.inference" in " ".join(p.cmdline())]
+    served = sorted(p.environ().get("BATCHINFER_SERVED_MODEL_NAME", "") for p in workers)
+    assert served == ["emb", "tiny"]
+    with run.client() as client:
+        models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+        assert {name: m["kind"] for name, m in models.items()} == {"tiny": "chat",
+                                                                    "emb": "embedding"}
+        chat = client.post("/v1/jobs", json={
+            "model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True})
+        assert chat.status_code == 202, chat.text
+        embedding = client.post("/v1/embeddings", json={"model": "emb", "input": ["hello"]},
+                                timeout=600)
+        assert embedding.status_code == 200, embedding.text
+        assert len(embedding.json()["data"][0]["embedding"]) == 384
+        job = _wait(client, chat.json()["id"])
+        assert job["status"] == "succeeded", job
+        revision = client.get("/v1/models/tiny").json()["revision"]
+        assert revision and job["result"]["system_fingerprint"] == f"fp_{revision}"
+        wrong = client.post("/v1/embeddings", json={"model": "tiny", "input": "x"})
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "model"
+    # Each worker consumes only its model's topics, in its model's group.
+    log = run.log_tail(200_000)
+    for name in ("tiny", "emb"):
+        topics = Settings(topic_prefix="batchinfer", served_model_name=name).job_topics
+        assert any(all(t in line for t in topics.values()) for line in log.splitlines()), name
+    assert run.stop() == 0, run.log_tail()
