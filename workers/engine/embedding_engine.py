@@ -73,6 +73,11 @@ class EmbeddingEngine:
     def add_request(self, request_id: str, prompt: list[EmbeddingInput],
                     params: EmbeddingParams, *, priority: int = 0) -> None:
         """Queue one request's inputs; ValueError (naming `input[i]`) for a bad input."""
+        if not isinstance(params, EmbeddingParams) or not isinstance(prompt, list) or not all(
+                isinstance(item, str | list) for item in prompt):
+            # A chat or completion request routed here (a batch line, an older message).
+            raise ValueError("model is an embedding model: it takes `input` (POST "
+                             "/v1/embeddings), not messages or a prompt to complete")
         if request_id in self._waiting:
             raise ValueError(f"request {request_id!r} is already waiting")
         if not prompt:

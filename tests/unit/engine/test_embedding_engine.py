@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.engine import SamplingParams
 from workers.engine.embedding_engine import EmbeddingEngine, EmbeddingParams
 from workers.engine.embedding_runner import EmbeddingRunner
 from workers.inference.embedding_jobs import (
@@ -45,6 +46,9 @@ def test_a_bad_request_is_refused_alone(engine: EmbeddingEngine) -> None:
     """ValueError at add_request (the loop fails that job only); nothing is left waiting."""
     with pytest.raises(ValueError, match=r"input\[0\] has \d+ tokens"):
         engine.add_request("x", [LONG], EmbeddingParams(truncate=False))
+    # A chat job that reached an embedding worker: refused, and the engine carries on.
+    with pytest.raises(ValueError, match="embedding model"):
+        engine.add_request("y", [{"role": "user", "content": "hi"}], SamplingParams())  # type: ignore[arg-type, list-item]
     assert not engine.has_unfinished_requests()
 
 
