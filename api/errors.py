@@ -25,6 +25,10 @@ from fastapi.responses import JSONResponse
 from kafka.errors import KafkaError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from core.request_checks import describe_errors, first_error
+from core.request_checks import param_from_loc as param_from_loc
+from core.requests import printable
+
 logger = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
@@ -39,8 +43,14 @@ def error_body(
     message: str, *, type: str = INVALID_REQUEST, param: str | None = None,
     code: str | None = None,
 ) -> dict[str, dict[str, str | None]]:
-    """The JSON body of every error response."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """The JSON body of every error response.
+
+    Text that came from the client (a field name, a value) may hold a lone surrogate,
+    which no UTF-8 encoder accepts; it is written as its escape (`\\ud800`) so the error
+    about it can itself be sent.
+    """
+    return {"error": {"message": printable(message), "type": type,
+                      "param": None if param is None else printable(param), "code": code}}
 
 
 class APIError(Exception):
@@ -144,35 +154,16 @@ class Timeout(APIError):
     code = "timeout"
 
 
-def param_from_loc(loc: Sequence[int | str]) -> str | None:
-    """`("body", "messages", 0, "content")` → `"messages[0].content"`.
-
-    Pydantic puts the member of a union it tried into the location (`"str"`,
-    `"list[ContentPart]"`, ...); those are type names, not fields, and are left out.
-    """
-    parts = list(loc[1:]) if loc and loc[0] in ("body", "query", "path", "header") else list(loc)
-    param = ""
-    for part in parts:
-        if isinstance(part, int):
-            param += f"[{part}]"
-        elif _is_union_tag(part):
-            continue
-        else:
-            param += f".{part}" if param else part
-    return param or None
-
-
-def _is_union_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool", "list", "dict") or any(
-        c in part for c in "[](),"
-    ) or part[:1].isupper()
-
-
 def validation_error(errors: Sequence[Any]) -> APIError:
-    """The client-facing error for pydantic's error list (the first field's problems)."""
+    """The client-facing error for pydantic's error list (the first field's problems).
+
+    A bad header is a 400 naming the header; a body field that fails its schema, a 422
+    naming the field (the rules are `core.request_checks.describe_errors`, which batch
+    lines share).
+    """
     if not errors:
         return InvalidParameter("Invalid request.")
-    first = errors[0]
+    first = first_error(errors)
     loc = tuple(first.get("loc", ()))
     kind = first.get("type", "")
     if kind == "json_invalid":
@@ -180,33 +171,19 @@ def validation_error(errors: Sequence[Any]) -> APIError:
         return InvalidRequest(
             f"We could not parse the JSON body of your request ({detail}).", code="invalid_json"
         )
-    param = param_from_loc(loc)
+    param, message, code = describe_errors(errors)
     if param is None and loc[:1] == ("body",):
         return InvalidRequest(
             "The request body must be a JSON object; send it with "
             "Content-Type: application/json.",
             code="invalid_body",
         )
-    return InvalidParameter(_describe(param, kind, errors), param=param, code=_code_for(kind))
-
-
-def _describe(param: str | None, kind: str, errors: Sequence[Any]) -> str:
-    if kind == "missing":
-        return f"Missing required parameter: '{param}'."
-    if kind == "extra_forbidden":
-        return f"Unrecognized request argument supplied: '{param}'."
-    # A union reports one message per member; keep the distinct ones for this field.
-    messages: list[str] = []
-    for e in errors:
-        if param_from_loc(tuple(e.get("loc", ()))) == param and e.get("msg") not in messages:
-            messages.append(str(e.get("msg")))
-    return f"Invalid value for '{param}': {'; or '.join(messages)}."
-
-
-def _code_for(kind: str) -> str:
-    return {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}.get(
-        kind, "invalid_value"
-    )
+    if loc[:1] == ("header",):
+        detail = "; ".join(str(e.get("msg")) for e in errors if tuple(e.get("loc", ()))[:2]
+                           == loc[:2])
+        return InvalidRequest(f"Invalid '{param}' header: {detail}.", param=param,
+                              code="invalid_header")
+    return InvalidParameter(message, param=param, code=code)
 
 
 def _http_error(status_code: int, detail: str, request: Request) -> APIError:

@@ -24,7 +24,7 @@ from kafka.errors import KafkaError
 from sqlalchemy.orm import Session
 
 from api.auth import CurrentTenant
-from api.capabilities import AnyRequest, check_model, check_supported
+from api.capabilities import check_request
 from api.embedding_checks import check_embedding_request, check_generation_model
 from api.errors import Conflict, InvalidParameter, RateLimited, ServiceUnavailable
 from api.resources import PUBLISH_TIMEOUT_S, BrokerUnavailable, LazyProducer, Resources
@@ -32,6 +32,7 @@ from core.embedding_requests import EmbeddingRequest
 from core.kafka import publish_job
 from core.messages import JobMessage
 from core.metrics import JOBS_SUBMITTED
+from core.requests import AnyRequest
 from core.settings import Settings
 from core.topics import Priority
 from core.webhook_urls import validate_callback_url
@@ -59,11 +60,17 @@ class Submission:
 
 
 def request_hash(request: AnyRequest | EmbeddingRequest) -> str:
-    """SHA-256 of the request's canonical JSON (sorted keys, unset and null fields dropped)."""
+    """SHA-256 of the request's canonical JSON (sorted keys, unset and null fields dropped).
+
+    Never raises on text: validation refuses lone surrogates in the fields it knows, but
+    free-form ones (an accepted `response_format`'s other keys, a content part's extras)
+    can still carry one, and 'surrogatepass' hashes it where plain UTF-8 would fail. Valid
+    text encodes the same either way, so stored hashes keep matching.
+    """
     body = request.model_dump(mode="json", exclude_unset=True, exclude_none=True)
     canonical = json.dumps({"endpoint": type(request).__name__, "body": body},
                            sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def submit(
@@ -80,8 +87,7 @@ def submit(
     if isinstance(request, EmbeddingRequest):
         check_embedding_request(request, resources)
     else:
-        check_supported(request)
-        check_model(request.model, settings.served_models)
+        check_request(request, settings)
         check_generation_model(request.model, settings)
     callback_url = getattr(request, "callback_url", None)
     if callback_url is not None:

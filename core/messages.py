@@ -37,8 +37,16 @@ class JobMessage(BaseModel):
     attempt: int = Field(default=1, ge=1)
 
     def encode(self) -> bytes:
-        """Bytes for the Kafka record value."""
-        return self.model_dump_json().encode()
+        """Bytes for the Kafka record value (UTF-8 JSON).
+
+        ValueError if the body holds text UTF-8 cannot carry (a lone surrogate stored
+        before the API refused them): such a job cannot be sent, and the caller fails it.
+        """
+        try:
+            return self.model_dump_json().encode()
+        except ValueError as e:  # PydanticSerializationError: a UnicodeEncodeError inside
+            raise ValueError(f"job {self.job_id} cannot be encoded as a message: its request "
+                             f"holds text that is not valid Unicode ({e})") from e
 
     @classmethod
     def decode(cls, raw: bytes) -> JobMessage:
@@ -51,16 +59,21 @@ class JobMessage(BaseModel):
     def affinity_key(self) -> bytes:
         """Partition key: explicit cache_key, else a hash of the prompt's first block."""
         if self.cache_key:
-            return self.cache_key.encode()
+            return self.cache_key.encode("utf-8", "surrogatepass")
         return prompt_affinity_key(self.body, self.model)
 
 
 def prompt_affinity_key(body: dict[str, Any], model: str) -> bytes:
-    """Hash of model + the first AFFINITY_PREFIX_CHARS of the rendered prompt."""
+    """Hash of model + the first AFFINITY_PREFIX_CHARS of the rendered prompt.
+
+    Never raises on text: 'surrogatepass' hashes a lone surrogate that plain UTF-8 would
+    refuse (valid text hashes the same either way, so keys do not move).
+    """
     if "messages" in body:
         head = json.dumps(body["messages"], sort_keys=True, ensure_ascii=False)
     else:
         prompt = body.get("prompt", body.get("input", ""))
         head = prompt if isinstance(prompt, str) else json.dumps(prompt)
-    digest = hashlib.blake2b(f"{model}\0{head[:AFFINITY_PREFIX_CHARS]}".encode(), digest_size=8)
+    key_text = f"{model}\0{head[:AFFINITY_PREFIX_CHARS]}"
+    digest = hashlib.blake2b(key_text.encode("utf-8", "surrogatepass"), digest_size=8)
     return digest.hexdigest().encode()

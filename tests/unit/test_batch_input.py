@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,14 @@ from scheduler.batch_input import (
     iter_requests,
     validate_input,
 )
+from tests.unit.api.hostile_cases import (
+    CHAT_ONLY_STRICT_CASES,
+    CHAT_TEXT_CASES,
+    LONE,
+    PROMPT_TEXT_CASES,
+    STRICT_CASES,
+)
+from tests.unit.engine.tiny_models import save_tokenizer
 
 CHAT = "/v1/chat/completions"
 MODEL = "tiny"
@@ -175,3 +184,86 @@ def test_iter_requests_resumes_after_skip_with_line_numbers() -> None:
 def test_iter_requests_refuses_an_unvalidated_long_line() -> None:
     with pytest.raises(ValueError, match="line 1"):
         list(iter_requests(io.BytesIO(b"x" * 50), endpoint=CHAT, max_line_bytes=10))
+
+
+def assert_line_refused(report: InputReport, *, line: int, param: str) -> dict[str, Any]:
+    """Exactly one error, on `line`, naming `param`; storable as UTF-8 JSON."""
+    assert [(e["line"], e["param"]) for e in report.errors] == [(line, param)], report.errors
+    json.dumps(report.errors, ensure_ascii=False).encode("utf-8")
+    error: dict[str, Any] = report.errors[0]
+    assert error["message"].startswith(f"line {line}")
+    return error
+
+
+@pytest.mark.parametrize(("patch", "param"), CHAT_TEXT_CASES + STRICT_CASES
+                         + CHAT_ONLY_STRICT_CASES)
+def test_chat_lines_get_the_checks_of_the_api(patch: dict[str, Any], param: str) -> None:
+    """The API's hostile cases, as batch lines: refused at validation, the line named."""
+    bad = request("bad")
+    bad["body"] |= patch
+    report = validate(jsonl(request("ok"), bad))
+    assert_line_refused(report, line=2, param=f"body.{param}")
+
+
+@pytest.mark.parametrize(("patch", "param"), PROMPT_TEXT_CASES + [
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "hi", "echo": True}, "echo"),
+    ({"prompt": ""}, "prompt"),
+])
+def test_completion_lines_get_the_checks_of_the_api(patch: dict[str, Any], param: str) -> None:
+    """Text lines too, on the /v1/completions endpoint."""
+    line = request("c", url="/v1/completions", body={"model": MODEL} | patch)
+    report = validate(jsonl(line), endpoint="/v1/completions")
+    assert_line_refused(report, line=1, param=f"body.{param}")
+
+
+def test_robot_role_and_negative_max_tokens_fail_validation() -> None:
+    """Both once ran up to the worker; now the batch fails with both lines named."""
+    robot = request("a")
+    robot["body"]["messages"] = [{"role": "robot", "content": "beep"}]
+    negative = request("b")
+    negative["body"]["max_tokens"] = -1
+    report = validate(jsonl(robot, negative, request("c")))
+    assert [(e["line"], e["param"], e["code"]) for e in report.errors] == [
+        (1, "body.messages[0].role", "invalid_value"), (2, "body.max_tokens", "invalid_value")]
+
+
+def test_unsupported_fields_are_refused_by_name() -> None:
+    """What /v1/jobs answers 400 to (n > 1, tools) fails the line with the same code."""
+    report = validate(jsonl(request("a", body=request()["body"] | {"n": 2})))
+    error = assert_line_refused(report, line=1, param="body.n")
+    assert error["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("custom_id", [LONE, "a\x00b"])
+def test_custom_id_must_be_valid_text(custom_id: str) -> None:
+    """A surrogate or NUL in custom_id: the line is refused, the error can be stored."""
+    report = validate(jsonl(request("ok"), request(custom_id)))
+    assert codes_and_lines(report) == [("invalid_custom_id", 2)]
+    assert_line_refused(report, line=2, param="custom_id")
+
+
+def test_unserved_model_with_bad_text_is_named_safely() -> None:
+    """A surrogate in the model name is reported (escaped) as an unknown model."""
+    item = request("a")
+    item["body"]["model"] = LONE
+    report = validate(jsonl(item))
+    error = assert_line_refused(report, line=1, param="body.model")
+    assert "\\ud800" in error["message"]
+
+
+def test_lines_are_checked_against_the_models_context(tmp_path: Path) -> None:
+    """With models_dir, max_tokens and prompt length are checked as the API checks them."""
+    model_dir = tmp_path / MODEL
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"max_position_embeddings": 32}')
+    save_tokenizer(model_dir)
+    too_many = request("a")
+    too_many["body"]["max_tokens"] = 10**9
+    too_long = request("b")
+    too_long["body"]["messages"][0]["content"] = "the quick brown fox " * 20
+    report = validate(jsonl(request("ok"), too_many, too_long), models_dir=tmp_path)
+    assert [(e["line"], e["param"], e["code"]) for e in report.errors] == [
+        (2, "body.max_tokens", "invalid_value"),
+        (3, "body.messages", "context_length_exceeded")]
+    assert validate(jsonl(too_many, too_long)).is_valid  # the model is not on this machine

@@ -1,0 +1,148 @@
+"""What a served model can take: its context length and its tokenizer, read from disk.
+
+Responsible for: finding a served model's directory the way workers do (a Hugging Face
+directory given by path, the dequantized copy of a GGUF file under `models_dir/gguf/`, or
+a name prepared under `models_dir`) without converting or loading weights; reading its
+context length (`max_position_embeddings`, the limit a worker's engine takes); loading its
+tokenizer once; and counting a request's prompt tokens exactly as the engine does (the
+chat template with the generation prompt, or the text with special tokens). A model whose
+directory is not on this machine has no ModelContext; its requests are then checked
+without a context limit and the worker stays the judge of their length.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Files whose presence says the directory carries a tokenizer transformers can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class PromptRenderError(ValueError):
+    """The model's chat template refused these messages (the worker would too)."""
+
+
+@dataclass(slots=True)
+class ModelContext:
+    """One served model's limits: its context length, and a tokenizer to count prompts."""
+
+    name: str
+    max_model_len: int | None
+    tokenizer: Any | None = None
+    # Fast tokenizers are Rust objects that refuse concurrent mutable use ("Already
+    # borrowed"); the API tokenizes on a thread pool, so calls take turns.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count_prompt_tokens(self, body: dict[str, Any]) -> int | None:
+        """Prompt tokens of a normalised body as the engine counts them; None without a tokenizer.
+
+        PromptRenderError when the chat template refuses the messages.
+        """
+        if self.tokenizer is None:
+            return None
+        with self._lock:
+            if "messages" in body:
+                try:
+                    text = self.tokenizer.apply_chat_template(
+                        body["messages"], tokenize=False, add_generation_prompt=True)
+                except Exception as e:  # jinja raises its own errors from inside templates
+                    raise PromptRenderError(f"cannot render the chat messages: {e}") from e
+                # The template already places special tokens such as BOS.
+                return len(self.tokenizer(text, add_special_tokens=False).input_ids)
+            return len(self.tokenizer(body["prompt"]).input_ids)
+
+
+def find_model_dir(name: str, models_dir: Path) -> Path | None:
+    """The directory a worker would load for `name`, if it is already on this machine."""
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    gguf: Path | None = None
+    if path.is_file() and path.suffix == ".gguf":
+        gguf = path
+    elif path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        gguf = ggufs[0] if len(ggufs) == 1 else None
+    if gguf is not None:
+        converted = Path(models_dir) / "gguf" / gguf.stem
+        return converted if (converted / "config.json").is_file() else None
+    prepared = Path(models_dir) / name
+    if "/" not in name and (prepared / "config.json").is_file():
+        return prepared
+    return None
+
+
+def read_max_model_len(model_dir: Path) -> int | None:
+    """`max_position_embeddings` of config.json; None if it is missing or unreadable."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        logger.warning("cannot read %s/config.json: %s", model_dir, e)
+        return None
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+def load_tokenizer(model_dir: Path) -> Any | None:
+    """The model's tokenizer from its directory (never the hub); None if it has none."""
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    try:
+        # Imported here: transformers takes seconds to import, and only processes that
+        # serve a model found on disk need it.
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:  # a broken tokenizer must not take the API down
+        logger.warning("cannot load the tokenizer of %s (prompts go unchecked): %s",
+                       model_dir, e)
+        return None
+
+
+class ModelContexts:
+    """ModelContext per served name, loaded on first use and kept.
+
+    A name whose directory is missing is looked up again next time (a few stat calls), so
+    a model pulled after start-up is picked up without a restart.
+    """
+
+    def __init__(self, models_dir: Path) -> None:
+        self.models_dir = Path(models_dir)
+        self._lock = threading.Lock()
+        self._name_to_context: dict[str, ModelContext] = {}
+
+    def get(self, name: str) -> ModelContext | None:
+        """The context of served model `name`, or None when its directory is not here."""
+        context = self._name_to_context.get(name)
+        if context is not None:
+            return context
+        with self._lock:
+            context = self._name_to_context.get(name)
+            if context is not None:
+                return context
+            model_dir = find_model_dir(name, self.models_dir)
+            if model_dir is None:
+                return None
+            context = ModelContext(name=name, max_model_len=read_max_model_len(model_dir),
+                                   tokenizer=load_tokenizer(model_dir))
+            self._name_to_context[name] = context
+            logger.info("model %s: context %s tokens, prompts %s", name,
+                        context.max_model_len,
+                        "counted by its tokenizer" if context.tokenizer else "not counted")
+            return context
+
+
+@lru_cache(maxsize=8)
+def model_contexts(models_dir: Path) -> ModelContexts:
+    """The process's ModelContexts for `models_dir`, shared by every request."""
+    return ModelContexts(models_dir)

@@ -1,0 +1,208 @@
+"""The checks every request passes before it is stored: one function for every road in.
+
+Responsible for: what parses but this service does not support (streaming, several
+choices, penalties, tools, alternatives' log-probabilities, non-text content), the limits
+of the model's context (`max_tokens` and the prompt, counted with the model's tokenizer
+when this machine has it), and turning pydantic's errors into the name of the offending
+field. `POST /v1/jobs`, the OpenAI-compatible endpoints and each line of a batch file go
+through `check_request`, so a request the API would refuse never reaches a worker by
+another road. Errors are `RequestRefused` (a ValueError); the API maps them to 400.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from core.model_context import ModelContext, PromptRenderError
+from core.requests import AnyRequest, ChatCompletionRequest, CompletionRequest, JobCreate
+
+LOGPROBS_ALTERNATIVES = (
+    "logprobs > 0 (alternatives per position) is not supported; logprobs=0 returns the "
+    "sampled token's log-probability."
+)
+
+
+class RequestRefused(ValueError):
+    """A request this service will not run, naming the field and an OpenAI error code."""
+
+    def __init__(self, message: str, *, param: str | None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def check_request(request: AnyRequest, context: ModelContext | None) -> None:
+    """Everything a worker would refuse, refused now (RequestRefused naming the field)."""
+    check_supported(request)
+    check_context(request, context)
+
+
+def check_supported(request: AnyRequest) -> None:
+    """Refuse (RequestRefused, naming the field) what parses but this service cannot do."""
+    if request.stream:
+        raise RequestRefused(
+            "stream is not supported: results are returned whole (poll or long-poll jobs "
+            "with GET /v1/jobs/{id}?wait=N).", param="stream", code="unsupported_parameter")
+    _only(request.n in (None, 1), "n", "n must be 1: one choice is returned per request.")
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        _only(getattr(request, penalty) in (None, 0), penalty,
+              f"{penalty} is not supported; only 0 is accepted.")
+    if (request.max_tokens is not None and request.max_completion_tokens is not None
+            and request.max_tokens != request.max_completion_tokens):
+        raise RequestRefused("Set max_completion_tokens or max_tokens, not both with different "
+                             "values.", param="max_completion_tokens")
+    _only(not request.logit_bias, "logit_bias", "logit_bias is not supported.")
+    _only(request.response_format is None or request.response_format.get("type") == "text",
+          "response_format", "response_format is not supported; output is plain text.")
+    _only(not request.tools, "tools", "tools (function calling) are not supported.")
+    _only(request.tool_choice in (None, "none", "auto"), "tool_choice",
+          "tool_choice is not supported: tools are not supported.")
+    _only(request.stream_options is None, "stream_options",
+          "stream_options is not supported: stream is not supported.")
+    if isinstance(request, CompletionRequest):
+        _check_completion_extras(request)
+    else:
+        _check_chat_extras(request)
+    if getattr(request, "prompt", None) == "":
+        raise RequestRefused("prompt must not be empty.", param="prompt")
+
+
+def _check_completion_extras(request: CompletionRequest) -> None:
+    _only(not request.echo, "echo", "echo is not supported.")
+    _only(not request.suffix, "suffix", "suffix (insertion) is not supported.")
+    _only(request.best_of in (None, 1), "best_of", "best_of must be 1.")
+    _only(not request.logprobs, "logprobs", LOGPROBS_ALTERNATIVES)
+
+
+def _check_chat_extras(request: ChatCompletionRequest | JobCreate) -> None:
+    _only(not request.top_logprobs, "top_logprobs",
+          "top_logprobs > 0 is not supported: only the sampled token's log-probability is "
+          "returned (logprobs=true).")
+    if isinstance(request, JobCreate):
+        if (request.messages is None) == (request.prompt is None):
+            raise RequestRefused("Provide exactly one of 'messages' (a chat request) or "
+                                 "'prompt' (a text completion).", param="messages")
+        if request.prompt is not None:
+            _only(request.logprobs in (None, False, 0), "logprobs", LOGPROBS_ALTERNATIVES)
+    for i, message in enumerate(request.messages or []):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                _only(part.type == "text", f"messages[{i}].content[{j}].type",
+                      f"Content parts of type {part.type!r} are not supported; only 'text'.")
+
+
+def _only(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise RequestRefused(message, param=param, code="unsupported_parameter")
+
+
+def check_context(request: AnyRequest, context: ModelContext | None) -> None:
+    """`max_tokens`, and the prompt with it, within the model's context (when it is known).
+
+    As OpenAI and vLLM answer: a prompt plus the requested completion longer than the
+    context is refused (`context_length_exceeded`) rather than cut short; without
+    `max_tokens` the prompt alone must fit, and the completion takes what is left.
+    """
+    if context is None or context.max_model_len is None:
+        return
+    limit = context.max_model_len
+    max_tokens = request.num_max_tokens
+    if max_tokens is not None and max_tokens > limit:
+        raise RequestRefused(
+            f"{request.max_tokens_param} is too large: {max_tokens}. The model "
+            f"'{request.model}' has a context of {limit} tokens, prompt included; ask for "
+            f"at most {limit} (fewer, by the prompt's length).",
+            param=request.max_tokens_param)
+    body = request.inference_body()
+    try:
+        num_prompt_tokens = context.count_prompt_tokens(body)
+    except PromptRenderError as e:
+        raise RequestRefused(str(e), param="messages") from e
+    if num_prompt_tokens is None:
+        return
+    num_total = num_prompt_tokens + (max_tokens or 0)
+    if num_total > limit:
+        param = request.prompt_param
+        raise RequestRefused(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_total} tokens ({num_prompt_tokens} in the {param}, {max_tokens or 0} in "
+            f"the completion). Please reduce the length of the {param} or completion.",
+            param=param, code="context_length_exceeded")
+
+
+def parse_body(body: dict[str, Any], *, is_chat: bool) -> ChatCompletionRequest | CompletionRequest:
+    """A batch line's body as the endpoint's request model; RequestRefused naming the field."""
+    model = ChatCompletionRequest if is_chat else CompletionRequest
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        param, message, code = describe_errors(e.errors(include_url=False))
+        raise RequestRefused(message, param=param, code=code) from e
+
+
+def param_from_loc(loc: Sequence[int | str]) -> str | None:
+    """`("body", "messages", 0, "content")` → `"messages[0].content"`.
+
+    Pydantic puts the member of a union it tried into the location (`"str"`,
+    `"list[ContentPart]"`, ...); those are type names, not fields, and are left out.
+    A header keeps its own name (`("header", "Idempotency-Key")` → `"Idempotency-Key"`).
+    """
+    if loc and loc[0] == "header":
+        return "".join(str(part) for part in loc[1:2]) or None
+    parts = list(loc[1:]) if loc and loc[0] in ("body", "query", "path") else list(loc)
+    param = ""
+    for part in parts:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif _is_union_tag(part):
+            continue
+        else:
+            param += f".{part}" if param else part
+    return param or None
+
+
+def _is_union_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool", "list", "dict") or any(
+        c in part for c in "[](),"
+    ) or part[:1].isupper()
+
+
+def describe_errors(errors: Sequence[Any]) -> tuple[str | None, str, str]:
+    """(param, message, code) for pydantic's error list: the first field's problems."""
+    if not errors:
+        return None, "Invalid request.", "invalid_value"
+    first = first_error(errors)
+    kind = str(first.get("type", ""))
+    param = param_from_loc(tuple(first.get("loc", ())))
+    if kind == "missing":
+        return param, f"Missing required parameter: '{param}'.", "missing_required_parameter"
+    if kind == "extra_forbidden":
+        return param, f"Unrecognized request argument supplied: '{param}'.", "unknown_parameter"
+    # A union reports one message per member; keep the distinct ones for this field, and
+    # only the value errors when there are some: "should be a valid list" says nothing
+    # useful about a string that was refused for its content.
+    same_field = [e for e in errors if param_from_loc(tuple(e.get("loc", ()))) == param]
+    messages: list[str] = []
+    for e in [e for e in same_field if not _is_type_error(e)] or same_field:
+        if e.get("msg") not in messages:
+            messages.append(str(e.get("msg")))
+    return param, f"Invalid value for '{param}': {'; or '.join(messages)}.", "invalid_value"
+
+
+def first_error(errors: Sequence[Any]) -> Any:
+    """The error to report: the first refused value, else the first wrong type.
+
+    A union's members each report: for `content: str | list[parts]`, a bad part's text
+    comes after "content should be a valid string". The value error is the one to name.
+    """
+    value_errors = [e for e in errors if not _is_type_error(e)]
+    return value_errors[0] if value_errors else errors[0]
+
+
+def _is_type_error(error: Any) -> bool:
+    """A wrong-type report (`int_type`, `list_type`, ...), as opposed to a refused value."""
+    return str(error.get("type", "")).endswith("_type")

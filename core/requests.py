@@ -1,0 +1,311 @@
+"""Request bodies in OpenAI's field names plus our extras: one definition for every road in.
+
+Responsible for: the shape of each request (types, ranges, unknown fields, text that is
+valid Unicode), and the normalised body a worker runs (`inference_body`). The API
+validates `POST /v1/jobs` and the OpenAI-compatible endpoints with these models, and the
+scheduler validates each line of a batch file with the same ones, so both refuse alike.
+
+Types are strict where OpenAI's are: integers are JSON integers (not `"8"`, `true` or
+`1e30`), booleans are `true`/`false`, numbers are finite. What parses but is not supported
+is refused by `core.request_checks`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from core.topics import Priority
+from core.webhook_urls import split_callback_url
+
+MAX_STOP_SEQUENCES = 4
+# OpenAI's limits on `metadata`: 16 pairs, keys up to 64 characters, values up to 512.
+MAX_METADATA_KEYS = 16
+# No served context comes near 2**31 tokens; a larger count is a mistake, not a request,
+# and bounding it keeps every integer a 64-bit column or a C++ engine can hold.
+MAX_TOKENS_CEILING = 2**31 - 1
+
+
+def check_text(text: object) -> object:
+    """`text` unchanged unless it is a str that is not valid Unicode (PydanticCustomError).
+
+    JSON may escape a lone UTF-16 surrogate (`"\\ud800"`); Python decodes it into a str
+    that no UTF-8 encoder, database driver or tokenizer accepts, so it is refused here.
+    It runs before pydantic's own string checks (whose length check would otherwise say
+    only "unable to parse raw data"); anything not a str is left for them to refuse.
+    """
+    if not isinstance(text, str):
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError(
+            "invalid_text",
+            "text holds {character} at position {position}, a lone UTF-16 surrogate that is "
+            "not valid Unicode; send valid UTF-8 text",
+            {"character": f"U+{ord(text[e.start]):04X}", "position": e.start},
+        ) from None
+    return text
+
+
+def printable(text: str) -> str:
+    """`text` with every character UTF-8 cannot encode replaced by its backslash escape.
+
+    For error messages and logs that quote client text: `"x\\ud800y"` stays readable and
+    can be stored and sent.
+    """
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def check_key(text: object) -> object:
+    """`check_text`, and no NUL either (identifiers are kept in text columns)."""
+    check_text(text)
+    if isinstance(text, str) and "\x00" in text:
+        raise PydanticCustomError(
+            "invalid_text", "text holds a NUL character (U+0000), which identifiers may not "
+            "contain", {})
+    return text
+
+
+def _as_list(value: object) -> object:
+    return [value] if isinstance(value, str) else value
+
+
+def _check_callback_url(url: str) -> str:
+    split_callback_url(url)
+    return url
+
+
+def _is_valid_text(value: object) -> bool:
+    """False only for a str that UTF-8 cannot encode."""
+    if not isinstance(value, str):
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_keys(value: object) -> object:
+    """A dict's keys must be valid text; the error names the key (escaped), not a mangled one.
+
+    Pydantic writes a dict key into the error location as lossily decoded text
+    (U+FFFD for each bad byte), so the key is checked here, at the dict itself.
+    """
+    if isinstance(value, dict):
+        for key in value:
+            try:
+                check_text(key)
+            except PydanticCustomError as e:
+                raise PydanticCustomError(
+                    "invalid_text", "key '{key}': {problem}",
+                    {"key": printable(str(key)), "problem": e.message()}) from None
+    return value
+
+
+# Every string a client sends is one of these, so none reaches storage or a tokenizer
+# unchecked.
+Text = Annotated[str, BeforeValidator(check_text)]
+Key = Annotated[str, BeforeValidator(check_key)]
+Stop = Annotated[
+    list[Annotated[Text, Field(min_length=1)]],
+    BeforeValidator(_as_list),
+    Field(max_length=MAX_STOP_SEQUENCES),
+]
+Metadata = Annotated[
+    dict[Annotated[Key, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
+    BeforeValidator(_check_keys),
+    Field(max_length=MAX_METADATA_KEYS),
+]
+CallbackUrl = Annotated[Text, AfterValidator(_check_callback_url)]
+ClientDict = Annotated[dict[str, Any], BeforeValidator(_check_keys)]
+Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)]
+MaxTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_CEILING)]
+PositiveInt = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_CEILING)]
+# Ints are accepted for floats (JSON has one number type), strings and booleans are not,
+# and NaN or infinity get "Input should be a finite number" rather than a range message.
+Temperature = Annotated[float, Field(ge=0, le=2, strict=True, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2, le=2, strict=True, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0, le=1, strict=True, allow_inf_nan=False)]
+
+
+class ClientObject(BaseModel):
+    """A JSON object from a client: a key that is not valid Unicode is named, escaped.
+
+    Pydantic refuses such a key without saying where; escaped (`x\\ud800y`), it is an
+    unknown field like any other and the error names it.
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _escape_bad_keys(cls, data: object) -> object:
+        if isinstance(data, dict) and not all(_is_valid_text(k) for k in data):
+            return {printable(k) if isinstance(k, str) else k: v for k, v in data.items()}
+        return data
+
+
+class ContentPart(ClientObject):
+    """One part of a message's content; parts other than `text` are refused (400)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Text
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_has_text(self) -> ContentPart:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a content part of type 'text' needs a 'text' string")
+        return self
+
+
+class ChatMessage(ClientObject):
+    """One message of a chat conversation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[ContentPart]
+    name: Text | None = Field(default=None, max_length=64)
+
+    @property
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines, as vLLM does)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text or "" for part in self.content)
+
+
+class SamplingRequest(ClientObject):
+    """Fields every request shares: the model, how to sample, when to stop, our extras."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text = Field(min_length=1, max_length=200)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: PositiveInt | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    user: Text | None = Field(default=None, max_length=256)
+    stream: StrictBool | None = None
+    metadata: Metadata | None = None
+    # Our extras (vLLM's names for the sampling ones).
+    top_k: PositiveInt | None = None
+    ignore_eos: StrictBool | None = None
+    # Jobs with the same cache_key land on the same partition, so the same worker's
+    # prefix cache; without one the affinity key hashes the prompt's first block.
+    cache_key: Key | None = Field(default=None, min_length=1, max_length=200)
+    # OpenAI fields this service does not implement. They are declared so that a null or
+    # empty value (which some clients send by default) passes; anything else is a 400.
+    logit_bias: Annotated[dict[str, float], BeforeValidator(_check_keys)] | None = None
+    response_format: ClientDict | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    stream_options: ClientDict | None = None
+
+    @property
+    def num_max_tokens(self) -> int | None:
+        """The output-length limit, whichever of OpenAI's two names carried it."""
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The name the output-length limit came under, for error messages."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
+    @property
+    def kind(self) -> Literal["chat.completion", "text_completion"]:
+        """The OpenAI object the job's result will be."""
+        return "chat.completion" if getattr(self, "messages", None) else "text_completion"
+
+    @property
+    def prompt_param(self) -> str:
+        """The field that carries the prompt: `messages` or `prompt`."""
+        return "messages" if self.kind == "chat.completion" else "prompt"
+
+    def inference_body(self) -> dict[str, Any]:
+        """The normalised request a worker runs and the job row keeps.
+
+        Chat content parts are joined into strings, `stop` is always a list, the output
+        limit is `max_tokens` whichever name carried it, and `logprobs` is a boolean
+        (a text request's `0` asks for the sampled token's log-probability).
+        """
+        body: dict[str, Any] = {"model": self.model}
+        messages: list[ChatMessage] | None = getattr(self, "messages", None)
+        if messages:
+            body["messages"] = [
+                {"role": m.role, "content": m.text} | ({"name": m.name} if m.name else {})
+                for m in messages
+            ]
+        else:
+            body["prompt"] = getattr(self, "prompt", None)
+        body.update(self._sampling_fields())
+        logprobs = getattr(self, "logprobs", None)
+        if logprobs is not None and logprobs is not False:
+            body["logprobs"] = True
+        return body
+
+    def _sampling_fields(self) -> dict[str, Any]:
+        fields = {
+            "max_tokens": self.num_max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "ignore_eos": self.ignore_eos,
+            "user": self.user,
+        }
+        return {name: value for name, value in fields.items() if value is not None}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """Body of `POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    """Body of `POST /v1/completions` (a single string prompt)."""
+
+    prompt: Text
+    # Legacy completions: the number of alternatives per position; 0 = the sampled token.
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+    echo: StrictBool | None = None
+    suffix: Text | None = None
+    best_of: PositiveInt | None = None
+
+
+class JobCreate(SamplingRequest):
+    """Body of `POST /v1/jobs`: a chat (`messages`) or text (`prompt`) request, queued."""
+
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    prompt: Text | None = None
+    # A chat request's `true`/`false`, or a text request's alternatives count (0 only).
+    logprobs: StrictBool | Annotated[StrictInt, Field(ge=0)] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    priority: Priority = Priority.NORMAL
+    callback_url: CallbackUrl | None = Field(default=None, max_length=2048)
+
+
+AnyRequest = ChatCompletionRequest | CompletionRequest | JobCreate

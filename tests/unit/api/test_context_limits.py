@@ -1,0 +1,190 @@
+"""The model's context at submission: the API refuses what the engine would, and no more.
+
+The served model `test-model` is a real (random-weight) Llama directory under the API's
+`models_dir`, with a 64-token context and a byte-level tokenizer with a chat template.
+The engine built on the same directory is the judge: the longest prompt it takes is
+accepted by the API, one token more is refused by both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.model_context import ModelContexts, find_model_dir
+from tests.unit.api.conftest import MODEL, ClientFactory
+from tests.unit.api.hostile_cases import send_json
+from tests.unit.api.test_hostile_input import assert_refused
+from tests.unit.engine.tiny_models import save_tiny_llama
+from tests.utils.api import RecordingProducer, TenantKey, count_jobs
+from workers.engine import EngineConfig, LLMEngine, SamplingParams
+
+CONTEXT = 64
+WORDS = "the quick brown fox jumps over the lazy dog "
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models directory holding `test-model` with a 64-token context."""
+    root = tmp_path_factory.mktemp("models")
+    save_tiny_llama(root / MODEL, max_position_embeddings=CONTEXT)
+    return root
+
+
+@pytest.fixture(scope="module")
+def engine(models_dir: Path) -> LLMEngine:
+    """The engine a worker would run on that model (CPU, a small pool)."""
+    return LLMEngine(EngineConfig(model=MODEL, models_dir=models_dir, dtype="float32",
+                                  device="cpu", block_size=16, num_kv_blocks=64))
+
+
+@pytest.fixture
+def client(make_client: ClientFactory, models_dir: Path) -> TestClient:
+    """An API that finds `test-model` under its models_dir."""
+    return make_client(models_dir=models_dir)
+
+
+def engine_takes(engine: LLMEngine, prompt: str | list[dict[str, Any]]) -> bool:
+    """Whether the engine accepts the prompt (it is aborted again at once)."""
+    try:
+        engine.add_request("probe", prompt, SamplingParams(max_tokens=1))
+    except ValueError:
+        return False
+    engine.abort("probe")
+    return True
+
+
+def longest_taken(engine: LLMEngine, make: Callable[[int], Any]) -> int:
+    """The largest n for which the engine takes make(n)."""
+    n = 1
+    while engine_takes(engine, make(n + 1)):
+        n += 1
+    assert engine_takes(engine, make(n)), "even the shortest prompt is refused"
+    return n
+
+
+def text_of(n: int) -> str:
+    """A prompt that grows with n, whatever the tokenizer merges."""
+    return (WORDS * 20)[: 4 * n]
+
+
+def chat_of(n: int) -> list[dict[str, Any]]:
+    """Chat messages that grow with n."""
+    return [{"role": "user", "content": text_of(n)}]
+
+
+def test_longest_prompt_the_engine_takes_is_accepted_and_one_more_is_refused(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
+    producer: RecordingProducer, engine: LLMEngine,
+) -> None:
+    """Text and chat, without max_tokens: the API's boundary is the engine's."""
+    n_text = longest_taken(engine, text_of)
+    n_chat = longest_taken(engine, chat_of)
+    base: dict[str, Any] = {"model": MODEL}
+    assert n_text > 8 and n_chat > 8, "the model's context should hold a few words"
+    too_long: list[tuple[str, dict[str, Any], str]] = [
+        ("/v1/jobs", base | {"prompt": text_of(n_text + 1)}, "prompt"),
+        ("/v1/completions", base | {"prompt": text_of(n_text + 1)}, "prompt"),
+        ("/v1/jobs", base | {"messages": chat_of(n_chat + 1)}, "messages"),
+        ("/v1/chat/completions", base | {"messages": chat_of(n_chat + 1)}, "messages"),
+    ]
+    for path, body, param in too_long:
+        error = assert_refused(client, acme, sessions, producer, path, body, status=400,
+                               param=param)
+        assert error["code"] == "context_length_exceeded"
+        assert f"maximum context length is {CONTEXT} tokens" in error["message"]
+    for body in (base | {"prompt": text_of(n_text)}, base | {"messages": chat_of(n_chat)}):
+        response = send_json(client, "/v1/jobs", body, acme.headers)
+        assert response.status_code == 202, response.text
+    assert count_jobs(sessions) == 2
+
+
+def test_prompt_and_max_tokens_together_must_fit(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
+    producer: RecordingProducer, engine: LLMEngine,
+) -> None:
+    """Prompt tokens plus max_tokens over the context: 400 with both counts, as OpenAI says."""
+    messages = chat_of(5)
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                add_generation_prompt=True)
+    num_prompt = len(engine.tokenizer(text, add_special_tokens=False).input_ids)
+    fits = {"model": MODEL, "messages": messages, "max_tokens": CONTEXT - num_prompt}
+    for path in ("/v1/jobs", "/v1/chat/completions"):
+        error = assert_refused(client, acme, sessions, producer, path,
+                               fits | {"max_tokens": CONTEXT - num_prompt + 1}, status=400,
+                               param="messages")
+        assert (f"you requested {CONTEXT + 1} tokens ({num_prompt} in the messages, "
+                f"{CONTEXT - num_prompt + 1} in the completion)") in error["message"]
+    response = send_json(client, "/v1/jobs", fits, acme.headers)
+    assert response.status_code == 202, response.text
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/jobs", {"prompt": "hi"}),
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/jobs", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_over_the_context_is_400_naming_it(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
+    producer: RecordingProducer, path: str, body: dict[str, Any], name: str,
+) -> None:
+    """1e9 tokens (an integer) for a 64-token model: refused under the name it came as."""
+    error = assert_refused(client, acme, sessions, producer, path,
+                           {"model": MODEL, name: 10**9} | body, status=400, param=name)
+    assert f"context of {CONTEXT} tokens" in error["message"]
+
+
+def test_model_not_on_this_machine_is_not_limited_by_a_guess(
+    make_client: ClientFactory, acme: TenantKey, tmp_path: Path,
+) -> None:
+    """Without the model's files the API cannot know its context; the worker judges."""
+    client = make_client(models_dir=tmp_path / "empty")
+    body = {"model": MODEL, "prompt": WORDS * 200, "max_tokens": 10**9}
+    assert send_json(client, "/v1/jobs", body, acme.headers).status_code == 202
+
+
+def test_chat_template_refusal_is_400(
+    make_client: ClientFactory, acme: TenantKey, sessions: sessionmaker[Session],
+    producer: RecordingProducer, tmp_path: Path,
+) -> None:
+    """A template that raises on these messages (the worker's would too): 400, messages."""
+    models = tmp_path / "models"
+    save_tiny_llama(models / MODEL)
+    template = models / MODEL / "chat_template.jinja"  # where transformers saves it
+    text = template.read_text().replace(
+        "{{ bos_token }}", "{{ raise_exception('roles must alternate') }}", 1)
+    assert text != template.read_text(), "the template changed: update this test"
+    template.write_text(text)
+    client = make_client(models_dir=models)
+    error = assert_refused(client, acme, sessions, producer, "/v1/jobs",
+                           {"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+                           status=400, param="messages")
+    assert "roles must alternate" in error["message"]
+
+
+def test_model_directories_are_found_as_workers_find_them(tmp_path: Path) -> None:
+    """A prepared name, a directory path, a GGUF's converted copy; a late pull is seen."""
+    models = tmp_path / "models"
+    contexts = ModelContexts(models)
+    assert contexts.get("late") is None
+    (models / "late").mkdir(parents=True)
+    (models / "late" / "config.json").write_text('{"max_position_embeddings": 128}')
+    late = contexts.get("late")
+    assert late is not None and late.max_model_len == 128 and late.tokenizer is None
+    assert find_model_dir(str(models / "late"), tmp_path / "elsewhere") == models / "late"
+    gguf = tmp_path / "weights" / "tiny.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    assert find_model_dir(str(gguf), models) is None  # not converted yet
+    (models / "gguf" / "tiny").mkdir(parents=True)
+    (models / "gguf" / "tiny" / "config.json").write_text("{}")
+    assert find_model_dir(str(gguf), models) == models / "gguf" / "tiny"
+    assert find_model_dir(str(gguf.parent), models) == models / "gguf" / "tiny"
+    assert find_model_dir("a/b", models) is None
