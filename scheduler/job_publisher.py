@@ -5,7 +5,8 @@ acknowledgements, sorting every job of the page into one of three outcomes, and 
 what they mean (`record_output`):
 - published: the broker has it;
 - unpublishable: no message can ever carry this row (its text cannot be encoded, it is
-  larger than a record may be, a field fails the message schema). Retrying cannot help,
+  larger than a record may be, a field fails the message schema, its model is no longer
+  served, so no topic of it is consumed or even exists). Retrying cannot help,
   so the caller fails the job with the reason and moves on: one bad row never holds
   back the rows behind it;
 - unsent: the broker did not answer (down, slow, no leader). Nothing is wrong with the
@@ -97,6 +98,12 @@ def publish_jobs(
         if output.broker_error is not None:
             output.unsent_ids.append(job.id)  # the broker is gone: spare it the rest
             continue
+        if job.model not in settings.served_models:
+            # Sending would wait for a topic that does not exist, holding up the page.
+            output.id_to_unpublishable_reason[job.id] = (
+                f"model {job.model!r} is not served (served: {', '.join(settings.served_models)})"
+            )
+            continue
         try:
             pending.append((job.id, publish_job(producer, settings, job_message(job))))
         except RECORD_ERRORS as e:
@@ -152,7 +159,7 @@ def count_failed(jobs: list[Job]) -> None:
 def unpublishable_error(reason: str) -> dict[str, Any]:
     """The stored error of a job no Kafka message can carry."""
     return {
-        "message": f"the job could not be queued for a worker: {reason}",
+        "message": f"the job could not be queued for a worker: {_printable(reason)}",
         "type": "invalid_request_error",
         "param": None,
         "code": "unpublishable",
@@ -165,5 +172,9 @@ def describe(error: BaseException) -> str:
     The error may quote the very text that could not be encoded (a lone surrogate); the
     stored reason must not carry it on.
     """
-    text = f"{type(error).__name__}: {error}"
+    return _printable(f"{type(error).__name__}: {error}")
+
+
+def _printable(text: str) -> str:
+    """`text` with every character UTF-8 cannot encode written as its escape (`\\ud800`)."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -35,7 +35,7 @@ POISON = "x\ud800y"  # a lone surrogate: valid in a Python str, not encodable as
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     """SQLite, and a broker address nothing listens on."""
-    return Settings(data_dir=tmp_path, kafka_bootstrap_servers="127.0.0.1:1",
+    return Settings(data_dir=tmp_path, kafka_bootstrap_servers="127.0.0.1:1", model="m",
                     requeue_after_s=60, worker_heartbeat_interval_s=1,
                     worker_heartbeat_timeout_s=10, job_max_attempts=2)
 
@@ -101,6 +101,22 @@ def test_a_poison_row_is_unpublishable_and_a_dead_broker_leaves_the_rest_unsent(
     assert (output.published_ids, output.unsent_ids) == ([], ids[1:])
     with pytest.raises(RuntimeError, match="did not take 2 job"):
         output.raise_for_broker()
+
+
+def test_a_job_of_a_model_no_longer_served_is_unpublishable_without_asking_the_broker(
+    sessions: sessionmaker[Session], tenant: Tenant, settings: Settings,
+    producer: KafkaProducer,
+) -> None:
+    with sessions() as session:
+        job_id = add_job(session, tenant, "hi")
+        session.get(Job, job_id).model = "retired-model"  # type: ignore[union-attr]
+        session.commit()
+        jobs = list(session.scalars(select(Job)))
+    output = publish_jobs(producer, settings, jobs, timeout_s=1)
+    assert output.id_to_unpublishable_reason == {
+        job_id: "model 'retired-model' is not served (served: m)"
+    }
+    assert output.broker_error is None and output.unsent_ids == []
 
 
 def test_reconciler_fails_the_poison_row_and_keeps_the_others_for_the_next_pass(
