@@ -39,7 +39,7 @@ def test_ensure_topics_is_idempotent_and_uses_the_partition_setting(settings) ->
 
 
 def test_jobs_sharing_a_prompt_prefix_share_a_partition(settings) -> None:
-    s = settings(topic_partitions=3)
+    s = settings(topic_partitions=3, model="m")  # the model of _message
     ensure_topics(s)
     producer = make_producer(s)
     try:
@@ -95,7 +95,7 @@ def test_a_partition_paused_mid_backlog_is_drained_after_resume(settings) -> Non
     record behind the pause must still arrive (kafka-python could park them for good)."""
     from workers.inference.priority import _apply
 
-    s = settings(topic_partitions=1)
+    s = settings(topic_partitions=1, model="m")  # the model of _message
     ensure_topics(s)
     topic = s.job_topics["low"]
     tp = TopicPartition(topic, 0)
