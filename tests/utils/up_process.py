@@ -72,7 +72,8 @@ class UpProcess:
         found = []
         for proc in self.descendants():
             try:
-                if any(name in part for part in proc.cmdline()):
+                if proc.status() != psutil.STATUS_ZOMBIE and any(
+                        name in part for part in proc.cmdline()):
                     found.append(proc)
             except psutil.NoSuchProcess:
                 continue
@@ -83,10 +84,17 @@ class UpProcess:
 
     def kill_child(self, name: str) -> int:
         """SIGKILL the descendant running name (see child), as a crash would; its pid."""
-        proc = self.child(name)
-        proc.kill()
-        proc.wait(10)
-        return proc.pid
+        for _ in range(3):
+            proc = self.child(name)
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                # Gone between the listing and the signal; look again.
+                time.sleep(0.5)
+                continue
+            proc.wait(10)
+            return proc.pid
+        raise AssertionError(f"could not kill a {name!r} process under `batchinfer up`")
 
     def stop(self, timeout: float = 120.0) -> int:
         """SIGTERM and wait; the exit code."""
@@ -96,11 +104,12 @@ class UpProcess:
 
     def kill_tree(self) -> None:
         """SIGKILL this process and everything below it (cleanup after a failed test)."""
-        for proc in [*self.descendants(), psutil.Process(self.process.pid)]:
+        for proc in self.descendants():
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
+        self.process.kill()
         self.process.wait(10)
 
     def log_tail(self, num_chars: int = 6000) -> str:
