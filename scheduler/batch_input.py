@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 
+from core.embedding_requests import EmbeddingRequest
 from core.model_context import ModelContexts, model_contexts
 from core.request_checks import RequestRefused, check_request, parse_body
 from core.requests import check_key, printable
@@ -30,7 +32,8 @@ from core.requests import check_key, printable
 # Errors kept per batch: enough to fix a file, bounded however broken the file is.
 MAX_REPORTED_ERRORS = 100
 # The endpoints a batch may target, and the job kind each produces.
-ENDPOINT_TO_KIND = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion"}
+ENDPOINT_TO_KIND = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion",
+                    "/v1/embeddings": "embedding"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,10 @@ def parse_request(raw: bytes, *, line: int, endpoint: str, model_override: str |
                                  param="body.messages")
         if join_content:
             body = {**body, "messages": [_joined_content(m) for m in body["messages"]]}
+    elif ENDPOINT_TO_KIND.get(endpoint) == "embedding":
+        if "input" not in body:
+            raise InputLineError("missing_required_parameter",
+                                 f"line {line}: body.input is missing", param="body.input")
     elif "prompt" not in body:
         raise InputLineError("missing_required_parameter", f"line {line}: body.prompt is missing",
                              param="body.prompt")
@@ -145,12 +152,26 @@ def check_body(request: BatchRequest, *, endpoint: str, contexts: ModelContexts 
 
     `contexts` gives the model's context length and tokenizer (None: not checked).
     """
+    if ENDPOINT_TO_KIND[endpoint] == "embedding":
+        _check_embedding_body(request)
+        return
     try:
         parsed = parse_body(request.body, is_chat=ENDPOINT_TO_KIND[endpoint] == "chat.completion")
         check_request(parsed, contexts.get(request.model) if contexts is not None else None)
     except RequestRefused as e:
         param = f"body.{e.param}" if e.param else "body"
         raise InputLineError(e.code, f"line {request.line}: {e.message}", param=param) from e
+
+
+def _check_embedding_body(request: BatchRequest) -> None:
+    """The shape `POST /v1/embeddings` accepts; InputLineError naming the first bad field."""
+    try:
+        EmbeddingRequest.model_validate(request.body)
+    except ValidationError as e:
+        error = e.errors()[0]
+        param = ".".join(["body", *(str(part) for part in error["loc"])])
+        raise InputLineError("invalid_value", f"line {request.line}: {param}: {error['msg']}",
+                             param=param) from e
 
 
 def _joined_content(message: object) -> object:

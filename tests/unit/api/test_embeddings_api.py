@@ -97,3 +97,18 @@ def test_a_completion_body_for_an_embedding_model_is_refused(
         error = _error(client.post(path, headers=acme.headers, json=body), 400)
         assert (error["param"], error["code"]) == ("model", "wrong_model_kind")
     assert producer.records == []
+
+
+def test_a_batch_may_target_the_embeddings_endpoint(client: TestClient, acme: TenantKey) -> None:
+    """POST /v1/batches takes `endpoint: /v1/embeddings` (OpenAI Batch accepts it)."""
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/embeddings",
+                       "body": {"model": EMB, "input": "hello"}})
+    uploaded = client.post("/v1/files", headers=acme.headers, data={"purpose": "batch"},
+                           files={"file": ("in.jsonl", line.encode() + b"\n",
+                                           "application/jsonl")})
+    assert uploaded.status_code == 200, uploaded.text
+    batch = client.post("/v1/batches", headers=acme.headers, json={
+        "input_file_id": uploaded.json()["id"], "endpoint": "/v1/embeddings",
+        "completion_window": "24h"})
+    assert batch.status_code == 200, batch.text
+    assert batch.json()["endpoint"] == "/v1/embeddings"
