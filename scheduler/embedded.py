@@ -294,7 +294,6 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
 
     stop = threading.Event()
     restore_signals = _install_stop_handlers(stop)
-    exit_code = 0
     with ExitStack() as stack:
         stack.callback(restore_signals)
         try:
@@ -348,4 +347,5 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
                 keeper.poll()
         print("stopping...", flush=True)
     print("stopped", flush=True)
-    return exit_code
+    # A dependency that dies is restarted, not a reason to stop: a stop is always asked for.
+    return 0
