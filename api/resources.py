@@ -27,6 +27,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.active_jobs import ActiveJobGate
 from api.job_writer import JobWriter
 from api.rate_limit import TokenBucketLimiter
 from core.kafka import ensure_topics, make_producer
@@ -242,6 +243,8 @@ class Resources:
     limiter: TokenBucketLimiter
     # Stores and produces submissions in groups (see api.job_writer).
     writer: JobWriter
+    # The per-tenant active-job cap (see api.active_jobs).
+    active_jobs: ActiveJobGate
     # Unix time the app started: the `created` of the models it serves.
     started_at: float = field(default_factory=time.time)
 
@@ -263,6 +266,7 @@ class Resources:
                 rate_per_s=settings.tenant_rate_limit_per_s,
             ),
             writer=JobWriter(settings, sessions, publish_timeout_s=PUBLISH_TIMEOUT_S),
+            active_jobs=ActiveJobGate(settings.tenant_max_active_jobs),
         )
 
     async def aclose(self) -> None:

@@ -3,13 +3,14 @@
 Responsible for the one path every submission takes (`POST /v1/jobs` and the
 OpenAI-compatible completions alike):
 
-    validate → Idempotency-Key replay? → rate limit, active-job cap → broker connected?
-    → insert `queued` → commit → produce to `<prefix>.jobs.<priority>` and wait for the
-    ack → mark_published → commit
+    validate (shape, support, model, context) → Idempotency-Key replay? → rate limit,
+    active-job cap → [grouped with concurrent submissions: broker connected? → insert
+    `queued` → commit → produce to `<prefix>.jobs.<priority>` and wait for the acks]
 
 Nothing is written for a rejected request: every check that can refuse runs before the
-insert. The one failure after the insert is a send the broker does not acknowledge; see
-`_withdraw`.
+insert. The one failure after the insert is a send the broker does not acknowledge: the
+row is deleted again before the 503 (see `api.job_writer`, which does the bracketed part
+for every request that arrived within a few milliseconds, in one commit).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import json
 import logging
 from dataclasses import dataclass
 
-from kafka import KafkaProducer
 from kafka.errors import KafkaError
 from sqlalchemy.orm import Session
 
@@ -27,23 +27,18 @@ from api.auth import CurrentTenant
 from api.capabilities import check_request
 from api.embedding_checks import check_embedding_request, check_generation_model
 from api.errors import Conflict, InvalidParameter, RateLimited, ServiceUnavailable
-from api.resources import PUBLISH_TIMEOUT_S, BrokerUnavailable, LazyProducer, Resources
+from api.resources import BrokerUnavailable, LazyProducer, Resources
 from core.embedding_requests import EmbeddingRequest
-from core.kafka import publish_job
-from core.messages import JobMessage
 from core.metrics import JOBS_SUBMITTED
 from core.requests import AnyRequest
-from core.settings import Settings
 from core.topics import Priority
 from core.webhook_urls import validate_callback_url
 from storage.jobs import (
     IdempotencyKeyTaken,
-    count_active_jobs,
-    create_job,
     find_by_idempotency_key,
-    mark_published,
+    new_job,
 )
-from storage.models import Job, JobStatus
+from storage.models import Job
 
 logger = logging.getLogger(__name__)
 
@@ -102,42 +97,34 @@ def submit(
             if earlier is not None:
                 return _replay(earlier, digest, idempotency_key)
         _admit(session, tenant, resources)
-        kafka = _connect(producer)
-        try:
-            job = create_job(
-                session,
-                tenant_id=tenant.id,
-                priority=priority,
-                model=request.model,
-                kind=request.kind,
-                request=request.inference_body(),
-                callback_url=callback_url,
-                metadata=request.metadata,
-                idempotency_key=idempotency_key,
-                request_hash=digest,
-                cache_key=request.cache_key,
-            )
-            session.commit()
-        except IdempotencyKeyTaken:
-            # A concurrent request with the same key committed first: answer as its replay.
-            session.rollback()
-            assert idempotency_key is not None
+    job = new_job(
+        tenant_id=tenant.id,
+        priority=priority,
+        model=request.model,
+        kind=request.kind,
+        request=request.inference_body(),
+        callback_url=callback_url,
+        metadata=request.metadata,
+        idempotency_key=idempotency_key,
+        request_hash=digest,
+        cache_key=request.cache_key,
+        published=True,
+    )
+    try:
+        resources.writer.write(job, producer)
+    except IdempotencyKeyTaken:
+        # A concurrent request with the same key committed first: answer as its replay.
+        assert idempotency_key is not None
+        with resources.sessions() as session:
             earlier = find_by_idempotency_key(session, tenant_id=tenant.id, key=idempotency_key)
-            assert earlier is not None, "the key's unique index held, so its row exists"
-            return _replay(earlier, digest, idempotency_key)
-        message = JobMessage(
-            job_id=job.id,
-            tenant_id=job.tenant_id,
-            priority=job.priority,
-            model=job.model,
-            kind=request.kind,
-            body=job.request,
-            cache_key=job.cache_key,
-        )
-        _publish(session, job, message, resources.settings, kafka)
-        JOBS_SUBMITTED.labels(priority=job.priority).inc()
-        logger.debug("job %s queued (%s, %s)", job.id, job.priority, job.model)
-        return Submission(job=job, is_replay=False)
+        assert earlier is not None, "the key's unique index held, so its row exists"
+        return _replay(earlier, digest, idempotency_key)
+    except (BrokerUnavailable, KafkaError) as e:
+        logger.warning("job not accepted, the broker did not take it: %s", e)
+        raise ServiceUnavailable("message broker") from e
+    JOBS_SUBMITTED.labels(priority=job.priority).inc()
+    logger.debug("job %s queued (%s, %s)", job.id, job.priority, job.model)
+    return Submission(job=job, is_replay=False)
 
 
 def _replay(earlier: Job, digest: str, key: str) -> Submission:
@@ -157,55 +144,8 @@ def _admit(session: Session, tenant: CurrentTenant, resources: Resources) -> Non
             f"Rate limit reached: at most {resources.limiter.rate_per_s:g} submissions per "
             "second per tenant.", retry_after_s=retry_after)
     cap = resources.settings.tenant_max_active_jobs
-    if count_active_jobs(session, tenant_id=tenant.id) >= cap:
+    if not resources.active_jobs.admit(session, tenant_id=tenant.id):
         raise RateLimited(
             f"Too many active jobs: at most {cap} may be queued or running at once; wait for "
             "some to finish.", retry_after_s=ACTIVE_JOBS_RETRY_AFTER_S,
             code="too_many_active_jobs")
-
-
-def _connect(producer: LazyProducer) -> KafkaProducer:
-    """The connected producer; 503 before anything is written when the broker is down."""
-    try:
-        return producer.get()
-    except BrokerUnavailable as e:
-        logger.warning("broker unavailable, submission refused: %s", e)
-        raise ServiceUnavailable("message broker") from e
-
-
-def _publish(
-    session: Session, job: Job, message: JobMessage, settings: Settings, kafka: KafkaProducer
-) -> None:
-    """Produce the job and wait for the ack; on failure withdraw it and answer 503."""
-    try:
-        publish_job(kafka, settings, message).get(timeout=PUBLISH_TIMEOUT_S)
-    except KafkaError as e:
-        logger.warning("job %s not published (%s); withdrawing it", job.id, e)
-        _withdraw(session, job)
-        raise ServiceUnavailable("message broker") from e
-    mark_published(session, job_ids=[job.id])
-    session.commit()
-
-
-def _withdraw(session: Session, job: Job) -> None:
-    """Delete a job whose record the broker did not acknowledge, so the 503 means "nothing".
-
-    Why delete rather than leave it `queued` for the reconciler: a 503 tells the client
-    the request was not accepted, and clients retry it (the official `openai` client does
-    so on its own, without an Idempotency-Key). A row left behind would run anyway, minutes
-    later, beside the retry's copy. If the record did reach the broker after all (the ack
-    timed out), its worker finds no row and skips it; a job a worker already claimed is
-    left to run. Only when this delete fails too (the database went away as well) does
-    the job stay queued, and then the reconciler re-publishes it: it is never lost, at
-    worst it runs although the client saw a 503.
-    """
-    try:
-        session.rollback()
-        stored = session.get(Job, job.id, populate_existing=True)
-        if stored is not None and stored.status is JobStatus.QUEUED:
-            session.delete(stored)
-            session.commit()
-    except Exception:
-        session.rollback()
-        logger.exception("could not withdraw unpublished job %s; the reconciler will "
-                         "re-publish it", job.id)

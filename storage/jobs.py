@@ -41,8 +41,28 @@ def new_job_id() -> str:
     return f"job_{secrets.token_hex(12)}"
 
 
-def create_job(
-    session: Session,
+def create_job(session: Session, **fields: Any) -> Job:
+    """Add a queued job (`new_job(**fields)`) and flush it.
+
+    Raises IdempotencyKeyTaken when a concurrent request inserted the same key first; the
+    session must then be rolled back, after which `find_by_idempotency_key` finds the winner.
+    """
+    job = new_job(**fields)
+    session.add(job)
+    try:
+        session.flush()
+    except IntegrityError as e:
+        key = job.idempotency_key
+        if key is not None and "idempotency" in str(e.orig).lower():
+            raise IdempotencyKeyTaken(
+                f"idempotency key {key!r} is already used by another job; "
+                "roll back and look it up with find_by_idempotency_key"
+            ) from e
+        raise
+    return job
+
+
+def new_job(
     *,
     tenant_id: str,
     priority: str | Priority,
@@ -56,18 +76,20 @@ def create_job(
     batch_id: str | None = None,
     custom_id: str | None = None,
     cache_key: str | None = None,
+    published: bool = False,
 ) -> Job:
-    """Add a queued job and flush it.
+    """A new queued job row, not yet added to a session; ValueError for a bad priority or kind.
 
-    Raises IdempotencyKeyTaken when a concurrent request inserted the same key first; the
-    session must then be rolled back, after which `find_by_idempotency_key` finds the winner.
+    `published`: stamped as produced now (`queued_at`), for a row whose record goes out
+    right after it is stored; the reconciler's staleness clock reads the same either way.
     """
     priority_name = priority.value if isinstance(priority, Priority) else priority
     if priority_name not in PRIORITIES:
         raise ValueError(f"priority {priority_name!r} is not one of {', '.join(PRIORITIES)}")
     if kind not in JOB_KINDS:
         raise ValueError(f"job kind {kind!r} is not one of {', '.join(JOB_KINDS)}")
-    job = Job(
+    now = utcnow()
+    return Job(
         id=new_job_id(),
         tenant_id=tenant_id,
         status=JobStatus.QUEUED,
@@ -83,19 +105,9 @@ def create_job(
         custom_id=custom_id,
         cache_key=cache_key,
         attempts=0,
-        created_at=utcnow(),
+        created_at=now,
+        queued_at=now if published else None,
     )
-    session.add(job)
-    try:
-        session.flush()
-    except IntegrityError as e:
-        if idempotency_key is not None and "idempotency" in str(e.orig).lower():
-            raise IdempotencyKeyTaken(
-                f"idempotency key {idempotency_key!r} is already used by another job; "
-                "roll back and look it up with find_by_idempotency_key"
-            ) from e
-        raise
-    return job
 
 
 def find_by_idempotency_key(session: Session, *, tenant_id: str, key: str) -> Job | None:

@@ -1,0 +1,66 @@
+"""The active-job cap (api.active_jobs): exact near the cap, a cached count far from it."""
+
+from __future__ import annotations
+
+from sqlalchemy import event
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.active_jobs import MAX_AGE_S, ActiveJobGate
+from storage.jobs import create_job
+from storage.tenants import create_tenant
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _tenant_with_jobs(sessions: sessionmaker[Session], num_jobs: int) -> str:
+    with sessions() as session:
+        tenant = create_tenant(session, name="acme")
+        for i in range(num_jobs):
+            create_job(session, tenant_id=tenant.id, priority="normal", model="m",
+                       kind="text_completion", request={"prompt": f"p{i}"})
+        session.commit()
+        return tenant.id
+
+
+def _counting_selects(sessions: sessionmaker[Session]) -> list[str]:
+    statements: list[str] = []
+    event.listen(sessions.kw["bind"], "before_cursor_execute",
+                 lambda conn, cursor, sql, *args: statements.append(sql))
+    return statements
+
+
+def test_far_from_the_cap_the_count_is_reused_until_it_ages(
+    sessions: sessionmaker[Session],
+) -> None:
+    tenant_id = _tenant_with_jobs(sessions, 10)
+    clock = _Clock()
+    gate = ActiveJobGate(1000, clock=clock)
+    statements = _counting_selects(sessions)
+    with sessions() as session:
+        assert all(gate.admit(session, tenant_id=tenant_id) for _ in range(50))
+        assert sum("count" in sql.lower() for sql in statements) == 1
+        clock.now += MAX_AGE_S
+        assert gate.admit(session, tenant_id=tenant_id)
+    assert sum("count" in sql.lower() for sql in statements) == 2
+
+
+def test_near_the_cap_every_submission_counts_exactly(sessions: sessionmaker[Session]) -> None:
+    tenant_id = _tenant_with_jobs(sessions, 8)
+    gate = ActiveJobGate(10, clock=_Clock())
+    with sessions() as session:
+        # 8 active: counted, admitted. Then two more rows appear (another process's);
+        # the estimate (8 + the 1 admitted) is within 90% of the cap, so the next
+        # submission counts again, sees 10, and is refused, where a cached count would not.
+        assert gate.admit(session, tenant_id=tenant_id)
+        create_job(session, tenant_id=tenant_id, priority="normal", model="m",
+                   kind="text_completion", request={"prompt": "ninth"})
+        create_job(session, tenant_id=tenant_id, priority="normal", model="m",
+                   kind="text_completion", request={"prompt": "tenth"})
+        session.commit()
+        assert not gate.admit(session, tenant_id=tenant_id)

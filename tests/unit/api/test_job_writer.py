@@ -1,0 +1,116 @@
+"""Grouped admission (api.job_writer): shared commits, and each request's own outcome."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from kafka.errors import KafkaTimeoutError
+from sqlalchemy import event, func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.job_writer import JobWriter
+from api.resources import BrokerUnavailable
+from core.settings import Settings
+from storage.jobs import IdempotencyKeyTaken, new_job
+from storage.models import Job
+from storage.tenants import create_tenant
+from tests.utils.api import RecordingProducer
+
+NUM_CONCURRENT = 32
+
+
+class _DownHandle:
+    """A producer handle whose broker is down: refused before anything is written."""
+
+    def get(self) -> RecordingProducer:
+        raise BrokerUnavailable("broker down (test)")
+
+
+@pytest.fixture
+def tenant_id(sessions: sessionmaker[Session]) -> str:
+    with sessions() as session:
+        tenant = create_tenant(session, name="acme")
+        session.commit()
+        return tenant.id
+
+
+@pytest.fixture
+def writer(make_settings: Callable[..., Settings], sessions: sessionmaker[Session]):
+    # A long window, so concurrent writes on a loaded machine still meet in one group.
+    writer = JobWriter(make_settings(), sessions, publish_timeout_s=5.0, window_s=0.2)
+    yield writer
+    writer.close()
+
+
+def _job(tenant_id: str, i: int, key: str | None = None) -> Job:
+    return new_job(tenant_id=tenant_id, priority="normal", model="m", kind="text_completion",
+                   request={"prompt": f"p{i}", "max_tokens": 1}, idempotency_key=key,
+                   published=True)
+
+
+def _num_jobs(sessions: sessionmaker[Session]) -> int:
+    with sessions() as session:
+        return session.scalar(select(func.count(Job.id))) or 0
+
+
+def _write_together(writer: JobWriter, jobs: list[Job], producer) -> list[object]:
+    """Write jobs from as many threads at once; each one's job or exception."""
+    barrier = threading.Barrier(len(jobs))
+
+    def one(job: Job) -> object:
+        barrier.wait()
+        try:
+            return writer.write(job, producer)
+        except Exception as e:
+            return e
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(one, jobs))
+
+
+def test_concurrent_submissions_share_commits_and_each_gets_its_job(
+    writer: JobWriter, sessions: sessionmaker[Session], producer: RecordingProducer,
+    tenant_id: str,
+) -> None:
+    commits = []
+    engine = sessions.kw["bind"]
+    event.listen(engine, "commit", lambda conn: commits.append(1))
+    jobs = [_job(tenant_id, i) for i in range(NUM_CONCURRENT)]
+    answers = _write_together(writer, jobs, producer)
+    assert answers == jobs
+    assert _num_jobs(sessions) == NUM_CONCURRENT
+    assert len(producer.records) == NUM_CONCURRENT
+    assert len(commits) < NUM_CONCURRENT / 2, "submissions were committed one by one"
+
+
+def test_a_broker_that_does_not_take_the_records_leaves_no_rows(
+    writer: JobWriter, sessions: sessionmaker[Session], producer: RecordingProducer,
+    tenant_id: str,
+) -> None:
+    producer.is_down = True
+    answers = _write_together(writer, [_job(tenant_id, i) for i in range(8)], producer)
+    assert all(isinstance(a, KafkaTimeoutError) for a in answers), answers
+    assert _num_jobs(sessions) == 0
+
+
+def test_a_broker_known_down_refuses_before_writing(
+    writer: JobWriter, sessions: sessionmaker[Session], tenant_id: str
+) -> None:
+    with pytest.raises(BrokerUnavailable):
+        writer.write(_job(tenant_id, 0), _DownHandle())
+    assert _num_jobs(sessions) == 0
+
+
+def test_a_taken_idempotency_key_fails_only_its_own_request(
+    writer: JobWriter, sessions: sessionmaker[Session], producer: RecordingProducer,
+    tenant_id: str,
+) -> None:
+    writer.write(_job(tenant_id, 0, key="k-1"), producer)
+    jobs = [_job(tenant_id, 1, key="k-1"), *(_job(tenant_id, i) for i in range(2, 10))]
+    answers = _write_together(writer, jobs, producer)
+    assert isinstance(answers[0], IdempotencyKeyTaken)
+    assert answers[1:] == jobs[1:]
+    assert _num_jobs(sessions) == 9
