@@ -1,0 +1,276 @@
+"""What the service costs around a nearly free engine: jobs/s end to end, API rate, batch path.
+
+The engine is a tiny random-weight Llama and every job asks for 1 token, so almost all
+the time measured is the service's own (HTTP, validation, database, Kafka, Redis, the
+worker's loop), the way a GPU engine finishing thousands of short jobs a second would
+see it. Phases, one at a time (they share the 2 cores):
+
+  engine   `LLM.generate` on the same prompts: the ceiling the service is compared with
+  api      `batchinfer up --workers 0`; wrk (C, 2 threads, 32 connections, distinct
+           bodies from a Lua script) POSTs /v1/jobs for a fixed time: accepted/s, p50/p99
+  e2e      `batchinfer up --workers 1`; client processes keep 32 jobs in flight, each
+           POSTed then long-polled (`?wait=`) until it succeeded: jobs/s
+  batch    a JSONL batch of 1-token requests uploaded, run and its output downloaded:
+           seconds, and the API process's memory before and after
+
+Each phase prints the CPU seconds per job of every process (API + scheduler, worker,
+broker, Redis, the load generator), so the next bottleneck is visible. The tenant's rate
+limit is lifted for the run (BATCHINFER_TENANT_RATE_LIMIT_PER_S), and said so.
+
+    .venv/bin/python -m bench.service_overhead [--api-seconds 10 --e2e-jobs 5000 \
+        --batch-lines 50000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from bench.engine_throughput import machine
+from bench.service_throughput import cpu_seconds_by_pid, cpu_seconds_by_role, stop_service
+from scheduler.embedded_services import free_port
+from tests.unit.engine.tiny_models import save_tiny_llama
+from tests.utils.up_process import UpProcess, start_up
+
+IN_FLIGHT = 32
+CLIENT_PROCESSES = 2
+WRK_SCRIPT = """
+local counter = 0
+local tid = 0
+function setup(thread)
+  counter = counter + 1
+  thread:set("tid", counter)
+end
+function init(args)
+  wrk.method = "POST"
+  wrk.headers["Content-Type"] = "application/json"
+  wrk.headers["Authorization"] = "Bearer " .. os.getenv("BI_KEY")
+end
+local n = 0
+function request()
+  n = n + 1
+  local body = string.format(
+    '{"model": %q, "prompt": "%s %d %d 4 8 15 16 23 42 7 9 11 13", "max_tokens": 1, '
+    .. '"temperature": 0}', os.getenv("BI_MODEL"), os.getenv("BI_TAG"), tid, n)
+  return wrk.format(nil, "/v1/jobs", nil, body)
+end
+function done(summary, latency, requests)
+  local e = summary.errors
+  local refused = e.status + e.connect + e.read + e.write + e.timeout
+  io.write(string.format("WRK %d %d %f %f %f\\n", summary.requests, refused,
+    summary.duration / 1e6, latency:percentile(50) / 1e3, latency:percentile(99) / 1e3))
+end
+"""
+
+
+def job_body(model: str, tag: str, i: int) -> dict[str, Any]:
+    """A 1-token greedy text job with a 12-number prompt, distinct per (tag, i)."""
+    return {"model": model, "prompt": f"{tag} {i} 4 8 15 16 23 42 7 9 11 13",
+            "max_tokens": 1, "temperature": 0}
+
+
+def engine_phase(model_dir: Path, num_jobs: int) -> float:
+    """Jobs/s of `LLM.generate` alone on the same kind of prompts."""
+    from workers.engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), kv_cache_memory_bytes=64 * 1024 * 1024, max_num_seqs=64)
+    prompts = [job_body(str(model_dir), "engine", i)["prompt"] for i in range(num_jobs)]
+    started = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
+    return num_jobs / (time.perf_counter() - started)
+
+
+def started(root: Path, name: str, model_dir: Path, num_workers: int) -> UpProcess:
+    """`batchinfer up` serving the tiny model with the tenant rate limit lifted, warmed up.
+
+    One job is submitted (and, with a worker, awaited) first: the first submission loads
+    the tokenizer and connects the producer, the first job waits for the worker to join.
+    """
+    env = {"BATCHINFER_MODEL": str(model_dir), "BATCHINFER_TENANT_RATE_LIMIT_PER_S": "1e9",
+           "BATCHINFER_LOG_LEVEL": "WARNING"}
+    up = start_up(root / name, free_port(), num_workers=num_workers,
+                  log_path=root / f"{name}.log", extra_env=env)
+    with httpx.Client(base_url=up.url, headers=up.headers, timeout=300) as client:
+        created = client.post("/v1/jobs", json=job_body(str(model_dir), "warm-up", 0))
+        created.raise_for_status()
+        job_id = created.json()["id"]
+        deadline = time.monotonic() + 300
+        while num_workers and time.monotonic() < deadline:
+            job = client.get(f"/v1/jobs/{job_id}", params={"wait": 30}).json()
+            if job["status"] not in ("queued", "running"):
+                break
+    return up
+
+
+def print_cpu(title: str, spent: dict[str, float], num_jobs: int) -> None:
+    """CPU milliseconds per job of every role."""
+    total = sum(spent.values())
+    parts = ", ".join(f"{role} {1e3 * s / num_jobs:.2f}" for role, s in
+                      sorted(spent.items(), key=lambda kv: -kv[1]))
+    print(f"  {title} CPU ms per job: {parts} (total {1e3 * total / num_jobs:.2f})")
+
+
+def api_phase(up: UpProcess, model: str, seconds: float) -> None:
+    """wrk against POST /v1/jobs with no worker running."""
+    script = Path(tempfile.mkdtemp()) / "submit.lua"
+    script.write_text(WRK_SCRIPT)
+    env = dict(os.environ, BI_KEY=up.api_key, BI_MODEL=model, BI_TAG="api")
+    before = cpu_seconds_by_pid(up)
+    wrk = subprocess.Popen(["wrk", "-t2", f"-c{IN_FLIGHT}", f"-d{seconds:.0f}s", "-s",
+                            str(script), up.url], stdout=subprocess.PIPE, text=True, env=env)
+    ps = psutil.Process(wrk.pid)
+    wrk_cpu = 0.0
+    while wrk.poll() is None:
+        try:
+            times = ps.cpu_times()
+            wrk_cpu = times.user + times.system
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+    out = wrk.communicate()[0]
+    spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
+    line = next((line for line in out.splitlines() if line.startswith("WRK ")), None)
+    if line is None:
+        print(f"  api: wrk printed no summary:\n{out}")
+        return
+    requests, refused, duration, p50, p99 = line.split()[1:]
+    accepted = int(requests) - int(refused)
+    spent["load generator (wrk)"] = wrk_cpu
+    print(f"api      {accepted / float(duration):8.0f} accepted submissions/s "
+          f"({accepted} in {float(duration):.1f} s, {refused} refused), p50 {float(p50):.1f} ms, "
+          f"p99 {float(p99):.1f} ms, {IN_FLIGHT} in flight")
+    print_cpu("api", spent, max(1, accepted))
+
+
+async def _client(url: str, key: str, model: str, tag: str, num_jobs: int,
+                  in_flight: int) -> int:
+    headers = {"Authorization": f"Bearer {key}"}
+    limits = httpx.Limits(max_connections=in_flight)
+    done = 0
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
+                                 timeout=120) as client:
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(num_jobs):
+            queue.put_nowait(i)
+
+        async def run() -> None:
+            nonlocal done
+            while not queue.empty():
+                i = queue.get_nowait()
+                created = await client.post("/v1/jobs", json=job_body(model, tag, i))
+                created.raise_for_status()
+                job_id = created.json()["id"]
+                while True:
+                    job = (await client.get(f"/v1/jobs/{job_id}", params={"wait": 30})).json()
+                    if job["status"] not in ("queued", "running"):
+                        break
+                if job["status"] != "succeeded":
+                    raise RuntimeError(f"job {job_id} ended {job['status']}: {job.get('error')}")
+                done += 1
+
+        await asyncio.gather(*(run() for _ in range(in_flight)))
+    return done
+
+
+def e2e_phase(up: UpProcess, model: str, num_jobs: int) -> None:
+    """Client processes keep IN_FLIGHT jobs in flight, each submitted and long-polled."""
+    per_process = num_jobs // CLIENT_PROCESSES
+    before = cpu_seconds_by_pid(up)
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started_at = time.perf_counter()
+    clients = [
+        subprocess.Popen([sys.executable, "-m", "bench.service_overhead", "--client", up.url,
+                          up.api_key, model, f"e2e{n}", str(per_process),
+                          str(IN_FLIGHT // CLIENT_PROCESSES)], stdout=subprocess.PIPE, text=True)
+        for n in range(CLIENT_PROCESSES)
+    ]
+    finished = 0
+    for client in clients:
+        out = client.communicate()[0]
+        finished += int(out.split()[-1]) if out.strip() else 0
+    seconds = time.perf_counter() - started_at
+    # The clients are reaped children now: their CPU time is in RUSAGE_CHILDREN.
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    client_cpu = (children.ru_utime + children.ru_stime
+                  - children_before.ru_utime - children_before.ru_stime)
+    spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
+    spent["load generator (python)"] = client_cpu
+    print(f"e2e      {finished / seconds:8.0f} jobs/s ({finished} of {num_jobs} succeeded in "
+          f"{seconds:.1f} s; submitted over HTTP, read back by long-poll, {IN_FLIGHT} in flight)")
+    print_cpu("e2e", spent, max(1, finished))
+
+
+def batch_phase(up: UpProcess, model: str, num_lines: int) -> None:
+    """Upload a JSONL batch of 1-token requests, wait for it, download its output."""
+    api = next(p for p in [psutil.Process(up.process.pid), *up.descendants()]
+               if "core.cli" in " ".join(p.cmdline()))
+    rss_before = api.memory_info().rss
+    lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                "body": job_body(model, "batch", i)}) + "\n"
+                    for i in range(num_lines))
+    started_at = time.perf_counter()
+    rss_peak = rss_before
+    with httpx.Client(base_url=up.url, headers=up.headers, timeout=300) as client:
+        upload = client.post("/v1/files", data={"purpose": "batch"},
+                             files={"file": ("batch.jsonl", lines.encode())})
+        upload.raise_for_status()
+        batch = client.post("/v1/batches", json={"input_file_id": upload.json()["id"],
+                                                 "endpoint": "/v1/completions",
+                                                 "completion_window": "24h"}).json()
+        while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
+            time.sleep(0.5)
+            rss_peak = max(rss_peak, api.memory_info().rss)
+            batch = client.get(f"/v1/batches/{batch['id']}").json()
+        output = client.get(f"/v1/files/{batch['output_file_id']}/content")
+        output.raise_for_status()
+    seconds = time.perf_counter() - started_at
+    num_out = output.text.count("\n")
+    print(f"batch    {seconds:8.1f} s for {num_lines} lines ({batch['status']}, {num_out} output "
+          f"lines, {batch['request_counts']}); API RSS {rss_before / 2**20:.0f} MiB before, "
+          f"{rss_peak / 2**20:.0f} MiB peak")
+
+
+def main() -> None:
+    """Run the phases and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--api-seconds", type=float, default=10.0)
+    parser.add_argument("--e2e-jobs", type=int, default=5000)
+    parser.add_argument("--batch-lines", type=int, default=50_000)
+    parser.add_argument("--client", nargs=6, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.client:
+        url, key, model, tag, num_jobs, in_flight = args.client
+        print(asyncio.run(_client(url, key, model, tag, int(num_jobs), int(in_flight))))
+        return
+    root = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    model_dir = root / "tiny-llama"
+    save_tiny_llama(model_dir)
+    model = str(model_dir)
+    print(f"machine: {machine()}")
+    print("tenant rate limit lifted for the run (BATCHINFER_TENANT_RATE_LIMIT_PER_S=1e9)")
+    print(f"engine   {engine_phase(model_dir, 2000):8.0f} jobs/s (LLM.generate, 1 token each)")
+    for name, workers, phase in (("api", 0, lambda up: api_phase(up, model, args.api_seconds)),
+                                 ("e2e", 1, lambda up: e2e_phase(up, model, args.e2e_jobs)),
+                                 ("batch", 1, lambda up: batch_phase(up, model,
+                                                                     args.batch_lines))):
+        up = started(root, name, model_dir, workers)
+        try:
+            phase(up)
+        finally:
+            stop_service(up)
+
+
+if __name__ == "__main__":
+    main()
