@@ -83,12 +83,14 @@ WORKER_FETCH_STALLS = Counter(
 )
 AUTOSCALER_DESIRED_WORKERS = Gauge(
     "batchinfer_autoscaler_desired_workers",
-    "Inference workers the autoscaler asks for (after clamping and the scale-down cooldown).",
+    "Inference workers the autoscaler asks for (after clamping and the scale-down cooldown), "
+    "by served model.",
+    ["model"],
 )
 AUTOSCALER_WEIGHTED_LAG = Gauge(
     "batchinfer_autoscaler_weighted_lag",
-    "The workers' consumer lag times its priority's weight, by priority.",
-    ["priority"],
+    "The workers' consumer lag times its priority's weight, by served model and priority.",
+    ["model", "priority"],
 )
 AUTOSCALER_LAG_READ_ERRORS = Counter(
     "batchinfer_autoscaler_lag_read_errors",

@@ -83,7 +83,8 @@ class AutoscaleLoop:
         model: str | None = None,
     ) -> None:
         self.autoscaler = autoscaler
-        # Named in the log lines, where several models each have a loop.
+        # Named in the log lines and the metrics' `model` label, where several models each
+        # have a loop.
         self.model = model
         self.read_lag = read_lag
         self.scale_to = scale_to
@@ -115,9 +116,10 @@ class AutoscaleLoop:
         num_partitions = max((found[t].num_partitions for t in self.job_topics.values()
                               if t in found), default=0)
         decision = self.autoscaler.observe(lag, num_partitions=num_partitions, now=now)
+        model = self.model or ""
         for priority, weighted in decision.weighted_lag.items():
-            metrics.AUTOSCALER_WEIGHTED_LAG.labels(priority).set(weighted)
-        metrics.AUTOSCALER_DESIRED_WORKERS.set(decision.num_workers)
+            metrics.AUTOSCALER_WEIGHTED_LAG.labels(model, priority).set(weighted)
+        metrics.AUTOSCALER_DESIRED_WORKERS.labels(model).set(decision.num_workers)
         if decision.is_change:
             logger.info("autoscaling workers%s %d → %d: %s",
                         f" of {self.model}" if self.model else "", decision.num_previous,

@@ -56,7 +56,7 @@ def test_lag_on_the_broker_scales_workers_up_then_down_after_the_cooldown(settin
     loop = AutoscaleLoop(Autoscaler(AutoscalePolicy.from_settings(s), num_workers=1),
                          read_lag=reader, scale_to=supervisor.scale_to,
                          job_topics=s.job_topics, interval_s=s.autoscale_interval_s,
-                         clock=lambda: now[0])
+                         clock=lambda: now[0], model=s.served_model_name)
     supervisor.start()
     try:
         # 2 high × 4 + 1 normal × 1 + 4 low × 0.25 = 10 → ceil(10 / 4) = 3 (unweighted, 2).
@@ -67,7 +67,8 @@ def test_lag_on_the_broker_scales_workers_up_then_down_after_the_cooldown(settin
         assert decision.weighted_lag == {"high": 8.0, "normal": 1.0, "low": 1.0}
         assert (decision.num_previous, decision.num_workers) == (1, 3)
         assert supervisor.num_running == 3
-        assert REGISTRY.get_sample_value("batchinfer_autoscaler_desired_workers") == 3.0
+        assert REGISTRY.get_sample_value("batchinfer_autoscaler_desired_workers",
+                                         {"model": s.served_model_name}) == 3.0
 
         _produce(s, "high", 4)  # weighted 26 asks for 7; max_workers 4; partitions 3
         now[0] += 5

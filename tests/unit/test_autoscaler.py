@@ -167,7 +167,7 @@ def _loop(read_lag: Callable[[], dict[str, TopicLag]], calls: list[int], clock: 
           num_workers: int = 1) -> AutoscaleLoop:
     return AutoscaleLoop(Autoscaler(_policy(max_workers=4), num_workers=num_workers),
                          read_lag=read_lag, scale_to=calls.append, job_topics=TOPICS,
-                         interval_s=5.0, clock=clock)
+                         interval_s=5.0, clock=clock, model="m")
 
 
 def _lag(high: int = 0, normal: int = 0, low: int = 0,
@@ -189,8 +189,9 @@ def test_loop_scales_only_on_change_and_exports_gauges(caplog: pytest.LogCapture
     loop = _loop(lambda: readings.pop(0), calls, clock)
     caplog.set_level(logging.INFO, logger="scheduler.autoscale_loop")
     assert loop.step().num_workers == 2  # 4 × 30 + 50 = 170
-    assert _sample("batchinfer_autoscaler_weighted_lag", {"priority": "high"}) == 120.0
-    assert _sample("batchinfer_autoscaler_desired_workers") == 2.0
+    assert _sample("batchinfer_autoscaler_weighted_lag",
+                   {"model": "m", "priority": "high"}) == 120.0
+    assert _sample("batchinfer_autoscaler_desired_workers", {"model": "m"}) == 2.0
     clock.now += 5
     loop.step()
     clock.now += 5
@@ -198,7 +199,7 @@ def test_loop_scales_only_on_change_and_exports_gauges(caplog: pytest.LogCapture
     assert calls == [2, 3]
     changes = [r.getMessage() for r in caplog.records if "autoscaling" in r.getMessage()]
     assert len(changes) == 2
-    assert changes[0].startswith("autoscaling workers 1 → 2: weighted lag 170")
+    assert changes[0].startswith("autoscaling workers of m 1 → 2: weighted lag 170")
 
 
 def test_loop_keeps_the_count_when_kafka_fails(caplog: pytest.LogCaptureFixture) -> None:
