@@ -75,12 +75,6 @@ WORKER_FETCH_STALLS = Counter(
     "committed offset.",
     ["topic"],
 )
-WORKER_FETCH_STALLS = Counter(
-    "batchinfer_worker_fetch_stalls",
-    "Partitions a worker found silent with records waiting, and restarted from their "
-    "committed offset.",
-    ["topic"],
-)
 AUTOSCALER_DESIRED_WORKERS = Gauge(
     "batchinfer_autoscaler_desired_workers",
     "Inference workers the autoscaler asks for (after clamping and the scale-down cooldown), "
