@@ -5,7 +5,7 @@ OpenAI-compatible completions alike):
 
     validate (shape, support, model, context) → Idempotency-Key replay? → rate limit,
     active-job cap → [grouped with concurrent submissions: broker connected? → insert
-    `queued` → commit → produce to `<prefix>.jobs.<priority>` and wait for the acks]
+    `queued` → commit → produce to `<prefix>.jobs.<model>.<priority>` and wait for the acks]
 
 Nothing is written for a rejected request: every check that can refuse runs before the
 insert. The one failure after the insert is a send the broker does not acknowledge: the

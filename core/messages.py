@@ -20,7 +20,7 @@ AFFINITY_PREFIX_CHARS = 256
 
 
 class JobMessage(BaseModel):
-    """One job as produced to `<prefix>.jobs.<priority>`."""
+    """One job as produced to `<prefix>.jobs.<model>.<priority>` (see core.topics)."""
 
     v: Literal[1] = MESSAGE_VERSION
     job_id: str
