@@ -68,10 +68,11 @@ def _reconcile(svc: Service) -> int:
 
 
 def test_a_drained_worker_hands_back_jobs_longer_than_its_drain_timeout(service) -> None:
-    svc = service(worker_drain_timeout_s=1, worker_max_inflight=2, engine_max_num_seqs=2,
+    # Jobs of 900 tokens against half a second: the drain cannot finish them.
+    svc = service(worker_drain_timeout_s=0.5, worker_max_inflight=2, engine_max_num_seqs=2,
                   **LIVENESS)
     _count_completion_writes(svc)
-    job_ids = svc.submit("normal", job_bodies(4, tag="handback", max_tokens=800,
+    job_ids = svc.submit("normal", job_bodies(4, tag="handback", max_tokens=900,
                                               ignore_eos=True))
     worker = svc.start_worker()
     svc.wait_for("a heartbeat row", lambda: len(_workers(svc)) == 1)
@@ -79,7 +80,6 @@ def test_a_drained_worker_hands_back_jobs_longer_than_its_drain_timeout(service)
     running = [i for i, j in svc.jobs(job_ids).items() if j.status == JobStatus.RUNNING]
     worker.process.terminate()
     assert worker.process.wait(120) == 0, worker.log_tail()
-    assert "released 2 unfinished jobs" in worker.log_tail()
 
     # Back in the queue at once, by the worker itself: no reconciler has run.
     after = svc.jobs(job_ids)
@@ -100,7 +100,7 @@ def test_a_drained_worker_hands_back_jobs_longer_than_its_drain_timeout(service)
 def test_the_reconciler_hands_back_the_jobs_of_a_killed_worker(service) -> None:
     svc = service(worker_max_inflight=2, engine_max_num_seqs=2, **LIVENESS)
     _count_completion_writes(svc)
-    job_ids = svc.submit("high", job_bodies(4, tag="orphan", max_tokens=800, ignore_eos=True))
+    job_ids = svc.submit("high", job_bodies(4, tag="orphan", max_tokens=900, ignore_eos=True))
     worker = svc.start_worker()
     svc.wait_for("jobs running", lambda: svc.count_status(job_ids, JobStatus.RUNNING) == 2)
     worker.kill()
