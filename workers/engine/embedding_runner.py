@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import AutoModel, AutoTokenizer
 
+from workers.engine.config import DEFAULT_MODELS_DIR
 from workers.engine.embedding_pooling import PoolingConfig, pool, read_pooling_config
 from workers.engine.registry import resolve_model
 
@@ -65,7 +66,7 @@ class EmbeddingRunner:
         if max_num_batched_tokens < 1 or max_batch_size < 1:
             raise ValueError("max_num_batched_tokens and max_batch_size must be >= 1, got "
                              f"{max_num_batched_tokens} and {max_batch_size}")
-        self.model_dir = resolve_model(str(model), models_dir or Path("."))
+        self.model_dir = resolve_model(str(model), models_dir or DEFAULT_MODELS_DIR)
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         self.dtype = _pick_dtype(dtype, self.device)
