@@ -18,10 +18,11 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.kafka import TopicLag
 from core.settings import Settings
 from core.topics import model_slug
 from scheduler.autoscale_loop import AutoscaleLoop, LagReader, MainThreadScaler
@@ -30,6 +31,9 @@ from scheduler.periodic import Periodic
 from scheduler.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
+
+# Model name → its lag reading (topic → lag and partitions); LagReader by default.
+LagSource = Callable[[str], Callable[[], Mapping[str, TopicLag]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,21 +101,32 @@ class ModelFleet:
 
     def start_autoscalers(self, settings: Settings, stop: threading.Event) -> threading.Thread:
         """Size each model's workers by its own lag from now on; the reading thread."""
+        loops = self.autoscale_loops(settings)
+        return Periodic(_step_each(loops), settings.autoscale_interval_s,
+                        "autoscaler").start(stop)
+
+    def autoscale_loops(self, settings: Settings, *,
+                        read_lag_of: LagSource | None = None) -> list[AutoscaleLoop]:
+        """One loop per model over that model's lag (read_lag_of(model name), default a
+        LagReader of its group), scaling its supervisor through apply_scaling."""
         loops = []
         for model in self.models:
             supervisor = self.supervisors[model.name]
             scaler = MainThreadScaler(supervisor.scale_to)
-            reader = LagReader(settings, model=model.name)
+            if read_lag_of is None:
+                reader = LagReader(settings, model=model.name)
+                self._readers.append(reader)
+                read_lag: Callable[[], Mapping[str, TopicLag]] = reader
+            else:
+                read_lag = read_lag_of(model.name)
             autoscaler = Autoscaler(AutoscalePolicy.from_settings(settings),
                                     num_workers=supervisor.num_desired)
-            loops.append(AutoscaleLoop(autoscaler, read_lag=reader, scale_to=scaler,
-                                       job_topics=reader.job_topics,
+            loops.append(AutoscaleLoop(autoscaler, read_lag=read_lag, scale_to=scaler,
+                                       job_topics=settings.job_topics_for(model.name),
                                        interval_s=settings.autoscale_interval_s,
                                        model=model.name))
             self._scalers.append(scaler)
-            self._readers.append(reader)
-        return Periodic(_step_each(loops), settings.autoscale_interval_s,
-                        "autoscaler").start(stop)
+        return loops
 
     def apply_scaling(self) -> None:
         """Apply the counts the autoscalers last asked for (main thread)."""
