@@ -121,7 +121,9 @@ def test_up_autoscales_workers_by_lag(tmp_path: Path, up_runs: list[UpProcess]) 
     while "worker-0 drained" not in (log := log_path.read_text(errors="replace")):
         assert time.monotonic() < deadline, run.log_tail()
         time.sleep(0.2)
-    assert "autoscaling workers 0 → 1" in log and "autoscaling workers 1 → 0" in log
+    # "autoscaling workers of <model> 0 → 1: ..." (each served model has its autoscaler)
+    assert re.search(r"autoscaling workers of \S+ 0 → 1", log), log
+    assert re.search(r"autoscaling workers of \S+ 1 → 0", log), log
     _stop_and_check_no_orphans(run)
 
 
