@@ -46,7 +46,8 @@ PUBLISH_TIMEOUT_S = 10.0
 PRODUCER_REQUEST_TIMEOUT_MS = 5_000
 # How often the broker's listener is checked (a loopback TCP connect: cheap). A dead
 # broker is noticed this soon, so submissions are refused at once instead of each one
-# waiting out PUBLISH_TIMEOUT_S; while it is down, reconnection is tried as often.
+# waiting out PUBLISH_TIMEOUT_S; while it is down, a reconnect is tried as soon as it
+# accepts connections again.
 BROKER_CHECK_INTERVAL_S = 0.25
 BROKER_CONNECT_TIMEOUT_S = 0.5
 RECONNECT_MAX_BACKOFF_S = 5.0
