@@ -5,6 +5,9 @@ process, and prints texts/s and tokens/s with the ratio:
 
   runner     workers.engine.embedding_runner (length-sorted, token-budget batches)
   st         sentence-transformers' `encode` (its own length sort, fixed batch size)
+  service    with --service: `batchinfer up --model <model>` on this machine, the texts as
+             an OpenAI batch file (one line per text, endpoint /v1/embeddings), timed from
+             batch creation to `completed` (upload excluded), beside the runner alone
 
 The texts are synthetic sentences of mixed length (seeded), from a few words to past the
 model's 256-token limit, the shape of a real corpus. Both contenders are warmed up first,
@@ -13,17 +16,24 @@ shared machine only ever slows a run down). The two outputs are also compared (c
 
     .venv/bin/python -m bench.embeddings_throughput                   # CPU, 2,000 texts
     .venv/bin/python -m bench.embeddings_throughput --num-texts 20000 --device cuda
+    .venv/bin/python -m bench.embeddings_throughput --num-texts 10000 --service
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import random
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -90,6 +100,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--service", action="store_true",
+                        help="also run the texts as a batch through `batchinfer up`")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -123,6 +135,60 @@ def main() -> None:
     theirs = torch.as_tensor(st.encode(texts, batch_size=args.batch_size, convert_to_numpy=True))
     cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min().item()
     print(f"lowest cosine between the two: {cosine:.6f}")
+    if args.service:
+        service = Timing("service", service_seconds(args.model, texts), len(texts), num_tokens)
+        print(service.line())
+        print(f"service / runner: {timings[0].seconds / service.seconds:.2f} of the runner's "
+              "throughput")
+
+
+def service_seconds(model: str, texts: list[str]) -> float:
+    """Seconds from creating a batch of `texts` (one line each) to its completion, on a
+    `batchinfer up` started (and stopped) here with one worker for `model`."""
+    import httpx
+
+    from scheduler.embedded_services import free_port
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="bench-embeddings-") as tmp:
+        argv = [sys.executable, "-m", "core.cli", "up", "--port", str(port), "--data-dir",
+                str(Path(tmp) / "data"), "--model", model, "--served-model-name", "emb"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHINFER_")}
+        with (Path(tmp) / "up.log").open("ab") as log:
+            up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        try:
+            key = _api_key(up)
+            lines = [json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/embeddings",
+                                 "body": {"model": "emb", "input": text}})
+                     for i, text in enumerate(texts)]
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120,
+                              headers={"Authorization": f"Bearer {key}"}) as client:
+                uploaded = client.post("/v1/files", data={"purpose": "batch"}, files={
+                    "file": ("in.jsonl", ("\n".join(lines) + "\n").encode(),
+                             "application/jsonl")}).raise_for_status().json()
+                start = time.perf_counter()
+                batch = client.post("/v1/batches", json={
+                    "input_file_id": uploaded["id"], "endpoint": "/v1/embeddings",
+                    "completion_window": "24h"}).raise_for_status().json()
+                while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
+                    time.sleep(0.2)
+                    batch = client.get(f"/v1/batches/{batch['id']}").raise_for_status().json()
+                seconds = time.perf_counter() - start
+                if batch["status"] != "completed" or batch["request_counts"]["failed"]:
+                    raise RuntimeError(f"the batch ended {batch['status']}: {batch}")
+                return seconds
+        finally:
+            up.send_signal(signal.SIGTERM)
+            up.wait(120)
+
+
+def _api_key(up: subprocess.Popen[str]) -> str:
+    """Read `batchinfer up`'s banner until its API key."""
+    assert up.stdout is not None
+    for line in up.stdout:
+        if line.startswith("API key: "):
+            return line.removeprefix("API key: ").strip()
+    raise RuntimeError(f"`batchinfer up` exited ({up.wait()}) before printing its API key")
 
 
 if __name__ == "__main__":
