@@ -75,7 +75,7 @@ def test_created_job_is_queued_with_everything_stored(session: Session, tenant: 
     "field,value,message",
     [
         ("priority", "urgent", "priority 'urgent' is not one of high, normal, low"),
-        ("kind", "embedding", "job kind 'embedding' is not one of"),
+        ("kind", "image", "job kind 'image' is not one of"),
     ],
 )
 def test_bad_priority_or_kind_is_refused(
