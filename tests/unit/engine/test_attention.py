@@ -252,3 +252,24 @@ def test_triton_block_size_is_a_kernel_tile() -> None:
     for bad in (8, 24):
         with pytest.raises(ValueError, match="power of two"):
             backend.check_block_size(bad)
+
+
+def test_cuda_n_becomes_the_current_device_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """device cuda:1 is made current before weights load or graphs capture on a stream."""
+    save_llama(tmp_path)
+    calls: list[torch.device] = []
+
+    class Stop(Exception):
+        pass
+
+    def set_device(device: torch.device) -> None:
+        calls.append(torch.device(device))
+        raise Stop  # the rest needs a real GPU
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    with pytest.raises(Stop):
+        ModelRunner(EngineConfig(model=str(tmp_path), device="cuda:1"))
+    assert calls == [torch.device("cuda:1")]
