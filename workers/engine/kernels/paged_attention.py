@@ -213,7 +213,7 @@ def paged_attention(
     # there bf16 tiles are loaded as bf16 and computed in fp32. fp32 dots stay exact (no
     # TF32) so fp32 runs match the torch path.
     upcast = _is_interpreting() and q.dtype == torch.bfloat16
-    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    precision = "ieee" if q.dtype == torch.float32 or upcast else None  # None: the default
     grid = (num_seqs, k.shape[1], triton.cdiv(max_query_len, block_q))
     _paged_attention_kernel[grid](
         q, k, v, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
