@@ -26,13 +26,24 @@ LOGPROBS_ALTERNATIVES = (
 
 
 class RequestRefused(ValueError):
-    """A request this service will not run, naming the field and an OpenAI error code."""
+    """A request this service will not run, naming the field and an OpenAI error code.
 
-    def __init__(self, message: str, *, param: str | None, code: str = "invalid_value") -> None:
+    `status_code` is what the API answers: 422 for a body that does not match the schema,
+    400 for a well-formed request it will not run.
+    """
+
+    def __init__(self, message: str, *, param: str | None, code: str = "invalid_value",
+                 status_code: int = 400) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.status_code = status_code
+
+    def error_object(self) -> dict[str, Any]:
+        """OpenAI's error object plus `status_code`, as a failed job stores it."""
+        return {"message": self.message, "type": "invalid_request_error", "param": self.param,
+                "code": self.code, "status_code": self.status_code}
 
 
 def check_request(request: AnyRequest, context: ModelContext | None) -> None:
@@ -141,7 +152,7 @@ def parse_body(body: dict[str, Any], *, is_chat: bool) -> ChatCompletionRequest 
         return model.model_validate(body)
     except ValidationError as e:
         param, message, code = describe_errors(e.errors(include_url=False))
-        raise RequestRefused(message, param=param, code=code) from e
+        raise RequestRefused(message, param=param, code=code, status_code=422) from e
 
 
 def param_from_loc(loc: Sequence[int | str]) -> str | None:

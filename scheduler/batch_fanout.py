@@ -20,12 +20,13 @@ from itertools import islice
 from kafka import KafkaProducer
 from sqlalchemy.orm import Session, sessionmaker
 
+from core import metrics
 from core.settings import Settings
 from scheduler.batch_input import ENDPOINT_TO_KIND, BatchRequest, iter_requests
 from scheduler.job_publisher import count_failed, publish_jobs, record_output
 from storage.batches import BatchStatus, lock_batch
 from storage.files import FileStore
-from storage.jobs import create_job
+from storage.jobs import create_job, fail_job
 from storage.models import Job
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ def fan_out(
     num_added = 0
     with store.open(input_file_id) as handle:
         requests = iter_requests(handle, endpoint=endpoint, model_override=model_override,
-                                 max_line_bytes=settings.max_request_bytes, skip=cursor)
+                                 max_line_bytes=settings.max_request_bytes, skip=cursor,
+                                 check_bodies=True, models_dir=settings.models_dir)
         while time.monotonic() < deadline:
             chunk = list(islice(requests, CHUNK_SIZE))
             if not chunk:
@@ -59,7 +61,8 @@ def fan_out(
             jobs = _add_chunk(sessions, batch_id=batch_id, cursor=cursor, chunk=chunk)
             if jobs is None:
                 break
-            _publish(settings, sessions, producer, jobs)
+            if jobs:
+                _publish(settings, sessions, producer, jobs)
             cursor += len(chunk)
             num_added += len(chunk)
     if num_added:
@@ -70,7 +73,12 @@ def fan_out(
 def _add_chunk(
     sessions: sessionmaker[Session], *, batch_id: str, cursor: int, chunk: list[BatchRequest]
 ) -> list[Job] | None:
-    """Add one chunk's jobs and advance the cursor; None if the batch moved on meanwhile."""
+    """Add one chunk's jobs and advance the cursor; the jobs to publish, None if the batch
+    moved on meanwhile.
+
+    A line the API would refuse (`BatchRequest.error`) is stored failed with that error, in
+    the same transaction: it shows in the error file and never reaches a worker.
+    """
     with sessions() as session:
         batch = lock_batch(session, batch_id=batch_id)
         if batch is None or batch.status != BatchStatus.IN_PROGRESS:
@@ -88,8 +96,16 @@ def _add_chunk(
             for request in chunk
         ]
         batch.num_enqueued = cursor + len(chunk)
+        refused = [(job, r.error) for job, r in zip(jobs, chunk, strict=True) if r.error]
+        for job, error in refused:
+            fail_job(session, job_id=job.id, error=error)
         session.commit()
-        return jobs
+        if refused:
+            metrics.JOBS_FAILED.labels(batch.priority).inc(len(refused))
+            logger.info("batch %s: %d line(s) refused as the API would refuse them", batch_id,
+                        len(refused))
+        refused_ids = {job.id for job, _ in refused}
+        return [job for job in jobs if job.id not in refused_ids]
 
 
 def _publish(settings: Settings, sessions: sessionmaker[Session], producer: KafkaProducer,

@@ -4,9 +4,11 @@ Responsible for: reading lines with a bounded buffer (a line longer than the lim
 reported, never held whole), checking each line — JSON object, `custom_id` present,
 valid text and unique, `method` POST, `url` equal to the batch endpoint, a `body` object
 without `stream: true`, one known model across the file, at most `max_requests` lines,
-and a body that passes exactly the checks `POST /v1/jobs` makes (`core.request_checks`:
-types, ranges, roles, valid text, supported features, the model's context) — and
-collecting errors with their line numbers in OpenAI's `errors.data` shape. The validator
+and a body of the endpoint's request schema (the API's own: types, ranges, roles, valid
+text) — and collecting errors with their line numbers in OpenAI's `errors.data` shape.
+A well-formed line the API would still refuse (unsupported, longer than the model's
+context) is not a batch error: `iter_requests(check_bodies=True)` hands it over with its
+refusal, and its job fails alone (see `scheduler.batch_line_checks`). The validator
 keeps only a 16-byte digest per custom_id, so 50,000 requests cost a few MB whatever the
 file's size. Blank lines are skipped by both validation and fan-out, so request counts
 agree between the two passes.
@@ -17,17 +19,16 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 
-from core.embedding_requests import EmbeddingRequest
-from core.model_context import ModelContexts, model_contexts
-from core.request_checks import RequestRefused, check_request, parse_body
+from core.model_context import model_contexts
+from core.request_checks import RequestRefused
 from core.requests import check_key, printable
+from scheduler.batch_line_checks import check_shape, refusal, storable
 
 # Errors kept per batch: enough to fix a file, bounded however broken the file is.
 MAX_REPORTED_ERRORS = 100
@@ -38,12 +39,17 @@ ENDPOINT_TO_KIND = {"/v1/chat/completions": "chat.completion", "/v1/completions"
 
 @dataclass(frozen=True, slots=True)
 class BatchRequest:
-    """One valid input line: what becomes a job."""
+    """One valid input line: what becomes a job.
+
+    `error` is set when the API would refuse the request (see `scheduler.batch_line_checks`):
+    its job is stored failed with it and never sent to a worker.
+    """
 
     line: int
     custom_id: str
     model: str
     body: dict[str, Any]
+    error: dict[str, Any] | None = None
 
 
 class InputLineError(ValueError):
@@ -130,7 +136,7 @@ def parse_request(raw: bytes, *, line: int, endpoint: str, model_override: str |
                                  f"line {line}: body.messages must be a non-empty list",
                                  param="body.messages")
         if join_content:
-            body = {**body, "messages": [_joined_content(m) for m in body["messages"]]}
+            body = _joined_body(body)
     elif ENDPOINT_TO_KIND.get(endpoint) == "embedding":
         if "input" not in body:
             raise InputLineError("missing_required_parameter",
@@ -147,31 +153,9 @@ def parse_request(raw: bytes, *, line: int, endpoint: str, model_override: str |
     return BatchRequest(line=line, custom_id=custom_id, model=model, body=body)
 
 
-def check_body(request: BatchRequest, *, endpoint: str, contexts: ModelContexts | None) -> None:
-    """The checks `POST /v1/jobs` makes, on one parsed line; InputLineError naming the field.
-
-    `contexts` gives the model's context length and tokenizer (None: not checked).
-    """
-    if ENDPOINT_TO_KIND[endpoint] == "embedding":
-        _check_embedding_body(request)
-        return
-    try:
-        parsed = parse_body(request.body, is_chat=ENDPOINT_TO_KIND[endpoint] == "chat.completion")
-        check_request(parsed, contexts.get(request.model) if contexts is not None else None)
-    except RequestRefused as e:
-        param = f"body.{e.param}" if e.param else "body"
-        raise InputLineError(e.code, f"line {request.line}: {e.message}", param=param) from e
-
-
-def _check_embedding_body(request: BatchRequest) -> None:
-    """The shape `POST /v1/embeddings` accepts; InputLineError naming the first bad field."""
-    try:
-        EmbeddingRequest.model_validate(request.body)
-    except ValidationError as e:
-        error = e.errors()[0]
-        param = ".".join(["body", *(str(part) for part in error["loc"])])
-        raise InputLineError("invalid_value", f"line {request.line}: {param}: {error['msg']}",
-                             param=param) from e
+def _joined_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat body whose messages' text content parts are joined, as the worker takes them."""
+    return {**body, "messages": [_joined_content(m) for m in body["messages"]]}
 
 
 def _joined_content(message: object) -> object:
@@ -203,13 +187,11 @@ class InputValidator:
     """Checks a file line by line; `finish()` returns the InputReport."""
 
     def __init__(self, *, endpoint: str, served_models: Iterable[str], max_requests: int,
-                 model_override: str | None = None, models_dir: Path | None = None) -> None:
+                 model_override: str | None = None) -> None:
         self.endpoint = endpoint
         self.served_models = frozenset(served_models)
         self.max_requests = max_requests
         self.model_override = model_override
-        # Where served models' context lengths and tokenizers are read (None: unchecked).
-        self.contexts = model_contexts(Path(models_dir)) if models_dir is not None else None
         self.report = InputReport()
         # custom_id digest → the line that first used it.
         self._digest_to_line: dict[bytes, int] = {}
@@ -245,9 +227,10 @@ class InputValidator:
         self._check_model(request)
         if request.model in self.served_models:
             try:
-                check_body(request, endpoint=self.endpoint, contexts=self.contexts)
-            except InputLineError as e:
-                self.add_error(e.code, str(e), line=line, param=e.param)
+                check_shape(request.body, kind=ENDPOINT_TO_KIND[self.endpoint])
+            except RequestRefused as e:
+                self.add_error(e.code, f"line {line}: {e.message}", line=line,
+                               param=f"body.{e.param}" if e.param else "body")
 
     def _check_custom_id(self, request: BatchRequest) -> None:
         digest = hashlib.blake2b(request.custom_id.encode(), digest_size=16).digest()
@@ -282,24 +265,25 @@ class InputValidator:
 
 def validate_input(handle: BinaryIO, *, endpoint: str, served_models: Iterable[str],
                    max_requests: int, max_line_bytes: int,
-                   model_override: str | None = None,
-                   models_dir: Path | None = None) -> InputReport:
-    """Read the whole file once and report what is wrong with it, line by line.
-
-    With `models_dir`, bodies are also checked against the served model's context (as the
-    API checks them), where that directory holds the model.
-    """
+                   model_override: str | None = None) -> InputReport:
+    """Read the whole file once and report what is wrong with it, line by line."""
     validator = InputValidator(endpoint=endpoint, served_models=served_models,
-                               max_requests=max_requests, model_override=model_override,
-                               models_dir=models_dir)
+                               max_requests=max_requests, model_override=model_override)
     for line, raw in iter_lines(handle, max_line_bytes=max_line_bytes):
         validator.feed(line, raw, max_line_bytes=max_line_bytes)
     return validator.finish()
 
 
 def iter_requests(handle: BinaryIO, *, endpoint: str, max_line_bytes: int,
-                  model_override: str | None = None, skip: int = 0) -> Iterator[BatchRequest]:
-    """The requests of a validated file in order, after the first `skip` of them."""
+                  model_override: str | None = None, skip: int = 0,
+                  check_bodies: bool = False, models_dir: Path | None = None
+                  ) -> Iterator[BatchRequest]:
+    """The requests of a validated file in order, after the first `skip` of them.
+
+    With `check_bodies`, each carries the API's refusal of it, if any (`error`), checked
+    against the model's context where `models_dir` holds the model.
+    """
+    contexts = model_contexts(Path(models_dir)) if models_dir is not None else None
     index = 0
     for line, raw in iter_lines(handle, max_line_bytes=max_line_bytes):
         if raw is None:
@@ -307,5 +291,18 @@ def iter_requests(handle: BinaryIO, *, endpoint: str, max_line_bytes: int,
         if not raw.strip():
             continue
         index += 1
-        if index > skip:
+        if index <= skip:
+            continue
+        if not check_bodies:
             yield parse_request(raw, line=line, endpoint=endpoint, model_override=model_override)
+            continue
+        request = parse_request(raw, line=line, endpoint=endpoint,
+                                model_override=model_override, join_content=False)
+        error = refusal(request.body, kind=ENDPOINT_TO_KIND[endpoint],
+                        context=contexts.get(request.model) if contexts is not None else None)
+        if error is not None:
+            yield replace(request, body=storable(request.body), error=error)
+        elif ENDPOINT_TO_KIND[endpoint] == "chat.completion":
+            yield replace(request, body=_joined_body(request.body))
+        else:
+            yield request

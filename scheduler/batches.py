@@ -116,7 +116,7 @@ class BatchRunner:
                     handle, endpoint=endpoint, served_models=self.settings.served_models,
                     max_requests=self.settings.batch_max_requests,
                     max_line_bytes=self.settings.max_request_bytes,
-                    model_override=model_override, models_dir=self.settings.models_dir,
+                    model_override=model_override,
                 )
             errors, num_requests, model = report.errors, report.num_requests, report.model
         with self.sessions() as session:

@@ -207,8 +207,7 @@ def test_chat_lines_get_the_checks_of_the_api(patch: dict[str, Any], param: str)
 
 @pytest.mark.parametrize(("patch", "param"), PROMPT_TEXT_CASES + [
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
-    ({"prompt": "hi", "echo": True}, "echo"),
-    ({"prompt": ""}, "prompt"),
+    ({"prompt": "hi", "logprobs": "0"}, "logprobs"),
 ])
 def test_completion_lines_get_the_checks_of_the_api(patch: dict[str, Any], param: str) -> None:
     """Text lines too, on the /v1/completions endpoint."""
@@ -228,11 +227,48 @@ def test_robot_role_and_negative_max_tokens_fail_validation() -> None:
         (1, "body.messages[0].role", "invalid_value"), (2, "body.max_tokens", "invalid_value")]
 
 
-def test_unsupported_fields_are_refused_by_name() -> None:
-    """What /v1/jobs answers 400 to (n > 1, tools) fails the line with the same code."""
-    report = validate(jsonl(request("a", body=request()["body"] | {"n": 2})))
-    error = assert_line_refused(report, line=1, param="body.n")
-    assert error["code"] == "unsupported_parameter"
+def refusals(handle: io.BytesIO, *, endpoint: str = CHAT, models_dir: Path | None = None
+             ) -> list[dict[str, Any] | None]:
+    """Each request's refusal as fan-out sees it (None: it goes to a worker)."""
+    return [r.error for r in iter_requests(handle, endpoint=endpoint, max_line_bytes=10_000,
+                                           check_bodies=True, models_dir=models_dir)]
+
+
+@pytest.mark.parametrize(("endpoint", "patch", "param"), [
+    (CHAT, {"n": 2}, "n"),
+    (CHAT, {"tools": [{"type": "function"}]}, "tools"),
+    (CHAT, {"presence_penalty": 1}, "presence_penalty"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0].type"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+])
+def test_lines_the_api_would_refuse_fail_alone_with_its_answer(
+    endpoint: str, patch: dict[str, Any], param: str,
+) -> None:
+    """Well-formed but unsupported: not a batch error; the line carries the API's 400."""
+    body = {"model": MODEL, "max_tokens": 2} | patch
+    if endpoint == CHAT and "messages" not in patch:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    bad = request("bad", url=endpoint, body=body)
+    assert validate(jsonl(bad), endpoint=endpoint).is_valid
+    [error] = refusals(jsonl(bad), endpoint=endpoint)
+    assert error is not None
+    assert (error["param"], error["status_code"], error["type"]) == (
+        param, 400, "invalid_request_error")
+
+
+def test_a_refused_lines_body_is_kept_storable_and_valid_lines_are_joined() -> None:
+    """Fan-out gets the worker's body for a good line and an escaped one for a refused line."""
+    good = request("a")
+    good["body"]["messages"] = [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                             {"type": "text", "text": "y"}]}]
+    bad = request("b", body=request()["body"] | {"n": 2, "user": "caf\u00e9"})
+    [ok, refused] = list(iter_requests(jsonl(good, bad), endpoint=CHAT, max_line_bytes=10_000,
+                                       check_bodies=True))
+    assert ok.error is None and ok.body["messages"][0]["content"] == "x\ny"
+    assert refused.error is not None and refused.error["param"] == "n"
+    json.dumps(refused.body, ensure_ascii=False).encode("utf-8")
 
 
 @pytest.mark.parametrize("custom_id", [LONE, "a\x00b"])
@@ -253,7 +289,7 @@ def test_unserved_model_with_bad_text_is_named_safely() -> None:
 
 
 def test_lines_are_checked_against_the_models_context(tmp_path: Path) -> None:
-    """With models_dir, max_tokens and prompt length are checked as the API checks them."""
+    """With models_dir, max_tokens and prompt length are refused as the API refuses them."""
     model_dir = tmp_path / MODEL
     model_dir.mkdir()
     (model_dir / "config.json").write_text('{"max_position_embeddings": 32}')
@@ -262,8 +298,11 @@ def test_lines_are_checked_against_the_models_context(tmp_path: Path) -> None:
     too_many["body"]["max_tokens"] = 10**9
     too_long = request("b")
     too_long["body"]["messages"][0]["content"] = "the quick brown fox " * 20
-    report = validate(jsonl(request("ok"), too_many, too_long), models_dir=tmp_path)
-    assert [(e["line"], e["param"], e["code"]) for e in report.errors] == [
-        (2, "body.max_tokens", "invalid_value"),
-        (3, "body.messages", "context_length_exceeded")]
-    assert validate(jsonl(too_many, too_long)).is_valid  # the model is not on this machine
+    lines = (request("ok"), too_many, too_long)
+    assert validate(jsonl(*lines)).is_valid  # well-formed: no batch error
+    ok, many, long = refusals(jsonl(*lines), models_dir=tmp_path)
+    assert ok is None
+    assert many is not None and (many["param"], many["code"]) == ("max_tokens", "invalid_value")
+    assert long is not None
+    assert (long["param"], long["code"]) == ("messages", "context_length_exceeded")
+    assert refusals(jsonl(*lines)) == [None, None, None]  # the model is not on this machine
