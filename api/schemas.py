@@ -69,6 +69,9 @@ class JobPublic(BaseModel):
     error: dict[str, Any] | None
     usage: Usage | None
     metadata: dict[str, str] | None
+    # How a cache answered it: "exact", or {"kind": "semantic", "similarity",
+    # "matched_job_id"}; None when the engine ran it.
+    cached: str | dict[str, Any] | None = None
     links: JobLinks
 
     @classmethod
@@ -98,6 +101,7 @@ class JobPublic(BaseModel):
             error=job.error,
             usage=usage,
             metadata=job.metadata_,
+            cached=(job.result or {}).get("cached"),
             links=JobLinks.model_validate({"self": path, "cancel": f"{path}/cancel"}),
         )
 

@@ -69,6 +69,11 @@ ENGINE_PREEMPTIONS = Counter(
 WORKER_INFLIGHT = Gauge(
     "batchinfer_worker_inflight_jobs", "Jobs a worker has taken from Kafka and not yet finished."
 )
+CACHE_LOOKUPS = Counter(
+    "batchinfer_cache_lookups",
+    "Cache lookups by the workers, by cache kind (exact, semantic) and outcome (hit, miss).",
+    ["kind", "outcome"],
+)
 WORKER_FETCH_STALLS = Counter(
     "batchinfer_worker_fetch_stalls",
     "Partitions a worker found silent with records waiting, and restarted from their "

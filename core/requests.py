@@ -188,6 +188,19 @@ class ChatMessage(ClientObject):
         return "\n".join(part.text or "" for part in self.content)
 
 
+class CachePolicyField(ClientObject):
+    """`cache`: which caches may answer this request (see storage.cache_policy)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["auto", "off", "exact", "semantic"] = "auto"
+    # Seconds this request's result is kept for later ones (30 days at most).
+    ttl: Annotated[StrictInt, Field(ge=1, le=30 * 24 * 3600)] | None = None
+    # Cosine similarity a semantic match needs; below 0.8 everything looks alike.
+    threshold: Annotated[float, Field(ge=0.8, le=1, strict=True, allow_inf_nan=False)] | None = (
+        None)
+
+
 class SamplingRequest(ClientObject):
     """Fields every request shares: the model, how to sample, when to stop, our extras."""
 
@@ -212,6 +225,7 @@ class SamplingRequest(ClientObject):
     # Jobs with the same cache_key land on the same partition, so the same worker's
     # prefix cache; without one the affinity key hashes the prompt's first block.
     cache_key: Key | None = Field(default=None, min_length=1, max_length=200)
+    cache: CachePolicyField | None = None
     # OpenAI fields this service does not implement. They are declared so that a null or
     # empty value (which some clients send by default) passes; anything else is a 400.
     logit_bias: Annotated[dict[str, float], BeforeValidator(_check_keys)] | None = None
@@ -273,6 +287,7 @@ class SamplingRequest(ClientObject):
             "stop": self.stop,
             "ignore_eos": self.ignore_eos,
             "user": self.user,
+            "cache": self.cache.model_dump(exclude_none=True) if self.cache else None,
         }
         return {name: value for name, value in fields.items() if value is not None}
 

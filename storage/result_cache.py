@@ -36,7 +36,7 @@ NON_SAMPLING_FIELDS = frozenset(
         "stream",
         "stream_options",
         "cache_key",
-        "semantic_cache",
+        "cache",
         "custom_id",
         "store",
         "service_tier",
@@ -141,15 +141,15 @@ class ResultCache:
         found = dict(zip(wanted, raws, strict=True))
         return [None if key is None else _decoded(key, found[key]) for key in keys]
 
-    def put_many(self, entries: list[tuple[str | None, dict[str, Any]]], ttl: int) -> None:
-        """`put` for each (key, result) in one round trip (a pipeline)."""
-        if ttl < 0:
-            raise ValueError(f"ttl must be >= 0 seconds (0 disables caching), got {ttl}")
-        entries = [(key, value) for key, value in entries if key is not None]
-        if not entries or ttl == 0:
+    def put_many(self, entries: list[tuple[str | None, dict[str, Any], int]]) -> None:
+        """`put` for each (key, result, ttl) in one round trip (a pipeline)."""
+        if any(ttl < 0 for _, _, ttl in entries):
+            raise ValueError("ttl must be >= 0 seconds (0 disables caching)")
+        entries = [(key, value, ttl) for key, value, ttl in entries if key is not None and ttl]
+        if not entries:
             return
         pipe = self._redis.pipeline(transaction=False)
-        for key, value in entries:
+        for key, value, ttl in entries:
             assert key is not None
             pipe.set(self.redis_key(key),
                      json.dumps(value, separators=(",", ":"), ensure_ascii=False), ex=ttl)

@@ -24,12 +24,15 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from core import metrics
 from core.messages import JobMessage
 from storage import job_batches, jobs
+from storage.cache_policy import CachePolicy
 from storage.events import publish_job_done, publish_jobs_done
 from storage.models import Job, JobStatus
 from storage.result_cache import ResultCache, result_cache_key
 from storage.webhook_events import enqueue_job_event
+from workers.inference.semantic_lookup import SemanticLookup
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,8 @@ class JobStore:
         self._prefix = prefix
         self._cache = ResultCache(redis_client, prefix=prefix)
         self._cache_ttl_s = result_cache_ttl_s
+        # Set by the worker's wiring when semantic lookups are possible.
+        self.semantic: SemanticLookup | None = None
 
     def load(self, job_id: str) -> JobSnapshot | None:
         """The job's status and creation time, or None if no such row exists."""
@@ -104,7 +109,14 @@ class JobStore:
 
     def cached_results(self, messages: list[JobMessage]) -> list[dict[str, Any] | None]:
         """`cached_result` for each message in one Redis round trip."""
-        return self._cache.get_many([self._cache_key(m) for m in messages])
+        keys = [self._cache_key(m) if CachePolicy.of(m.body).reads_exact else None
+                for m in messages]
+        found = self._cache.get_many(keys)
+        num_misses = sum(key is not None and hit is None for key, hit in zip(keys, found,
+                                                                             strict=True))
+        if num_misses:
+            metrics.CACHE_LOOKUPS.labels("exact", "miss").inc(num_misses)
+        return found
 
     def succeed(
         self,
@@ -145,11 +157,17 @@ class JobStore:
             session.commit()
         if dropped := len(successes) - len(finished):
             logger.info("%d result(s) dropped: their jobs were already finished", dropped)
-        self._cache.put_many(
-            [(self._cache_key(s.message), s.result) for s in successes
-             if s.fill_cache and s.message.job_id in finished],
-            self._cache_ttl_s,
-        )
+        filled = [s for s in successes if s.fill_cache and s.message.job_id in finished
+                  and CachePolicy.of(s.message.body).fills]
+        self._cache.put_many([
+            (self._cache_key(s.message), s.result,
+             CachePolicy.of(s.message.body).ttl_or(self._cache_ttl_s) if self._cache_ttl_s
+             else 0)
+            for s in filled
+        ])
+        if self.semantic is not None:
+            for success in filled:
+                self.semantic.remember(success.message, success.result)
         publish_jobs_done(self._redis, prefix=self._prefix,
                           statuses=dict.fromkeys(finished, JobStatus.SUCCEEDED))
         return finished

@@ -54,21 +54,33 @@ class OutcomeRecorder:
             if message.job_id in stored:
                 self._count_success(message, created_at)
 
-    def answered_from_cache(self, hits: list[tuple[JobMessage, dict[str, Any], datetime]]) -> None:
-        """Store identical requests' cached results as these jobs' (each with its own id).
+    def answered_from_cache(
+        self, hits: list[tuple[JobMessage, dict[str, Any], datetime, str | dict[str, Any]]]
+    ) -> None:
+        """Store earlier answers as these jobs' results, each with its own id, marked cached.
 
-        Each item is (message, the cached result, the job's created_at).
+        Each item is (message, the cached result, the job's created_at, the `cached`
+        marker: "exact", or {"kind": "semantic", "similarity", "matched_job_id"}). No
+        completion token was computed for them, and their usage says so.
         """
         successes = []
-        for message, cached, _ in hits:
+        for message, cached, _, marker in hits:
             result = dict(cached)
             prefix = "chatcmpl" if message.kind == "chat.completion" else "cmpl"
-            result.update(id=f"{prefix}-{message.job_id}", created=int(time.time()))
+            result.update(id=f"{prefix}-{message.job_id}", created=int(time.time()),
+                          cached=marker)
+            usage = dict(result.get("usage") or {})
+            if usage:
+                usage["completion_tokens"] = 0
+                usage["total_tokens"] = usage.get("prompt_tokens", 0)
+                result["usage"] = usage
             successes.append(Success(message, result, None, fill_cache=False))
         stored = self._store.succeed_many(successes)
-        for message, _, created_at in hits:
+        for message, _, created_at, marker in hits:
             if message.job_id in stored:
+                kind = marker if isinstance(marker, str) else str(marker["kind"])
                 metrics.RESULT_CACHE_HITS.labels(message.priority).inc()
+                metrics.CACHE_LOOKUPS.labels(kind, "hit").inc()
                 self._count_success(message, created_at)
 
     def _result_of(self, message: JobMessage, output: RequestOutput) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from core.settings import Settings, get_settings
 from storage.db import create_db_engine, session_factory
 from storage.events import CancelSubscription
 from storage.model_cards import publish_card
+from storage.semantic_cache import SemanticCache
 from workers.engine import EngineConfig, LLMEngine
 from workers.engine.embedding_engine import EmbeddingEngine
 from workers.engine.embedding_runner import EmbeddingRunner
@@ -33,6 +34,7 @@ from workers.engine.registry import resolve_model
 from workers.inference.engine_loop import EngineLoop
 from workers.inference.heartbeat import Heartbeat
 from workers.inference.job_store import JobStore
+from workers.inference.semantic_lookup import SemanticLookup
 from workers.inference.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -118,17 +120,22 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
         # Offsets were committed by the drain; leaving the group is a courtesy that a dead
         # broker must not turn into a long wait.
         stack.callback(consumer.close, autocommit=False, timeout_ms=CONSUMER_CLOSE_TIMEOUT_MS)
+        store = JobStore(
+            session_factory(db_engine),
+            redis_client,
+            prefix=settings.topic_prefix,
+            result_cache_ttl_s=settings.result_cache_ttl_s,
+            model_revision=card.revision,
+        )
+        store.semantic = SemanticLookup(
+            SemanticCache(redis_client, prefix=settings.topic_prefix),
+            models_dir=settings.models_dir, revision=card.revision,
+            default_ttl_s=settings.result_cache_ttl_s)
         worker = Worker(
             settings,
             consumer=consumer,
             engine_loop=engine_loop,
-            store=JobStore(
-                session_factory(db_engine),
-                redis_client,
-                prefix=settings.topic_prefix,
-                result_cache_ttl_s=settings.result_cache_ttl_s,
-                model_revision=card.revision,
-            ),
+            store=store,
             cancels=cancels,
             worker_id=worker_id,
         )

