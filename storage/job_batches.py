@@ -21,14 +21,15 @@ from storage.states import sources_of
 
 def load_statuses(
     session: Session, *, job_ids: Collection[str]
-) -> dict[str, tuple[JobStatus, datetime]]:
-    """Job id → (status, created_at) for the ids that have a row."""
+) -> dict[str, tuple[JobStatus, datetime, int]]:
+    """Job id → (status, created_at, attempts) for the ids that have a row."""
     if not job_ids:
         return {}
     rows = session.execute(
-        select(Job.id, Job.status, Job.created_at).where(Job.id.in_(list(job_ids)))
+        select(Job.id, Job.status, Job.created_at, Job.attempts).where(Job.id.in_(list(job_ids)))
     )
-    return {job_id: (status, created_at) for job_id, status, created_at in rows}
+    return {job_id: (status, created_at, attempts or 0)
+            for job_id, status, created_at, attempts in rows}
 
 
 def claim_jobs(session: Session, *, job_ids: Collection[str], worker_id: str) -> set[str]:

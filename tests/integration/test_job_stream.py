@@ -50,3 +50,18 @@ def test_five_thousand_short_jobs_of_mixed_priority_all_succeed_exactly_once(ser
     assert Counter(claims) == {1: NUM_JOBS}
     assert worker.process.poll() is None, worker.log_tail()
     assert "fetch stall" not in worker.log_tail(10**7)
+
+
+def test_a_job_claimed_job_max_attempts_times_fails_instead_of_running_again(service) -> None:
+    """Its workers kept dying on it: a poison pill, failed with the reason, not retried."""
+    svc = service(job_max_attempts=2)
+    poison, fine = svc.submit("normal", job_bodies(2, tag="poison", max_tokens=1))
+    with svc.sessions() as session:
+        session.execute(sa.update(Job).where(Job.id == poison).values(attempts=2))
+        session.commit()
+    svc.start_worker()
+    done = svc.wait_terminal([poison, fine])
+    assert done[poison].status == JobStatus.FAILED
+    assert done[poison].error["code"] == "worker_lost"
+    assert done[poison].attempts == 2
+    assert done[fine].status == JobStatus.SUCCEEDED

@@ -53,6 +53,8 @@ class JobSnapshot:
 
     status: JobStatus
     created_at: datetime
+    # Claims so far: each worker that took it counts one.
+    attempts: int = 0
 
 
 class JobStore:
@@ -98,7 +100,7 @@ class JobStore:
         """`load` for many jobs in one statement; ids without a row are left out."""
         with self._sessions() as session:
             found = job_batches.load_statuses(session, job_ids=job_ids)
-        return {job_id: JobSnapshot(status, created) for job_id, (status, created) in found.items()}
+        return {job_id: JobSnapshot(*row) for job_id, row in found.items()}
 
     def claim_many(self, job_ids: list[str], *, worker_id: str) -> set[str]:
         """`claim` for many jobs in one statement and commit; the ids claimed."""

@@ -106,10 +106,11 @@ class OutcomeRecorder:
             system_fingerprint=self._store.system_fingerprint,
         )
 
-    def failed(self, message: JobMessage, reason: str) -> None:
-        """Store `reason` as the job's error."""
+    def failed(self, message: JobMessage, reason: str, *, code: str | None = None,
+               type: str = "invalid_request_error") -> None:
+        """Store `reason` as the job's error (`code` and `type` as the API's errors have)."""
         logger.info("job %s failed: %s", message.job_id, reason)
-        error = error_body(reason, param=param_of(reason, REQUEST_FIELDS))
+        error = error_body(reason, param=param_of(reason, REQUEST_FIELDS), code=code, type=type)
         if self._store.fail(message, error=error):
             metrics.JOBS_FAILED.labels(message.priority).inc()
 

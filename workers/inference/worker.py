@@ -236,6 +236,14 @@ class Worker:
                 logger.warning("job %s has no row; skipping its record", job_id)
             elif snapshot.status.is_terminal:
                 logger.debug("job %s already %s; skipping", job_id, snapshot.status.value)
+            elif snapshot.attempts >= self.settings.job_max_attempts:
+                # Claimed that often without finishing: each worker holding it died or
+                # gave it up. Running it again could take this worker down too.
+                self._outcomes.failed(
+                    candidate.message,
+                    f"this job was claimed {snapshot.attempts} times (job_max_attempts) and "
+                    "its worker stopped before finishing it each time: not retried",
+                    code="worker_lost", type="server_error")
             else:
                 candidate.created_at = snapshot.created_at
                 runnable.append(candidate)
@@ -367,12 +375,18 @@ class Worker:
         self._prefetch.clear()
         self._restart_from_committed(assignment)
         self._watchdog.on_assigned(assignment)
+        moved: list[str] = []
         for job in self._inflight.values():
             if not job.is_released and not any(tp in assignment for tp, _ in job.records):
                 # Its partition now belongs to another worker, which will run it again.
                 job.is_released = True
                 self._engine.abort(job.message.job_id)
-                logger.info("released job %s: its partition moved", job.message.job_id)
+                moved.append(job.message.job_id)
+        if moved:
+            # Queued again, not left running under this worker: should the new owner never
+            # see the record (a broker that lost it), the reconciler re-publishes the job.
+            self._store.release(moved, worker_id=self.worker_id)
+            logger.info("released %d job(s) whose partitions moved", len(moved))
         return True
 
     def _restart_from_committed(self, assignment: set[TopicPartition]) -> None:
