@@ -9,11 +9,12 @@ lines pass too), and models this deployment does not serve (404).
 from __future__ import annotations
 
 from api.errors import InvalidRequest, NotFound
+from api.resources import Resources
 from core import request_checks
 from core.model_context import model_contexts
 from core.request_checks import RequestRefused
 from core.requests import AnyRequest
-from core.settings import Settings
+from storage.model_cards import read_cards
 
 
 def refused(error: RequestRefused) -> InvalidRequest:
@@ -29,16 +30,24 @@ def check_supported(request: AnyRequest) -> None:
         raise refused(e) from e
 
 
-def check_request(request: AnyRequest, settings: Settings) -> None:
+def check_request(request: AnyRequest, resources: Resources) -> None:
     """Supported, served, and within the model's context: else 400 or 404 naming the field.
 
-    The context is read from the model's directory under `settings.models_dir` when this
-    machine has it (tokenizing the prompt as the worker will); otherwise only the shape
-    and support checks apply and the worker judges the length.
+    The context is read from the model's directory when this machine has it (under
+    `models_dir`, or where its workers' card says they loaded it), tokenizing the prompt
+    as the worker will; otherwise only the shape and support checks apply and the worker
+    judges the length.
     """
+    settings = resources.settings
     check_supported(request)
     check_model(request.model, settings.served_models)
-    context = model_contexts(settings.models_dir).get(request.model)
+    contexts = model_contexts(settings.models_dir)
+    context = contexts.get(request.model)
+    if context is None:
+        card = read_cards(resources.redis, prefix=settings.topic_prefix).get(request.model)
+        path = (card or {}).get("path")
+        context = contexts.get(request.model, announced_dir=path if isinstance(path, str)
+                               else None)
     try:
         request_checks.check_context(request, context)
     except RequestRefused as e:

@@ -82,8 +82,9 @@ def submit(
     if isinstance(request, EmbeddingRequest):
         check_embedding_request(request, resources)
     else:
-        check_request(request, settings)
+        # The model's kind first: an embedding model's context says nothing of a chat body.
         check_generation_model(request.model, settings)
+        check_request(request, resources)
     callback_url = getattr(request, "callback_url", None)
     if callback_url is not None:
         try:

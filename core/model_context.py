@@ -121,8 +121,12 @@ class ModelContexts:
         self._lock = threading.Lock()
         self._name_to_context: dict[str, ModelContext] = {}
 
-    def get(self, name: str) -> ModelContext | None:
-        """The context of served model `name`, or None when its directory is not here."""
+    def get(self, name: str, *, announced_dir: str | None = None) -> ModelContext | None:
+        """The context of served model `name`, or None when its directory is not here.
+
+        `announced_dir` is the directory its workers said they loaded (their model card):
+        the one way to find a model served under a name of its own (`--served-model-name`).
+        """
         context = self._name_to_context.get(name)
         if context is not None:
             return context
@@ -131,6 +135,9 @@ class ModelContexts:
             if context is not None:
                 return context
             model_dir = find_model_dir(name, self.models_dir)
+            if model_dir is None and announced_dir:
+                announced = Path(announced_dir)
+                model_dir = announced if (announced / "config.json").is_file() else None
             if model_dir is None:
                 return None
             context = ModelContext(name=name, max_model_len=read_max_model_len(model_dir),

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.model_context import ModelContexts, find_model_dir
+from storage.model_cards import publish_card
 from tests.unit.api.conftest import MODEL, ClientFactory
 from tests.unit.api.hostile_cases import send_json
 from tests.unit.api.test_hostile_input import assert_refused
@@ -188,3 +190,23 @@ def test_model_directories_are_found_as_workers_find_them(tmp_path: Path) -> Non
     assert find_model_dir(str(gguf), models) == models / "gguf" / "tiny"
     assert find_model_dir(str(gguf.parent), models) == models / "gguf" / "tiny"
     assert find_model_dir("a/b", models) is None
+
+
+def test_a_model_served_under_its_own_name_is_found_by_its_card(
+    make_client: ClientFactory, acme: TenantKey, sessions: sessionmaker[Session],
+    producer: RecordingProducer, models_dir: Path, tmp_path: Path, redis_url: str,
+) -> None:
+    """Not under models_dir by that name: the directory its workers announced is used."""
+    prefix = f"t{tmp_path.name[-10:]}"
+    client = make_client(models_dir=tmp_path / "empty", topic_prefix=prefix)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 10**9}
+    assert send_json(client, "/v1/jobs", body, acme.headers).status_code == 202
+    with redis.Redis.from_url(redis_url) as r:
+        publish_card(r, prefix=prefix, name=MODEL,
+                     card={"name": MODEL, "path": str(models_dir / MODEL),
+                           "context_length": CONTEXT})
+    sessions_before = count_jobs(sessions)
+    response = send_json(client, "/v1/jobs", body, acme.headers)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "max_tokens"
+    assert count_jobs(sessions) == sessions_before
