@@ -7,8 +7,9 @@ Every error response, whatever raised it, has the body OpenAI clients expect:
 
 Responsible for: the `APIError` family that routes raise, turning validation errors into a
 422 that names the offending field, rendering Starlette's HTTP errors (404 for unknown
-URLs, 405, 413 for oversized bodies) and dependency outages (database, Redis, broker →
-503) in the same shape, and a last-resort 500 that never leaks internals.
+URLs, 405, 413 for oversized bodies), values the database refuses (400) and dependency
+outages (database, Redis, broker → 503) in the same shape, and a last-resort 500 that
+never leaks internals.
 """
 
 from __future__ import annotations
@@ -237,6 +238,17 @@ _redis_handler = _unavailable_handler("redis", "cache (Redis)")
 _broker_handler = _unavailable_handler("broker", "message broker")
 
 
+async def _data_handler(request: Request, exc: Exception) -> JSONResponse:
+    """400 for a value the database refuses to store or compare (PostgreSQL's text takes no
+    NUL character; a number out of its column's range): the request's fault, not ours."""
+    logger.warning("database refused a value on %s %s: %s", request.method, request.url.path,
+                   exc)
+    return InvalidRequest(
+        "The request holds a value the database cannot take (such as a NUL character in "
+        "an id or a number out of range); remove it and retry.", code="invalid_value",
+    ).to_response()
+
+
 async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
     body = error_body("The server had an error while processing your request.",
@@ -253,6 +265,7 @@ def install_error_handlers(app: FastAPI) -> None:
     # TimeoutError: no pooled connection freed in time.
     app.add_exception_handler(sqlalchemy.exc.OperationalError, _database_handler)
     app.add_exception_handler(sqlalchemy.exc.TimeoutError, _database_handler)
+    app.add_exception_handler(sqlalchemy.exc.DataError, _data_handler)
     app.add_exception_handler(redis.exceptions.ConnectionError, _redis_handler)
     app.add_exception_handler(redis.exceptions.TimeoutError, _redis_handler)
     app.add_exception_handler(KafkaError, _broker_handler)

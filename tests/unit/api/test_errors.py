@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
-from api.errors import RateLimited, ServiceUnavailable, param_from_loc, validation_error
+import json
+
+import sqlalchemy.exc
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from api.errors import (
+    RateLimited,
+    ServiceUnavailable,
+    error_body,
+    install_error_handlers,
+    param_from_loc,
+    validation_error,
+)
 
 
 def test_param_names_nested_fields_and_indexes() -> None:
@@ -56,3 +69,26 @@ def test_retry_after_is_whole_seconds_and_never_zero() -> None:
     assert unavailable.status_code == 503
     assert "message broker" in unavailable.message
     assert unavailable.to_response().headers["Retry-After"] == "1"
+
+
+def test_a_value_the_database_refuses_is_400_not_500() -> None:
+    """PostgreSQL refuses a NUL in text (DataError): the request's fault, answered as such."""
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/nul")
+    def nul() -> None:
+        raise sqlalchemy.exc.DataError("SELECT 1", {}, ValueError("NUL (0x00) bytes"))
+
+    response = TestClient(app, raise_server_exceptions=False).get("/nul")
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_value"
+    assert "NUL" in response.json()["error"]["message"]
+
+
+def test_error_bodies_escape_text_utf8_cannot_carry() -> None:
+    """A lone surrogate quoted in an error is sent as its escape, so the error is sent."""
+    body = error_body("unknown field 'x\ud800y'", param="x\ud800y")
+    assert body["error"]["param"] == "x\\ud800y"
+    assert body["error"]["message"] == "unknown field 'x\\ud800y'"
+    json.dumps(body, ensure_ascii=False).encode("utf-8")
