@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from core.requests import Key, Metadata, check_text
 from core.topics import Priority
 
 # OpenAI's limit on inputs per request.
@@ -48,6 +49,10 @@ def embedding_inputs(value: object) -> list[EmbeddingItem]:
 
 def _check_input(value: object) -> object:
     embedding_inputs(value)
+    # Text that is not valid Unicode (a JSON-escaped lone surrogate) is refused here, as
+    # in every other request body, before it can reach storage or a tokenizer.
+    for item in value if isinstance(value, list) else [value]:
+        check_text(item)
     return value
 
 
@@ -70,10 +75,8 @@ class EmbeddingRequest(BaseModel):
     # Our extra: false refuses inputs longer than the model reads instead of cutting them.
     truncate: bool | None = None
     # Jobs with the same cache_key land on the same partition (as for completions).
-    cache_key: str | None = Field(default=None, min_length=1, max_length=200)
-    metadata: dict[Annotated[str, Field(max_length=64)],
-                   Annotated[str, Field(max_length=512)]] | None = Field(default=None,
-                                                                         max_length=16)
+    cache_key: Key | None = Field(default=None, min_length=1, max_length=200)
+    metadata: Metadata | None = None
 
     @property
     def kind(self) -> Literal["embedding"]:

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.submission import request_hash
 from core.messages import JobMessage, prompt_affinity_key
 from core.requests import JobCreate
-from tests.unit.api.conftest import MODEL
+from tests.unit.api.conftest import MODEL, ClientFactory
 from tests.unit.api.hostile_cases import (
     CHAT_ONLY_STRICT_CASES,
     CHAT_TEXT_CASES,
@@ -171,3 +171,20 @@ def test_hashes_never_fail_on_text_that_slipped_through() -> None:
     assert message.affinity_key()
     with pytest.raises(ValueError, match="job j cannot be encoded"):
         message.encode()
+
+
+@pytest.mark.parametrize(("patch", "param"), [
+    ({"input": LONE}, "input"),
+    ({"input": ["ok", LONE]}, "input"),
+    ({"input": "x", "metadata": {"k": LONE}}, "metadata.k"),
+    ({"input": "x", "cache_key": "a\x00b"}, "cache_key"),
+])
+def test_embedding_bodies_are_checked_alike(
+    make_client: ClientFactory, acme: TenantKey, sessions: sessionmaker[Session],
+    producer: RecordingProducer, patch: dict[str, Any], param: str,
+) -> None:
+    """Inputs to embed, by POST /v1/jobs and POST /v1/embeddings: a 422, never a 500."""
+    client = make_client(served_models=[MODEL, "emb"], embedding_models=["emb"])
+    for path in ("/v1/jobs", "/v1/embeddings"):
+        assert_refused(client, acme, sessions, producer, path, {"model": "emb"} | patch,
+                       status=422, param=param)
