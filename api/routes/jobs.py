@@ -78,8 +78,8 @@ async def read_job(
     tenant: TenantDep,
     resources: ResourcesDep,
     wait: Annotated[float, Query(
-        ge=0, description="Seconds to wait for the job to finish (capped by the server's "
-        "long_poll_max_s); returns at once when it does.")] = 0,
+        ge=0, allow_inf_nan=False, description="Seconds to wait for the job to finish "
+        "(capped by the server's long_poll_max_s); returns at once when it does.")] = 0,
 ) -> JobPublic:
     """A job; with `wait`, held open until it finishes or `wait` seconds pass."""
     view = await wait_for_job(resources, job_id=job_id, tenant_id=tenant.id,

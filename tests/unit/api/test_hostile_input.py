@@ -188,3 +188,17 @@ def test_embedding_bodies_are_checked_alike(
     for path in ("/v1/jobs", "/v1/embeddings"):
         assert_refused(client, acme, sessions, producer, path, {"model": "emb"} | patch,
                        status=422, param=param)
+
+
+@pytest.mark.parametrize("wait", ["nan", "inf", "-1"])
+def test_long_poll_wait_must_be_a_finite_number_of_seconds(
+    client: TestClient, acme: TenantKey, wait: str,
+) -> None:
+    """`?wait=nan` is named as not finite, not as "should be >= 0"."""
+    job = send_json(client, "/v1/jobs", CHAT, acme.headers).json()
+    response = client.get(f"/v1/jobs/{job['id']}?wait={wait}", headers=acme.headers)
+    assert response.status_code == 422, response.text
+    error = assert_error_shape(response.json())
+    assert error["param"] == "wait"
+    if wait != "-1":
+        assert "finite number" in error["message"]
