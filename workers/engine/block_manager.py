@@ -8,6 +8,9 @@ Responsibilities:
   sequence with the same prefix shares it instead of recomputing it;
 - keep freed cached blocks in LRU order, reusable until evicted (oldest first, O(1)
   removal from the middle on a hit);
+- with a KV tier attached (`kv_link`): offload a cached block when it is first reused or
+  evicted (or, write-through, once computed), and extend a sequence's pool hit with the
+  blocks the tier holds, loaded into free blocks and then shared like any cached block;
 - free everything a sequence holds, leaving no leak.
 
 Block arithmetic, worked once for block_size = 4: a sequence of 10 tokens needs
@@ -22,8 +25,12 @@ import logging
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from workers.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from workers.engine.kv_tier_link import KVTierLink
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +44,8 @@ class Block:
     block_hash: bytes | None = None
     # The tokens the hash was computed from, to verify a hit rather than trust the hash.
     token_ids: tuple[int, ...] = ()
+    # The KV tier has (or was handed) this cached block: never offload it twice.
+    is_offloaded: bool = False
 
 
 def chain_hash(parent_hash: bytes, token_ids: list[int]) -> bytes:
@@ -70,6 +79,10 @@ class BlockManager:
         # how many leading blocks of its table are already registered in the cache.
         self._block_hashes: dict[str, list[bytes]] = {}
         self._num_registered_blocks: dict[str, int] = {}
+        self.kv_link: KVTierLink | None = None
+        # Per waiting request: blocks of its prefix already asked of the tier, so a
+        # sequence that waits several steps asks once (reset when it is preempted).
+        self._num_tier_checked_blocks: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -122,7 +135,51 @@ class BlockManager:
                 logger.warning("prefix-cache hash collision on block %d; not reused", block_id)
                 break
             hits.append(block_id)
+        if self.kv_link is not None and len(hits) < max_blocks:
+            hits += self._load_from_tier(seq, hashes[:max_blocks], hits)
         return hits
+
+    def _load_from_tier(self, seq: Sequence, hashes: list[bytes], hits: list[int]) -> list[int]:
+        """Blocks after the pool hit `hits` that the tier holds, loaded into free blocks.
+
+        They join the cached-free LRU (most recent end) as if computed here, so admission
+        revives them like any hit. The pool hit itself is never evicted to make room.
+        """
+        assert self.kv_link is not None
+        if self._num_tier_checked_blocks.get(seq.request_id, 0) >= len(hashes):
+            return []  # asked at an earlier step; what it gave then is in the pool or gone
+        for block_id in hits:  # most recently used: evicted after everything else
+            if block_id in self.cached_free_block_ids:
+                self.cached_free_block_ids.move_to_end(block_id)
+        # Loading turns free blocks into cached-free ones, so at most this many can come
+        # in without evicting the hit: e.g. 5 free, 2 of them the hit's -> 3.
+        num_spare = self.num_free_blocks - sum(self.blocks[b].ref_count == 0 for b in hits)
+        first = len(hits)
+        wanted = hashes[first : first + num_spare]
+        if not wanted:
+            return []  # the pool is full of running work: ask again at a later step
+        bs = self.block_size
+        loaded = []
+        for i, block in enumerate(self.kv_link.load(wanted), start=first):
+            if block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+                logger.warning("KV tier block of another prefix under hash %s; not used",
+                               block.block_hash.hex()[:16])  # fmt: skip
+                break
+            if block.block_hash in self.hash_to_block_id:
+                break  # the pool still caches this later block: the rest computes anew
+            loaded.append(block)
+        if len(loaded) < len(wanted) or first + len(wanted) == len(hashes):
+            self._num_tier_checked_blocks[seq.request_id] = len(hashes)
+        block_ids = []
+        for block in loaded:
+            block_id = self._take_block()
+            self.blocks[block_id].ref_count = 0
+            self.cached_free_block_ids[block_id] = None
+            self._cache(self.blocks[block_id], block.block_hash, block.token_ids)
+            self.blocks[block_id].is_offloaded = True
+            block_ids.append(block_id)
+        self.kv_link.write(block_ids, loaded)
+        return block_ids
 
     def next_block_hash(self, seq: Sequence, num_cached_blocks: int) -> bytes | None:
         """Hash of the first block after a cache hit of `num_cached_blocks`, if cacheable."""
@@ -162,6 +219,7 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.cached_free_block_ids[block_id]
             block.ref_count += 1
+            self._offload(block)  # a reused prefix is worth keeping beyond this pool
         seq.block_table = list(cached_block_ids)
         seq.num_computed_tokens = len(cached_block_ids) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
@@ -193,9 +251,9 @@ class BlockManager:
         for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None and hashes[i] not in self.hash_to_block_id:
-                block.block_hash = hashes[i]
-                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                self.hash_to_block_id[hashes[i]] = block.block_id
+                self._cache(block, hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+                if self.kv_link is not None and self.kv_link.write_through:
+                    self._offload(block)
         self._num_registered_blocks[seq.request_id] = num_full
 
     def free(self, seq: Sequence) -> None:
@@ -214,6 +272,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._num_registered_blocks.pop(seq.request_id, None)
+        self._num_tier_checked_blocks.pop(seq.request_id, None)
 
     def forget(self, seq: Sequence) -> None:
         """Drop the per-request memo once the sequence has left the engine for good."""
@@ -246,11 +305,17 @@ class BlockManager:
             block_id = self.free_block_ids.popleft()
         else:
             block_id, _ = self.cached_free_block_ids.popitem(last=False)
+            self._offload(self.blocks[block_id])  # last chance: its K/V go at the next flush
             self._uncache(self.blocks[block_id])
         block = self.blocks[block_id]
         assert block.ref_count == 0
         block.ref_count = 1
         return block_id
+
+    def _cache(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.hash_to_block_id[block_hash] = block.block_id
 
     def _uncache(self, block: Block) -> None:
         assert block.block_hash is not None
@@ -258,3 +323,11 @@ class BlockManager:
             del self.hash_to_block_id[block.block_hash]
         block.block_hash = None
         block.token_ids = ()
+        block.is_offloaded = False
+
+    def _offload(self, block: Block) -> None:
+        """Hand a cached block to the KV tier once in its cached life."""
+        if self.kv_link is None or block.is_offloaded or block.block_hash is None:
+            return
+        block.is_offloaded = True
+        self.kv_link.offload(block.block_id, block.block_hash, block.token_ids)

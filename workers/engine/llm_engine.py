@@ -23,6 +23,8 @@ from typing import Any
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import Detokenizer
+from workers.engine.kv_tier import KVTier
+from workers.engine.kv_tier_link import KVTierLink
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from workers.engine.sampling_params import SamplingParams
@@ -139,6 +141,12 @@ class LLMEngine:
         self.scheduler.finish(request.seq, SequenceStatus.FINISHED_ABORTED)
         logger.debug("aborted %s", request_id)
 
+    def attach_kv_tier(self, tier: KVTier, *, write_through: bool = False) -> KVTierLink:
+        """Keep prefix blocks in `tier` beyond the pool, and load prefixes the pool misses."""
+        link = KVTierLink(tier, self.runner.kv_cache, write_through=write_through)
+        self.scheduler.block_manager.kv_link = link
+        return link
+
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running, or has an output to come."""
         return self.scheduler.has_unfinished() or bool(self._deferred)
@@ -166,6 +174,9 @@ class LLMEngine:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
                 request.num_cached_tokens = seq.num_cached_tokens
+        kv_link = self.scheduler.block_manager.kv_link
+        if kv_link is not None:  # blocks evicted this step are overwritten by this forward
+            kv_link.flush()
         pending = self.runner.execute_async(out.seqs, out.num_scheduled_tokens)
         outputs = self._advance_all(self._deferred)  # host work while the GPU runs
         sampled = pending.result()
