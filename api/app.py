@@ -29,6 +29,7 @@ from api.routes import (
     metrics,
     models,
 )
+from core.model_context import model_contexts
 from core.settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Open the shared resources for the app's lifetime; close them at shutdown."""
         resources = Resources.open(app_settings)
         app.state.resources = resources
+        # Tokenizers for the context checks load now, not on the first request's time.
+        model_contexts(app_settings.models_dir).warm_up(
+            [m for m in app_settings.served_models if m not in app_settings.embedding_models])
         logger.info("API ready: database %s, broker %s, redis %s, models %s",
                     resources.engine.url.render_as_string(hide_password=True),
                     app_settings.kafka_bootstrap_servers, app_settings.redis_url,

@@ -121,6 +121,10 @@ class ModelContexts:
         self._lock = threading.Lock()
         self._name_to_context: dict[str, ModelContext] = {}
 
+    def loaded(self, name: str) -> ModelContext | None:
+        """The context of `name` if it is already loaded; never loads (or waits for) one."""
+        return self._name_to_context.get(name)
+
     def get(self, name: str, *, announced_dir: str | None = None) -> ModelContext | None:
         """The context of served model `name`, or None when its directory is not here.
 
@@ -147,6 +151,24 @@ class ModelContexts:
                         context.max_model_len,
                         "counted by its tokenizer" if context.tokenizer else "not counted")
             return context
+
+
+    def warm_up(self, names: list[str]) -> threading.Thread:
+        """Load these models' contexts on a daemon thread, so no request waits for it.
+
+        Loading a tokenizer (and importing transformers) takes seconds; a request that
+        arrives meanwhile waits for the same load instead of starting its own.
+        """
+        def load() -> None:
+            for name in names:
+                try:
+                    self.get(name)
+                except Exception:  # a broken model must not take the process down
+                    logger.exception("could not read the context of model %s", name)
+
+        thread = threading.Thread(target=load, name="model-contexts", daemon=True)
+        thread.start()
+        return thread
 
 
 @lru_cache(maxsize=8)

@@ -210,3 +210,12 @@ def test_a_model_served_under_its_own_name_is_found_by_its_card(
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "max_tokens"
     assert count_jobs(sessions) == sessions_before
+
+
+def test_warm_up_loads_contexts_in_the_background(models_dir: Path) -> None:
+    """After warm_up, the context is there without a load on the request's path."""
+    contexts = ModelContexts(models_dir)
+    contexts.warm_up([MODEL, "not-here"]).join(timeout=120)
+    context = contexts.loaded(MODEL)
+    assert context is not None and context.max_model_len == CONTEXT
+    assert context.tokenizer is not None
