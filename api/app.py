@@ -20,6 +20,7 @@ from api.metrics import HTTPMetricsMiddleware
 from api.resources import Resources
 from api.routes import (
     batches,
+    cache_stats,
     completions,
     deliveries,
     embeddings,
@@ -75,6 +76,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(HTTPMetricsMiddleware)
     for module in (jobs, completions, embeddings, models, health, metrics, files, batches,
-                   deliveries):
+                   deliveries, cache_stats):
         app.include_router(module.router)
     return app

@@ -74,6 +74,29 @@ CACHE_LOOKUPS = Counter(
     "Cache lookups by the workers, by cache kind (exact, semantic) and outcome (hit, miss).",
     ["kind", "outcome"],
 )
+KV_TIER_BLOCKS = Counter(
+    "batchinfer_kv_tier_blocks",
+    "Prefix KV blocks a worker asked the Redis KV tier for, by outcome (hit, miss).",
+    ["outcome"],
+)
+KV_TIER_BYTES = Counter(
+    "batchinfer_kv_tier_bytes",
+    "Bytes of KV blocks a worker moved to or from the Redis KV tier, by direction "
+    "(stored, loaded).",
+    ["direction"],
+)
+KV_TIER_EVICTIONS = Counter(
+    "batchinfer_kv_tier_evictions",
+    "KV blocks a worker's stores pushed out of the Redis KV tier's byte budget.",
+)
+KV_TIER_ERRORS = Counter(
+    "batchinfer_kv_tier_errors",
+    "Redis errors of the KV tier (each bypasses the tier for a few seconds).",
+)
+KV_TIER_RESIDENT_BYTES = Gauge(
+    "batchinfer_kv_tier_resident_bytes",
+    "Bytes the Redis KV tier holds for the worker's model revision (all workers together).",
+)
 WORKER_FETCH_STALLS = Counter(
     "batchinfer_worker_fetch_stalls",
     "Partitions a worker found silent with records waiting, and restarted from their "

@@ -31,9 +31,11 @@ from workers.engine.embedding_engine import EmbeddingEngine
 from workers.engine.embedding_runner import EmbeddingRunner
 from workers.engine.model_card import ModelCard, describe_model, model_kind, read_config
 from workers.engine.registry import resolve_model
+from workers.inference.cache_stats import CacheStatsPublisher
 from workers.inference.engine_loop import EngineLoop
 from workers.inference.heartbeat import Heartbeat
 from workers.inference.job_store import JobStore
+from workers.inference.kv_tier import connect_kv_tier
 from workers.inference.semantic_lookup import SemanticLookup
 from workers.inference.worker import Worker
 
@@ -111,6 +113,13 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
         redis_client = redis.Redis.from_url(settings.redis_url)
         stack.callback(redis_client.close)
         card = announce_model(settings, redis_client)
+        # Attached before the engine thread starts: from then on only that thread uses it.
+        kv_tier = connect_kv_tier(settings, engine, revision=card.revision)
+        if kv_tier is not None:
+            stack.callback(kv_tier.client.close)
+        stack.enter_context(CacheStatsPublisher(
+            redis_client, prefix=settings.topic_prefix, worker_id=worker_id, model=card.name,
+            interval_s=settings.cache_stats_interval_s, kv_tier=kv_tier))
         engine_loop = EngineLoop(engine)
         engine_loop.start()
         stack.callback(engine_loop.stop, ENGINE_STOP_TIMEOUT_S)

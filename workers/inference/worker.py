@@ -263,6 +263,9 @@ class Worker:
                     params = sampling_params_from_body(
                         message.kind, message.body, max_model_len=self._max_model_len
                     )
+                    # Prefix KV (in the pool and the Redis KV tier) is chained from the
+                    # tenant: one tenant's blocks are never another's cache hits.
+                    params.cache_salt = message.tenant_id
             except ValueError as e:
                 self._outcomes.failed(message, str(e))
                 self._ack(candidate.records)

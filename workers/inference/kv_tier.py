@@ -1,0 +1,209 @@
+"""The engine's KV tier in Redis, shared by every worker of one model revision.
+
+Responsibilities:
+- keep encoded prefix blocks (the engine's payloads: token ids + K/V of every layer in
+  the pool's dtype) under `<prefix>:kv:<model>:<revision>:b:<chain hash>`; the chain hash
+  is rooted in the request's cache salt, which the worker sets to the tenant, so one
+  tenant's requests can never address another's blocks, and new weights never see old KV;
+- a TTL per block and a byte budget per model revision, enforced by one Lua script per
+  store: expired entries leave the byte count, then the oldest stored go until it fits;
+- count hits, misses, bytes and evictions for metrics and `GET /v1/cache/stats`;
+- Redis down or slow: bypass the tier for a while with a warning and a metric; the
+  engine then simply computes the prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import cast
+
+import redis
+
+from core import metrics
+from core.settings import Settings
+from workers.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+# After a Redis error the tier is skipped this long, so a dead server costs one timeout
+# per interval, not one per engine step.
+BYPASS_AFTER_ERROR_S = 5.0
+
+# KEYS: index (zset key -> store time), sizes (hash key -> bytes), total bytes, evictions.
+# ARGV: now, ttl, budget, block key prefix, then (hash hex, payload) pairs.
+_STORE_SCRIPT = """
+local now, ttl, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local stored = 0
+local function forget(key)
+  local size = tonumber(redis.call('HGET', KEYS[2], key) or '0')
+  redis.call('DECRBY', KEYS[3], size)
+  redis.call('HDEL', KEYS[2], key)
+  redis.call('ZREM', KEYS[1], key)
+  redis.call('DEL', key)
+end
+for i = 5, #ARGV, 2 do
+  local key = ARGV[4] .. ARGV[i]
+  if redis.call('SET', key, ARGV[i + 1], 'EX', ttl, 'NX') then
+    local size = string.len(ARGV[i + 1])
+    redis.call('HSET', KEYS[2], key, size)
+    redis.call('INCRBY', KEYS[3], size)
+    stored = stored + size
+  else
+    redis.call('EXPIRE', key, ttl)
+  end
+  redis.call('ZADD', KEYS[1], now, key)
+end
+for _, key in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl)) do
+  forget(key)
+end
+local evicted = 0
+while tonumber(redis.call('GET', KEYS[3]) or '0') > budget do
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0)
+  if #oldest == 0 then break end
+  forget(oldest[1])
+  evicted = evicted + 1
+end
+if evicted > 0 then redis.call('INCRBY', KEYS[4], evicted) end
+return {stored, evicted}
+"""
+
+
+@dataclass(slots=True)
+class KVTierStats:
+    """One worker's view of the tier: its own traffic, and the tier's shared size."""
+
+    num_hits: int = 0  # blocks found
+    num_misses: int = 0  # blocks asked for and not found
+    num_stored_bytes: int = 0
+    num_loaded_bytes: int = 0
+    num_evictions: int = 0  # blocks this worker's stores pushed out of the budget
+    num_errors: int = 0
+
+
+class RedisKVTier:
+    """A `workers.engine.kv_tier.KVTier` on Redis (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        prefix: str,
+        model: str,
+        revision: str,
+        ttl_s: int,
+        max_bytes: int,
+    ) -> None:
+        if ttl_s < 1:
+            raise ValueError(f"kv_tier_ttl_s must be >= 1 second, got {ttl_s}")
+        if max_bytes < 1:
+            raise ValueError(f"kv_tier_max_bytes must be >= 1, got {max_bytes}")
+        self.client = client
+        self.namespace = f"{prefix}:kv:{model}:{revision}"
+        self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self.stats = KVTierStats()
+        self._keys = [f"{self.namespace}:{name}" for name in
+                      ("index", "sizes", "bytes", "evictions")]  # fmt: skip
+        self._store_script = client.register_script(_STORE_SCRIPT)
+        self._bypass_until = 0.0
+        self._lock = threading.Lock()  # stats are read by the publisher thread
+
+    def block_key(self, block_hash: bytes) -> str:
+        """The Redis key of one block."""
+        return f"{self.namespace}:b:{block_hash.hex()}"
+
+    def store(self, blocks: list[tuple[bytes, bytes]]) -> None:
+        """Keep the blocks (one round trip); skipped while Redis is being bypassed."""
+        if not blocks or self._is_bypassed():
+            return
+        argv: list[bytes | str | int | float] = [time.time(), self.ttl_s, self.max_bytes,
+                                                 f"{self.namespace}:b:"]  # fmt: skip
+        for block_hash, payload in blocks:
+            argv += [block_hash.hex(), payload]
+        try:
+            stored, evicted = self._store_script(keys=self._keys, args=argv)
+        except redis.RedisError as e:
+            self._failed("store", e)
+            return
+        with self._lock:
+            self.stats.num_stored_bytes += int(stored)
+            self.stats.num_evictions += int(evicted)
+        metrics.KV_TIER_BYTES.labels("stored").inc(int(stored))
+        metrics.KV_TIER_EVICTIONS.inc(int(evicted))
+
+    def load(self, block_hashes: list[bytes]) -> list[bytes | None]:
+        """The payloads found (one round trip); all misses while Redis is bypassed."""
+        if not block_hashes:
+            return []
+        if self._is_bypassed():
+            return [None] * len(block_hashes)
+        try:
+            keys = [self.block_key(h) for h in block_hashes]
+            # A client without decode_responses (ours) answers bytes.
+            found = cast(list[bytes | None], self.client.mget(keys))
+        except redis.RedisError as e:
+            self._failed("load", e)
+            return [None] * len(block_hashes)
+        # The engine uses the leading run only: blocks past the first miss count as misses.
+        num_hits = next((i for i, p in enumerate(found) if p is None), len(found))
+        loaded = sum(len(p) for p in found[:num_hits] if p is not None)
+        with self._lock:
+            self.stats.num_hits += num_hits
+            self.stats.num_misses += len(found) - num_hits
+            self.stats.num_loaded_bytes += loaded
+        metrics.KV_TIER_BLOCKS.labels("hit").inc(num_hits)
+        metrics.KV_TIER_BLOCKS.labels("miss").inc(len(found) - num_hits)
+        metrics.KV_TIER_BYTES.labels("loaded").inc(loaded)
+        metrics.CACHE_LOOKUPS.labels("kv", "hit" if num_hits else "miss").inc()
+        return found[:num_hits] + [None] * (len(found) - num_hits)
+
+    def resident_bytes(self) -> int | None:
+        """Bytes the tier holds for this model revision (all workers), None if unknown."""
+        try:
+            value = self.client.get(self._keys[2])
+        except redis.RedisError:
+            return None
+        return int(value or 0)
+
+    def snapshot(self) -> KVTierStats:
+        """A copy of this worker's counters."""
+        with self._lock:
+            return KVTierStats(**{f: getattr(self.stats, f) for f in KVTierStats.__slots__})
+
+    def _is_bypassed(self) -> bool:
+        return time.monotonic() < self._bypass_until
+
+    def _failed(self, what: str, error: redis.RedisError) -> None:
+        with self._lock:
+            self.stats.num_errors += 1
+        metrics.KV_TIER_ERRORS.inc()
+        self._bypass_until = time.monotonic() + BYPASS_AFTER_ERROR_S
+        logger.warning("KV tier %s failed (%s); bypassing Redis for %.0f s, prefixes are "
+                       "computed meanwhile", what, error, BYPASS_AFTER_ERROR_S)  # fmt: skip
+
+
+def connect_kv_tier(settings: Settings, engine: object, *, revision: str) -> RedisKVTier | None:
+    """Attach a Redis KV tier to a generating engine when `kv_tier_enabled`; else None.
+
+    The tier gets its own client with short timeouts (`kv_tier_timeout_s`): the engine
+    thread waits on it, and a slow Redis must cost one bypass, not a stalled batch.
+    """
+    if not settings.kv_tier_enabled:
+        return None
+    if not isinstance(engine, LLMEngine):
+        logger.info("KV tier skipped: %s keeps no prefix KV", type(engine).__name__)
+        return None
+    client = redis.Redis.from_url(settings.kv_tier_redis_url or settings.redis_url,
+                                  socket_timeout=settings.kv_tier_timeout_s,
+                                  socket_connect_timeout=settings.kv_tier_timeout_s)  # fmt: skip
+    tier = RedisKVTier(client, prefix=settings.topic_prefix, model=settings.served_model_name,
+                       revision=revision, ttl_s=settings.kv_tier_ttl_s,
+                       max_bytes=settings.kv_tier_max_bytes)  # fmt: skip
+    engine.attach_kv_tier(tier, write_through=settings.kv_tier_write_through)
+    logger.info("KV tier on: %s (ttl %d s, budget %d bytes%s)", tier.namespace,
+                settings.kv_tier_ttl_s, settings.kv_tier_max_bytes,
+                ", write-through" if settings.kv_tier_write_through else "")  # fmt: skip
+    return tier
