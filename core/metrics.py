@@ -76,7 +76,8 @@ CACHE_LOOKUPS = Counter(
 )
 KV_TIER_BLOCKS = Counter(
     "batchinfer_kv_tier_blocks",
-    "Prefix KV blocks a worker asked the Redis KV tier for, by outcome (hit, miss).",
+    "Prefix KV blocks a worker asked the Redis KV tier for, by outcome (hit, miss), and "
+    "blocks it dropped instead of storing while its writer was behind (dropped).",
     ["outcome"],
 )
 KV_TIER_BYTES = Counter(

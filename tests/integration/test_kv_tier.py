@@ -51,12 +51,14 @@ def test_budget_evicts_oldest_and_blocks_carry_the_ttl(redis_url: str) -> None:
     tier = make_tier(redis_url, f"t{random.getrandbits(40):x}", ttl_s=60, max_bytes=25)
     tier.store([(b"a", b"x" * 10), (b"b", b"y" * 10)])
     tier.store([(b"b", b"y" * 10), (b"c", b"z" * 10)])  # b again: refreshed, not re-counted
+    tier.wait_written()
     assert tier.load([b"b", b"c"]) == [b"y" * 10, b"z" * 10]
     assert tier.load([b"a", b"b"]) == [None, None]  # only the leading run counts as hits
     stats = tier.snapshot()
     assert (stats.num_hits, stats.num_misses, stats.num_evictions) == (2, 2, 1)
     assert stats.num_stored_bytes == 30 and tier.resident_bytes() == 20
     assert 0 < tier.client.ttl(tier.block_key(b"c")) <= 60
+    tier.close()
     with pytest.raises(ValueError, match="kv_tier_max_bytes"):
         make_tier(redis_url, "x", max_bytes=0)
 
@@ -68,9 +70,10 @@ def test_tenants_never_read_each_others_kv(redis_url: str, tiny_model: Path) -> 
     rng = random.Random(4)
     prompt = [rng.randrange(3, 300) for _ in range(5 * BLOCK + 2)]
     reference = make_llm(tiny_model).generate([prompt], greedy("a"))[0]
-    writer = make_llm(tiny_model)
-    writer.engine.attach_kv_tier(make_tier(redis_url, namespace), write_through=True)
+    writer, tier_a = make_llm(tiny_model), make_tier(redis_url, namespace)
+    writer.engine.attach_kv_tier(tier_a, write_through=True)
     writer.generate([prompt], greedy("a"))
+    tier_a.wait_written()
     tier_b = make_tier(redis_url, namespace)
     b = make_llm(tiny_model)
     link_b = b.engine.attach_kv_tier(tier_b)

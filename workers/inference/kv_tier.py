@@ -7,6 +7,9 @@ Responsibilities:
   tenant's requests can never address another's blocks, and new weights never see old KV;
 - a TTL per block and a byte budget per model revision, enforced by one Lua script per
   store: expired entries leave the byte count, then the oldest stored go until it fits;
+- write on a background thread: the engine thread hands over the payloads and goes on
+  with its step; a backlog beyond `MAX_PENDING_BYTES` is dropped (counted), never waited
+  for; each script call carries at most `MAX_STORE_BYTES`, so Redis is never held long;
 - count hits, misses, bytes and evictions for metrics and `GET /v1/cache/stats`;
 - Redis down or slow: bypass the tier for a while with a warning and a metric; the
   engine then simply computes the prefix.
@@ -15,6 +18,7 @@ Responsibilities:
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +35,11 @@ logger = logging.getLogger(__name__)
 # After a Redis error the tier is skipped this long, so a dead server costs one timeout
 # per interval, not one per engine step.
 BYPASS_AFTER_ERROR_S = 5.0
+# Payload bytes waiting for the writer, at most; more is dropped rather than queued.
+MAX_PENDING_BYTES = 256 << 20
+# Payload bytes per store script call: a 1,000-token prefix of a 135M model in bf16 is
+# ~23 MB, so a few calls, each short enough not to stall Redis for its other clients.
+MAX_STORE_BYTES = 16 << 20
 
 # KEYS: index (zset key -> store time), sizes (hash key -> bytes), total bytes, evictions.
 # ARGV: now, ttl, budget, block key prefix, then (hash hex, payload) pairs.
@@ -81,6 +90,7 @@ class KVTierStats:
     num_loaded_bytes: int = 0
     num_evictions: int = 0  # blocks this worker's stores pushed out of the budget
     num_errors: int = 0
+    num_dropped_blocks: int = 0  # offered while the writer was too far behind
 
 
 class RedisKVTier:
@@ -110,15 +120,62 @@ class RedisKVTier:
         self._store_script = client.register_script(_STORE_SCRIPT)
         self._bypass_until = 0.0
         self._lock = threading.Lock()  # stats are read by the publisher thread
+        self._pending: queue.Queue[list[tuple[bytes, bytes]] | None] = queue.Queue()
+        self._num_pending_bytes = 0
+        self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer",
+                                        daemon=True)  # fmt: skip
+        self._writer.start()
+
+    def close(self) -> None:
+        """Write what is queued, stop the writer, close the client."""
+        self._pending.put(None)
+        self._writer.join()
+        self.client.close()
+
+    def wait_written(self) -> None:
+        """Block until every block handed to `store` so far was written (or failed)."""
+        self._pending.join()
 
     def block_key(self, block_hash: bytes) -> str:
         """The Redis key of one block."""
         return f"{self.namespace}:b:{block_hash.hex()}"
 
     def store(self, blocks: list[tuple[bytes, bytes]]) -> None:
-        """Keep the blocks (one round trip); skipped while Redis is being bypassed."""
+        """Queue the blocks for the writer; dropped while Redis is bypassed or the queue full."""
         if not blocks or self._is_bypassed():
             return
+        num_bytes = sum(len(payload) for _, payload in blocks)
+        with self._lock:
+            if self._num_pending_bytes + num_bytes > MAX_PENDING_BYTES:
+                self.stats.num_dropped_blocks += len(blocks)
+                metrics.KV_TIER_BLOCKS.labels("dropped").inc(len(blocks))
+                logger.debug("KV tier writer behind; %d blocks dropped", len(blocks))
+                return
+            self._num_pending_bytes += num_bytes
+        self._pending.put(blocks)
+
+    def _write_loop(self) -> None:
+        while True:
+            blocks = self._pending.get()
+            if blocks is None:
+                self._pending.task_done()
+                return
+            try:
+                # Blocks of one engine have one size: e.g. 16 MiB / 0.36 MB -> 46 per call.
+                step = max(1, MAX_STORE_BYTES // max(1, len(blocks[0][1])))
+                for start in range(0, len(blocks), step):
+                    if self._is_bypassed():
+                        break
+                    self._write(blocks[start : start + step])
+            except Exception:  # the writer must outlive a bug in one batch
+                logger.exception("KV tier writer failed on %d blocks", len(blocks))
+            finally:
+                with self._lock:
+                    self._num_pending_bytes -= sum(len(p) for _, p in blocks)
+                self._pending.task_done()
+
+    def _write(self, blocks: list[tuple[bytes, bytes]]) -> None:
+        """One store script call: keep the blocks, enforce TTL and budget."""
         argv: list[bytes | str | int | float] = [time.time(), self.ttl_s, self.max_bytes,
                                                  f"{self.namespace}:b:"]  # fmt: skip
         for block_hash, payload in blocks:
@@ -189,7 +246,8 @@ def connect_kv_tier(settings: Settings, engine: object, *, revision: str) -> Red
     """Attach a Redis KV tier to a generating engine when `kv_tier_enabled`; else None.
 
     The tier gets its own client with short timeouts (`kv_tier_timeout_s`): the engine
-    thread waits on it, and a slow Redis must cost one bypass, not a stalled batch.
+    thread waits on its loads, and a slow Redis must cost one bypass, not a stalled batch.
+    The caller closes the tier (`close()`) once the engine has stopped.
     """
     if not settings.kv_tier_enabled:
         return None
@@ -199,8 +257,12 @@ def connect_kv_tier(settings: Settings, engine: object, *, revision: str) -> Red
     client = redis.Redis.from_url(settings.kv_tier_redis_url or settings.redis_url,
                                   socket_timeout=settings.kv_tier_timeout_s,
                                   socket_connect_timeout=settings.kv_tier_timeout_s)  # fmt: skip
+    # Workers of one revision may still differ in pool layout (dtype, block size): their
+    # blocks live apart rather than refuse each other's payloads.
+    runner = engine.runner
+    layout = f"{str(runner.dtype).removeprefix('torch.')}-bs{runner.block_size}"
     tier = RedisKVTier(client, prefix=settings.topic_prefix, model=settings.served_model_name,
-                       revision=revision, ttl_s=settings.kv_tier_ttl_s,
+                       revision=f"{revision}:{layout}", ttl_s=settings.kv_tier_ttl_s,
                        max_bytes=settings.kv_tier_max_bytes)  # fmt: skip
     engine.attach_kv_tier(tier, write_through=settings.kv_tier_write_through)
     logger.info("KV tier on: %s (ttl %d s, budget %d bytes%s)", tier.namespace,

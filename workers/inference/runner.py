@@ -116,7 +116,7 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
         # Attached before the engine thread starts: from then on only that thread uses it.
         kv_tier = connect_kv_tier(settings, engine, revision=card.revision)
         if kv_tier is not None:
-            stack.callback(kv_tier.client.close)
+            stack.callback(kv_tier.close)  # after the engine stopped: it writes what is queued
         stack.enter_context(CacheStatsPublisher(
             redis_client, prefix=settings.topic_prefix, worker_id=worker_id, model=card.name,
             interval_s=settings.cache_stats_interval_s, kv_tier=kv_tier))
