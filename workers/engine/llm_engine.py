@@ -181,6 +181,8 @@ class LLMEngine:
         outputs = self._advance_all(self._deferred)  # host work while the GPU runs
         sampled = pending.result()
         updated = self.scheduler.postprocess(out, sampled)
+        if kv_link is not None:  # write-through: this step's blocks now, not at the next step
+            kv_link.flush()
         self._num_computed_tokens += out.total_num_scheduled_tokens
         self._num_generated_tokens += len(updated)
         if self._overlap:

@@ -82,6 +82,15 @@ def test_a_tier_never_crosses_cache_salts(model_dir: Path) -> None:
     assert tier.num_misses >= 4
 
 
+def test_write_through_stores_a_prefix_within_its_only_step(model_dir: Path) -> None:
+    """One-token requests have one step: their blocks reach the tier before it ends."""
+    tier = HostKVTier(max_bytes=1 << 30)
+    llm = make_llm(model_dir)
+    llm.engine.attach_kv_tier(tier, write_through=True)
+    llm.generate([list(range(3, 3 + 3 * BLOCK + 1))], greedy(1))
+    assert len(tier) == 3
+
+
 def test_outputs_are_identical_with_the_tier_under_pool_pressure(model_dir: Path) -> None:
     """A tight pool evicts and reloads prefixes through the tier; no token changes, no leak."""
     rng = random.Random(3)
