@@ -129,9 +129,10 @@ def run_config(root: Path, name: str, model: str, bodies: list[dict[str, Any]],
             time.sleep(2.5)  # one more publication of the workers' cache counters
             stats = client.get("/v1/cache/stats").json()
             logger.info("cache stats of %s: %s", name, stats)
-        failed = [j["id"] for j in jobs if j["status"] != "succeeded"]
+        failed = [j for j in jobs if j["status"] != "succeeded"]
         if failed:
-            raise RuntimeError(f"{name}: {len(failed)} jobs did not succeed, e.g. {failed[0]}")
+            raise RuntimeError(f"{name}: {len(failed)} jobs did not succeed, e.g. "
+                               f"{failed[0]['id']}: {failed[0]['status']} {failed[0]['error']}")
         usage = [j["usage"] for j in jobs]
         return RunResult(
             name, len(jobs), sum(u["prompt_tokens"] for u in usage),
