@@ -28,9 +28,9 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 WINDOW_S = 0.002
 # Rows stored and produced per group, at most.
 MAX_GROUP = 256
+# Groups whose acks are awaited at once (each waits at most the publish timeout).
+NUM_ACK_WAITERS = 4
 # How long a request waits for its group to be written (a broker ack is bounded far below).
 WRITE_TIMEOUT_S = 60.0
 
@@ -93,6 +95,7 @@ class JobWriter:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
+        self._ackers = ThreadPoolExecutor(NUM_ACK_WAITERS, thread_name_prefix="job-acks")
 
     def write(self, job: Job, producer: ProducerHandle) -> Job:
         """Store and produce a new queued job; raises what refused it (see module docstring).
@@ -103,6 +106,7 @@ class JobWriter:
         """
         if self._closed.is_set():
             raise RuntimeError("the job writer is closed")
+        producer.get()  # a broker known to be down refuses at once, not behind a group
         pending = _Pending(job, producer)
         self._inbox.put(pending)
         self._start()
@@ -113,6 +117,7 @@ class JobWriter:
         self._closed.set()
         if self._thread is not None:
             self._thread.join(WRITE_TIMEOUT_S)
+        self._ackers.shutdown(wait=True)
 
     def _start(self) -> None:
         with self._lock:
@@ -162,6 +167,23 @@ class JobWriter:
                                                    _message_of(pending.job))))
             except KafkaError as e:  # refused before sending (buffer full, no metadata)
                 unsent.append((pending, e))
+        # Acks are awaited off the writer thread: a broker dying mid-group must not hold
+        # the groups behind it, which are refused at once once it is known down.
+        self._ackers.submit(self._settle, stored, sends, unsent, deadline)
+
+    def _settle(self, stored: list[_Pending], sends: list[tuple[_Pending, Any]],
+                unsent: list[tuple[_Pending, Exception]], deadline: float) -> None:
+        """Wait for a group's acks; withdraw and refuse what was not taken, answer the rest."""
+        try:
+            self._settle_acks(stored, sends, unsent, deadline)
+        except Exception as e:  # never leave a request waiting on an answer
+            logger.exception("settling a group of %d jobs failed", len(stored))
+            for pending in stored:
+                if not pending.answer.done():
+                    pending.answer.set_exception(e)
+
+    def _settle_acks(self, stored: list[_Pending], sends: list[tuple[_Pending, Any]],
+                     unsent: list[tuple[_Pending, Exception]], deadline: float) -> None:
         for pending, future in sends:
             try:
                 future.get(timeout=max(0.0, deadline - time.monotonic()))

@@ -117,6 +117,7 @@ def job_event_data(job: Job) -> dict[str, Any]:
         "error": job.error,
         "usage": usage,
         "metadata": job.metadata_,
+        "cached": (job.result or {}).get("cached"),
         "links": {"self": path, "cancel": f"{path}/cancel"},
     }
 

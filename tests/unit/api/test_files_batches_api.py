@@ -134,7 +134,7 @@ def test_batch_create_refusals(client: TestClient, acme: TenantKey) -> None:
     cases: list[tuple[dict[str, Any], int, str]] = [
         ({"input_file_id": "file-nope"}, 404, "input_file_id"),
         ({"completion_window": "1h"}, 400, "completion_window"),
-        ({"endpoint": "/v1/embeddings"}, 422, "endpoint"),
+        ({"endpoint": "/v1/responses"}, 422, "endpoint"),
         ({"model": "gpt-4o"}, 404, "model"),
         ({"priority": "urgent"}, 422, "priority"),
         ({"callback_url": "ftp://example.com/x"}, 422, "callback_url"),
