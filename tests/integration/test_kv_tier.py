@@ -148,3 +148,21 @@ def test_a_new_worker_loads_a_prefix_another_worker_computed(service) -> None:
     (worker,) = [w for w in stats["workers"] if w["caches"]["kv"]["hits"]]
     assert worker["caches"]["kv"]["hit_rate"] > 0
     assert set(stats["totals"]) == {"exact", "semantic", "kv"}
+
+
+def test_a_worker_never_serves_one_tenants_prefix_to_another(service) -> None:
+    """Tenant B's job with tenant A's long prompt computes it all (pool and tier miss);
+    A's next job with it finds it cached."""
+    svc = service(kv_tier_enabled=True, kv_tier_write_through=True)
+    prompt = "A long shared instruction for isolation. " * 8
+    svc.start_worker()
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "cache": {"mode": "off"}}
+    (first,) = _run(svc, [body])
+    tenant_a = svc.tenant_id
+    svc.tenant_id = make_tenant_key(svc.sessions, "other-tenant").tenant_id
+    (theirs,) = _run(svc, [body])
+    svc.tenant_id = tenant_a
+    (ours,) = _run(svc, [body])
+    assert first.cached_tokens == 0 and theirs.cached_tokens == 0
+    assert ours.cached_tokens >= BLOCK
+    assert theirs.result["choices"][0]["text"] == ours.result["choices"][0]["text"]
