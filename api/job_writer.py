@@ -39,9 +39,8 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.kafka import publish_job
-from core.messages import JobMessage
 from core.settings import Settings
-from storage.jobs import IdempotencyKeyTaken
+from storage.jobs import IdempotencyKeyTaken, job_message
 from storage.models import Job, JobStatus
 
 logger = logging.getLogger(__name__)
@@ -164,7 +163,7 @@ class JobWriter:
         for pending in stored:
             try:
                 sends.append((pending, publish_job(kafka, self._settings,
-                                                   _message_of(pending.job))))
+                                                   job_message(pending.job))))
             except KafkaError as e:  # refused before sending (buffer full, no metadata)
                 unsent.append((pending, e))
         # Acks are awaited off the writer thread: a broker dying mid-group must not hold
@@ -242,17 +241,3 @@ class JobWriter:
         except SQLAlchemyError:
             logger.exception("could not withdraw %d unpublished job(s); the reconciler will "
                              "re-publish them", len(job_ids))
-
-
-def _message_of(job: Job) -> JobMessage:
-    return JobMessage(
-        job_id=job.id,
-        tenant_id=job.tenant_id,
-        priority=job.priority,
-        model=job.model,
-        kind=job.kind,  # type: ignore[arg-type]
-        body=job.request,
-        batch_id=job.batch_id,
-        custom_id=job.custom_id,
-        cache_key=job.cache_key,
-    )

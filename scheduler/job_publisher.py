@@ -32,9 +32,8 @@ from sqlalchemy.orm import Session
 
 from core import metrics
 from core.kafka import publish_job
-from core.messages import JobMessage
 from core.settings import Settings
-from storage.jobs import fail_job, get_job, mark_published
+from storage.jobs import fail_job, get_job, job_message, mark_published
 from storage.models import Job
 from storage.webhook_events import enqueue_job_event
 
@@ -47,22 +46,6 @@ RECORD_ERRORS: tuple[type[KafkaError], ...] = (
     RecordListTooLargeError,
     InvalidRecordError,
 )
-
-
-def job_message(job: Job) -> JobMessage:
-    """The Kafka message that carries a stored job."""
-    return JobMessage(
-        job_id=job.id,
-        tenant_id=job.tenant_id,
-        priority=job.priority,
-        model=job.model,
-        kind=job.kind,  # type: ignore[arg-type]
-        body=job.request,
-        batch_id=job.batch_id,
-        custom_id=job.custom_id,
-        cache_key=job.cache_key,
-        attempt=job.attempts + 1,
-    )
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from sqlalchemy import ColumnElement, CursorResult, and_, func, literal, or_, se
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from core.messages import JobMessage
 from core.topics import PRIORITIES, Priority
 from storage.models import Job, JobStatus, UTCDateTime, utcnow
 from storage.pages import keyset_page
@@ -381,3 +382,19 @@ def _expire(session: Session, job_ids: list[str]) -> None:
         job = session.identity_map.get(session.identity_key(Job, job_id))
         if job is not None:
             session.expire(job)
+
+
+def job_message(job: Job) -> JobMessage:
+    """The Kafka message that carries a stored job (its next claim is attempt + 1)."""
+    return JobMessage(
+        job_id=job.id,
+        tenant_id=job.tenant_id,
+        priority=job.priority,
+        model=job.model,
+        kind=job.kind,  # type: ignore[arg-type]
+        body=job.request,
+        batch_id=job.batch_id,
+        custom_id=job.custom_id,
+        cache_key=job.cache_key,
+        attempt=job.attempts + 1,
+    )
