@@ -355,13 +355,20 @@ def test_worker_killed_mid_stream(tiny_up: Callable[[str], Stack], postgres_url:
 
 @pytest.fixture
 def own_postgres() -> Iterator[PostgresCluster]:
-    """A PostgreSQL cluster of this test's own, which it may kill."""
+    """A PostgreSQL cluster of this test's own, which it may kill, with durable commits.
+
+    The shared test cluster runs with fsync and synchronous_commit off, so a crash there
+    loses transactions that had already committed: a worker's stored results would
+    vanish after it acknowledged them, which no service can make up for.
+    """
     bin_dir = postgres_bin_dir()
     if bin_dir is None:
         pytest.fail("PostgreSQL binaries not found: install the `postgresql` Debian package")
     cluster = PostgresCluster(bin_dir)
     cluster.start()
     try:
+        _pg_ctl(cluster, "-m", "fast", "-w", "stop")
+        _pg_start(cluster)
         yield cluster
     finally:
         cluster.stop()
@@ -373,18 +380,23 @@ def _pg_ctl(cluster: PostgresCluster, *args: str) -> None:
                    stderr=subprocess.STDOUT, cwd=cluster.root)
 
 
+def _pg_start(cluster: PostgresCluster) -> None:
+    """Start the cluster on its port with PostgreSQL's durable defaults."""
+    options = (f"-p {cluster.port} -k {cluster.socket_dir} -c listen_addresses=127.0.0.1 "
+               "-c max_connections=200")
+    _pg_ctl(cluster, "-l", str(cluster.root / "postgres.log"), "-o", options, "-w", "-t", "60",
+            "start")
+
+
 def test_postgres_killed_mid_stream(tiny_up: Callable[[str], Stack],
                                     own_postgres: PostgresCluster) -> None:
     """Crash PostgreSQL (immediate shutdown) and start it again: 503s while it is down,
     then every accepted job runs once."""
     stack = tiny_up(create_database(own_postgres.admin_url))
-    options = (f"-p {own_postgres.port} -k {own_postgres.socket_dir} "
-               "-c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200")
     _survive(
         stack, fault="postgres",
         inject=lambda: _pg_ctl(own_postgres, "-m", "immediate", "stop"),
-        restore=lambda: _pg_ctl(own_postgres, "-l", str(own_postgres.root / "postgres.log"),
-                                "-o", options, "-w", "-t", "60", "start"),
+        restore=lambda: _pg_start(own_postgres),
         expect_refusals=True)
     _stop(stack)
 
