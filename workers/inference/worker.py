@@ -5,11 +5,14 @@ Responsible for, on the polling thread (the engine steps on its own, see engine_
   starting jobs from it most urgent first while there is room in flight (lower
   priorities paused while a higher one has a backlog, partitions paused while their
   prefetch is full, so everything is paused when the worker is full; see priority);
-- per record: decode (a malformed record is logged and acknowledged), skip jobs already
-  finished (redelivery), answer from the exact-result cache, refuse bad requests with a
-  stored error, else claim the job and add it to the engine's running batch;
-- per finished request: store the result (idempotent), fill the cache, announce it,
-  then acknowledge its offset; commit every partition up to its first unpersisted offset;
+- per record: decode (a malformed record is logged and acknowledged) and gather the
+  jobs of the poll, which `job_starter` starts as one batch (skip, answer from a cache,
+  refuse, or claim and add to the engine's running batch);
+- per engine step's finished requests: store the results in one transaction (idempotent),
+  fill the caches, announce them, then acknowledge their offsets; commit every partition
+  up to its first unpersisted offset; a partition silent with records waiting is
+  restarted (`stall_watchdog`), and records kafka-python parked are released
+  (`parked_records`);
 - cancellations (Redis) abort the job in the engine;
 - after a rebalance, restarting each partition from its committed offset (as a new owner
   would) and releasing in-flight jobs whose partitions went to another worker;
@@ -22,9 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 import redis
 from kafka import KafkaConsumer, TopicPartition
@@ -36,10 +37,9 @@ from core.messages import JobMessage
 from core.settings import Settings
 from core.topics import Priority
 from storage.events import CancelSubscription
-from storage.models import utcnow
-from workers.engine import RequestOutput, SamplingParams
-from workers.inference.embedding_jobs import embedding_request_from_body
+from workers.engine import RequestOutput
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
+from workers.inference.job_starter import Candidate, InFlightJob, JobStarter
 from workers.inference.job_store import JobStore
 from workers.inference.offsets import OffsetTracker
 from workers.inference.outcomes import OutcomeRecorder
@@ -47,40 +47,12 @@ from workers.inference.parked_records import release_parked_records
 from workers.inference.prefetch import PrefetchBuffer
 from workers.inference.priority import PriorityPauser
 from workers.inference.rebalance import RebalanceListener, offsets_to_commit
-from workers.inference.sampling import Prompt, prompt_from_body, sampling_params_from_body
 from workers.inference.stall_watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
 # Short, so finished jobs are stored and committed promptly while the engine runs.
 POLL_TIMEOUT_MS = 50
-
-
-@dataclass(slots=True)
-class InFlightJob:
-    """A job handed to the engine and not yet finished."""
-
-    message: JobMessage
-    created_at: datetime
-    # Every record that carried this job (a redelivery or a re-publish adds one).
-    records: set[tuple[TopicPartition, int]] = field(default_factory=set)
-    is_cancelled: bool = False  # aborted because the user cancelled it
-    is_released: bool = False  # aborted so that another worker (or restart) runs it
-
-
-@dataclass(slots=True)
-class _Candidate:
-    """A prefetched job about to be started, with every record that carried it."""
-
-    message: JobMessage
-    records: set[tuple[TopicPartition, int]]
-    created_at: datetime | None = None
-
-    @property
-    def started_from(self) -> datetime:
-        """The job's creation time (known once its row is loaded)."""
-        assert self.created_at is not None, "loaded before use"
-        return self.created_at
 
 
 class Worker:
@@ -115,7 +87,8 @@ class Worker:
         self._prefetch_limit = settings.worker_max_inflight
         self._listener = RebalanceListener(consumer, self._tracker, self._lock, self._pauser)
         self._watchdog = StallWatchdog(consumer, stall_after_s=settings.worker_stall_after_s)
-        self._max_model_len: int | None = getattr(engine_loop.engine, "max_model_len", None)
+        self._starter = JobStarter(settings, store=store, outcomes=self._outcomes,
+                                   engine=engine_loop, worker_id=worker_id, ack=self._ack)
 
     @property
     def num_inflight(self) -> int:
@@ -158,7 +131,7 @@ class Worker:
     def _start_prefetched(self) -> None:
         """Start prefetched jobs, most urgent first, a batch at a time while there is room."""
         while (room := self.settings.worker_max_inflight - len(self._inflight)) > 0:
-            candidates: dict[str, _Candidate] = {}
+            candidates: dict[str, Candidate] = {}
             while len(candidates) < room:
                 item = self._prefetch.pop_most_urgent()
                 if item is None:
@@ -166,7 +139,8 @@ class Worker:
                 self._take_record(*item, candidates)
             if not candidates:
                 return
-            self._start_batch(candidates)
+            self._inflight.update(
+                (job.message.job_id, job) for job in self._starter.start(candidates))
 
     def _check_engine(self) -> None:
         if not self._engine.is_healthy:
@@ -203,7 +177,7 @@ class Worker:
         metrics.WORKER_INFLIGHT.set(0)
 
     def _take_record(
-        self, tp: TopicPartition, record: ConsumerRecord, candidates: dict[str, _Candidate]
+        self, tp: TopicPartition, record: ConsumerRecord, candidates: dict[str, Candidate]
     ) -> None:
         """Decode a prefetched record into `candidates`, or settle it if it needs no start."""
         if not self._tracker.owns(tp):
@@ -220,109 +194,7 @@ class Worker:
         if running is not None:
             running.records.add((tp, record.offset))  # a redelivered or re-published copy
             return
-        candidates[message.job_id] = _Candidate(message, {(tp, record.offset)})
-
-    def _start_batch(self, candidates: dict[str, _Candidate]) -> None:
-        """Put jobs into the engine: one SELECT, one cache round trip and one claim for all.
-
-        Jobs that need no engine (finished already, answered from the cache, refused) are
-        settled and their records acknowledged.
-        """
-        snapshots = self._store.load_many(list(candidates))
-        runnable: list[_Candidate] = []
-        for job_id, candidate in candidates.items():
-            snapshot = snapshots.get(job_id)
-            if snapshot is None:
-                logger.warning("job %s has no row; skipping its record", job_id)
-            elif snapshot.status.is_terminal:
-                logger.debug("job %s already %s; skipping", job_id, snapshot.status.value)
-            elif snapshot.attempts >= self.settings.job_max_attempts:
-                # Claimed that often without finishing: each worker holding it died or
-                # gave it up. Running it again could take this worker down too.
-                self._outcomes.failed(
-                    candidate.message,
-                    f"this job was claimed {snapshot.attempts} times (job_max_attempts) and "
-                    "its worker stopped before finishing it each time: not retried",
-                    code="worker_lost", type="server_error")
-            else:
-                candidate.created_at = snapshot.created_at
-                runnable.append(candidate)
-                continue
-            self._ack(candidate.records)
-        runnable = self._answer_from_caches(runnable)
-        prepared: list[tuple[_Candidate, Prompt, SamplingParams]] = []
-        for candidate in runnable:
-            message = candidate.message
-            try:
-                self._check_model(message)
-                if message.kind == "embedding":
-                    prompt, params = embedding_request_from_body(message.body,
-                                                                 self._engine.engine)
-                else:
-                    prompt = prompt_from_body(message.kind, message.body)
-                    params = sampling_params_from_body(
-                        message.kind, message.body, max_model_len=self._max_model_len
-                    )
-                    # Prefix KV (in the pool and the Redis KV tier) is chained from the
-                    # tenant: one tenant's blocks are never another's cache hits.
-                    params.cache_salt = message.tenant_id
-            except ValueError as e:
-                self._outcomes.failed(message, str(e))
-                self._ack(candidate.records)
-                continue
-            prepared.append((candidate, prompt, params))
-        claimed = self._store.claim_many(
-            [c.message.job_id for c, _, _ in prepared], worker_id=self.worker_id
-        )
-        now = utcnow()
-        for candidate, prompt, params in prepared:
-            message = candidate.message
-            if message.job_id not in claimed:
-                self._ack(candidate.records)  # finished or cancelled meanwhile
-                continue
-            metrics.QUEUE_WAIT_SECONDS.labels(message.priority).observe(
-                max(0.0, (now - candidate.started_from).total_seconds())
-            )
-            self._inflight[message.job_id] = InFlightJob(
-                message, candidate.started_from, candidate.records
-            )
-            self._engine.add(
-                message.job_id, prompt, params, priority=Priority(message.priority).rank
-            )
-
-    def _answer_from_caches(self, candidates: list[_Candidate]) -> list[_Candidate]:
-        """Answer what the exact (then, where asked, semantic) cache can; the rest."""
-        answered: list[tuple[JobMessage, dict[str, Any], datetime, str | dict[str, Any]]] = []
-        missed: list[_Candidate] = []
-        exact = self._store.cached_results([c.message for c in candidates])
-        for candidate, hit in zip(candidates, exact, strict=True):
-            if hit:
-                answered.append((candidate.message, hit, candidate.started_from, "exact"))
-            else:
-                missed.append(candidate)
-        semantic = self._store.semantic
-        near = semantic.find([c.message for c in missed]) if semantic is not None else {}
-        for candidate in missed:
-            match = near.get(candidate.message.job_id)
-            if match is not None:
-                marker = {"kind": "semantic", "similarity": round(match.similarity, 4),
-                          "matched_job_id": match.job_id}
-                answered.append((candidate.message, match.result, candidate.started_from,
-                                 marker))
-        if answered:
-            self._outcomes.answered_from_cache(answered)
-        done = {message.job_id for message, *_ in answered}
-        for candidate in candidates:
-            if candidate.message.job_id in done:
-                self._ack(candidate.records)
-        return [c for c in candidates if c.message.job_id not in done]
-
-    def _check_model(self, message: JobMessage) -> None:
-        if message.model != self.settings.served_model_name:
-            raise ValueError(
-                f"model {message.model!r} is not served by this worker "
-                f"(it serves {self.settings.served_model_name!r})"
-            )
+        candidates[message.job_id] = Candidate(message, {(tp, record.offset)})
 
     def _handle_finished(self, finished: list[FinishedRequest]) -> None:
         """Store how these requests ended (successes in one transaction), then ack them."""
