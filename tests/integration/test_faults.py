@@ -3,8 +3,9 @@
 Each test runs the whole embedded stack (tiny random-weight model, one worker) on a
 fresh PostgreSQL database, submits jobs over HTTP, kills one part mid-stream (the broker,
 Redis, PostgreSQL, a worker) while a client keeps submitting, and then checks:
-- while the part is down, submissions are answered at once: 202, or 503 with
-  Retry-After when the job could not be handed over; a 503 leaves no row behind;
+- while the part is down, submissions are answered promptly: 202, or 503 with
+  Retry-After when the job could not be handed over; a 503 leaves no row behind (and
+  through the API alone, a refusal for a dead broker takes well under a second);
 - the part comes back (restarted by `up`, or by the test for PostgreSQL) and the
   service accepts and runs jobs again;
 - every accepted job ends `succeeded`, its result written exactly once (a trigger counts
