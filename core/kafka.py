@@ -67,7 +67,8 @@ def publish_job(
 
 
 def ensure_topics(settings: Settings, *, timeout_s: float = 30.0) -> None:
-    """Create the three job topics if missing; safe to call from every process at start."""
+    """Create the job topics of every served model (and of this process's own) if missing;
+    safe to call from every process at start."""
     deadline = time.monotonic() + timeout_s
     models = dict.fromkeys([*settings.served_models, settings.served_model_name])
     wanted = [topic for model in models for topic in settings.job_topics_for(model).values()]

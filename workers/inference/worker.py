@@ -76,6 +76,7 @@ class Worker:
         self._outcomes = OutcomeRecorder(store, token_text=self._token_text)
         self._cancels = cancels
         self._stop = threading.Event()
+        self._is_redis_down = False
         self._lock = threading.Lock()
         self._tracker = OffsetTracker()
         self._inflight: dict[str, InFlightJob] = {}
@@ -233,8 +234,14 @@ class Worker:
         try:
             job_ids = self._cancels.poll(0.0)
         except redis.RedisError as e:
-            logger.warning("cannot read cancellations from Redis: %s", e)
+            # Polled every loop: say it once per outage, not twenty times a second.
+            if not self._is_redis_down:
+                logger.warning("cannot read cancellations from Redis (%s); retrying", e)
+            self._is_redis_down = True
             return
+        if self._is_redis_down:
+            logger.info("reading cancellations from Redis again")
+            self._is_redis_down = False
         for job_id in job_ids:
             job = self._inflight.get(job_id)
             if job is not None and not job.is_cancelled:
