@@ -14,7 +14,6 @@ from core import request_checks
 from core.model_context import model_contexts
 from core.request_checks import RequestRefused
 from core.requests import AnyRequest
-from storage.model_cards import read_cards
 
 
 def refused(error: RequestRefused) -> InvalidRequest:
@@ -44,7 +43,7 @@ def check_request(request: AnyRequest, resources: Resources) -> None:
     contexts = model_contexts(settings.models_dir)
     context = contexts.get(request.model)
     if context is None:
-        card = read_cards(resources.redis, prefix=settings.topic_prefix).get(request.model)
+        card = resources.cards.get(request.model)
         path = (card or {}).get("path")
         context = contexts.get(request.model, announced_dir=path if isinstance(path, str)
                                else None)

@@ -19,7 +19,6 @@ from api.errors import InvalidRequest
 from api.resources import Resources
 from core.embedding_requests import EmbeddingRequest, embedding_inputs
 from core.settings import Settings
-from storage.model_cards import read_cards
 
 
 def check_generation_model(model: str, settings: Settings) -> None:
@@ -41,7 +40,7 @@ def check_embedding_request(request: EmbeddingRequest, resources: Resources) -> 
             f"The model '{request.model}' generates text and has no embeddings; embedding "
             f"models served here: {names} (GET /v1/models lists each model's kind).",
             param="model", code="wrong_model_kind")
-    card = read_cards(resources.redis, prefix=settings.topic_prefix).get(request.model) or {}
+    card = resources.cards.get(request.model) or {}
     dimensions = card.get("dimensions")
     if request.dimensions is not None and isinstance(dimensions, int) and (
             request.dimensions != dimensions):

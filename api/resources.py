@@ -33,6 +33,7 @@ from api.rate_limit import TokenBucketLimiter
 from core.kafka import ensure_topics, make_producer
 from core.settings import Settings
 from storage.db import create_db_engine, session_factory
+from storage.model_cards import CardReader
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +247,8 @@ class Resources:
     writer: JobWriter
     # The per-tenant active-job cap (see api.active_jobs).
     active_jobs: ActiveJobGate
+    # The workers' model cards, re-read at most every few seconds.
+    cards: CardReader
     # Unix time the app started: the `created` of the models it serves.
     started_at: float = field(default_factory=time.time)
 
@@ -268,6 +271,7 @@ class Resources:
             ),
             writer=JobWriter(settings, sessions, publish_timeout_s=PUBLISH_TIMEOUT_S),
             active_jobs=ActiveJobGate(settings.tenant_max_active_jobs),
+            cards=CardReader(sync_redis, prefix=settings.topic_prefix),
         )
 
     async def aclose(self) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from typing import Any
 
 import redis
@@ -43,3 +45,30 @@ def read_cards(client: redis.Redis, *, prefix: str) -> dict[str, dict[str, Any]]
         if isinstance(card, dict):
             cards[name.decode() if isinstance(name, bytes) else str(name)] = card
     return cards
+
+
+class CardReader:
+    """`read_cards`, read again at most every `max_age_s` for a model that has a card:
+    submissions check a model's card on every request, and a card changes only when a
+    worker starts. A model without one is looked up afresh each time, so its first worker's
+    card counts at once."""
+
+    def __init__(self, client: redis.Redis, *, prefix: str, max_age_s: float = 5.0) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._max_age_s = max_age_s
+        self._lock = threading.Lock()
+        self._cards: dict[str, dict[str, Any]] = {}
+        self._read_at: float | None = None
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        """The card of served model `name`, or None."""
+        now = time.monotonic()
+        with self._lock:
+            fresh = self._read_at is not None and now - self._read_at < self._max_age_s
+            if fresh and name in self._cards:
+                return self._cards[name]
+        cards = read_cards(self._client, prefix=self._prefix)
+        with self._lock:
+            self._cards, self._read_at = cards, now
+        return cards.get(name)
