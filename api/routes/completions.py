@@ -23,6 +23,7 @@ from api.job_state import cancel_and_announce, wait_for_job
 from api.resources import LazyProducer, Resources
 from api.schemas import ChatCompletionRequest, CompletionRequest, JobPublic
 from api.submission import submit
+from core.embedding_requests import EmbeddingRequest
 from core.topics import Priority
 from storage.models import JobStatus
 
@@ -44,7 +45,7 @@ async def create_chat_completion(
     idempotency_key: IdempotencyKeyDep = None,
 ) -> JSONResponse:
     """Run a chat completion now (as a high-priority job) and return its `chat.completion`."""
-    return await _complete(body, request, tenant, resources, producer, idempotency_key)
+    return await run_synchronously(body, request, tenant, resources, producer, idempotency_key)
 
 
 @router.post("/completions")
@@ -57,17 +58,19 @@ async def create_completion(
     idempotency_key: IdempotencyKeyDep = None,
 ) -> JSONResponse:
     """Run a text completion now (as a high-priority job) and return its `text_completion`."""
-    return await _complete(body, request, tenant, resources, producer, idempotency_key)
+    return await run_synchronously(body, request, tenant, resources, producer, idempotency_key)
 
 
-async def _complete(
-    body: ChatCompletionRequest | CompletionRequest,
+async def run_synchronously(
+    body: ChatCompletionRequest | CompletionRequest | EmbeddingRequest,
     request: Request,
     tenant: CurrentTenant,
     resources: Resources,
     producer: LazyProducer,
     idempotency_key: str | None,
 ) -> JSONResponse:
+    """Queue the request as a high-priority job, await it, answer with its stored result
+    (the OpenAI object) or its error."""
     submission = await run_in_threadpool(
         lambda: submit(request=body, priority=Priority.HIGH, tenant=tenant,
                        idempotency_key=idempotency_key, resources=resources, producer=producer)
