@@ -31,6 +31,7 @@ from storage.migrate import upgrade
 from storage.tenants import create_tenant
 from tests.unit.engine.tiny_models import save_tiny_llama
 from tests.utils.postgres import PostgresCluster, create_database, drop_database, postgres_bin_dir
+from tests.utils.up_process import UpProcess
 from tests.utils.worker_service import Service
 
 SettingsFactory = Callable[..., Settings]
@@ -178,3 +179,13 @@ def service(settings, tmp_path: Path, tiny_model: Path) -> Iterator[Callable[...
         for worker in svc.workers:
             worker.kill()
         engine.dispose()
+
+
+@pytest.fixture
+def up_runs() -> Iterator[list[UpProcess]]:
+    """Collects started `batchinfer up` processes and kills any a failing test left behind."""
+    runs: list[UpProcess] = []
+    yield runs
+    for run in runs:
+        if run.process.poll() is None:
+            run.kill_tree()

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import psutil
-import pytest
 
 from scheduler.embedded_services import free_port
-from tests.utils.up_process import UpProcess, start_up
+from tests.utils.up_process import UpProcess, start_up, wait_for_status
 
 CHAT_JOB = {
     "model": "smollm2-135m-instruct",
@@ -24,30 +21,6 @@ CHAT_JOB = {
     "max_tokens": 8,
     "temperature": 0,
 }
-
-
-@pytest.fixture
-def up_runs(tmp_path: Path) -> Iterator[list[UpProcess]]:
-    """Collects started `up` processes and kills any a failing test left behind."""
-    runs: list[UpProcess] = []
-    yield runs
-    for run in runs:
-        if run.process.poll() is None:
-            run.kill_tree()
-
-
-def _wait_for_status(client: httpx.Client, job_id: str, status: str, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    job: dict = {}
-    while time.monotonic() < deadline:
-        response = client.get(f"/v1/jobs/{job_id}", params={"wait": 10})
-        assert response.status_code == 200, response.text
-        job = response.json()
-        if job["status"] == status:
-            return job
-        assert job["status"] in ("queued", "running"), job
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} not {status} after {timeout}s: {job}")
 
 
 def _stop_and_check_no_orphans(run: UpProcess) -> None:
@@ -70,7 +43,7 @@ def test_up_serves_a_job_and_stops_cleanly(tmp_path: Path, up_runs: list[UpProce
         assert client.get("/healthz").status_code == 200
         response = client.post("/v1/jobs", json=CHAT_JOB)
         assert response.status_code == 202, response.text
-        job = _wait_for_status(client, response.json()["id"], "succeeded", timeout=600)
+        job = wait_for_status(client, response.json()["id"], "succeeded", timeout=600)
     assert job["result"]["object"] == "chat.completion"
     assert job["result"]["choices"][0]["message"]["content"]
     assert job["usage"]["completion_tokens"] > 0
@@ -98,7 +71,7 @@ def test_second_start_republishes_a_job_left_queued(tmp_path: Path,
     match = re.search(r"(\d+) queued job\(s\) re-published", banner)
     assert match and int(match.group(1)) == 1, banner
     with second.client() as client:
-        job = _wait_for_status(client, job_id, "succeeded", timeout=600)
+        job = wait_for_status(client, job_id, "succeeded", timeout=600)
     assert job["result"]["choices"][0]["message"]["content"]
     _stop_and_check_no_orphans(second)
 
@@ -116,7 +89,7 @@ def test_up_autoscales_workers_by_lag(tmp_path: Path, up_runs: list[UpProcess]) 
     with run.client() as client:
         response = client.post("/v1/jobs", json=CHAT_JOB)
         assert response.status_code == 202, response.text
-        _wait_for_status(client, response.json()["id"], "succeeded", timeout=600)
+        wait_for_status(client, response.json()["id"], "succeeded", timeout=600)
     deadline = time.monotonic() + 60
     while "worker-0 drained" not in (log := log_path.read_text(errors="replace")):
         assert time.monotonic() < deadline, run.log_tail()

@@ -8,20 +8,16 @@ with a reason instead of exiting, hands the stuck job back to the queue, and run
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
-import httpx
-import pytest
 import sqlalchemy as sa
 
 from scheduler.embedded_services import free_port
 from storage.db import create_db_engine, session_factory
 from storage.jobs import create_job, get_job, mark_running
 from storage.models import JobStatus, utcnow
-from tests.utils.up_process import UpProcess, start_up
+from tests.utils.up_process import UpProcess, start_up, wait_for_status
 
 CHAT_JOB = {
     "model": "smollm2-135m-instruct",
@@ -29,27 +25,6 @@ CHAT_JOB = {
     "max_tokens": 8,
     "temperature": 0,
 }
-
-
-@pytest.fixture
-def up_runs() -> Iterator[list[UpProcess]]:
-    """Collects started `up` processes and kills any a failing test left behind."""
-    runs: list[UpProcess] = []
-    yield runs
-    for run in runs:
-        if run.process.poll() is None:
-            run.kill_tree()
-
-
-def _status(client: httpx.Client, job_id: str, wanted: str, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    job: dict = {}
-    while time.monotonic() < deadline:
-        job = client.get(f"/v1/jobs/{job_id}", params={"wait": 10}).json()
-        if job["status"] == wanted:
-            return job
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} not {wanted} after {timeout}s: {job}")
 
 
 def test_restart_fails_a_poison_row_and_runs_a_job_its_dead_worker_left_running(
@@ -83,7 +58,7 @@ def test_restart_fails_a_poison_row_and_runs_a_job_its_dead_worker_left_running(
     up_runs.append(second)
     second.wait_for_line("batchinfer is up", 5)
     with second.client() as client:
-        done = _status(client, stuck_id, "succeeded", timeout=600)
+        done = wait_for_status(client, stuck_id, "succeeded", timeout=600)
         failed = client.get(f"/v1/jobs/{poison_id}").json()
     assert done["result"]["choices"][0]["message"]["content"]
     assert failed["status"] == "failed", failed

@@ -157,3 +157,18 @@ def start_up(data_dir: Path, port: int, *, num_workers: int, log_path: Path,
         up.kill_tree()
         raise
     return up
+
+
+def wait_for_status(client: httpx.Client, job_id: str, status: str, timeout: float) -> dict:
+    """Long-poll a job until it reaches `status`; fail on another final status or timeout."""
+    deadline = time.monotonic() + timeout
+    job: dict = {}
+    while time.monotonic() < deadline:
+        response = client.get(f"/v1/jobs/{job_id}", params={"wait": 10})
+        assert response.status_code == 200, response.text
+        job = response.json()
+        if job["status"] == status:
+            return job
+        assert job["status"] in ("queued", "running"), job
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} not {status} after {timeout}s: {job}")
