@@ -7,7 +7,9 @@
 - `semantic`: the exact cache first, then the nearest earlier prompt of the same tenant,
   model, weights and sampling parameters whose embedding is at least `threshold` alike
   (cosine) and passes the false-hit guard (`workers.inference.semantic_guard`);
-- `off`: no cache reads this request, and its result fills none.
+- `off`: no cache reads this request, and its result fills none: neither result cache,
+  nor the engine's prefix cache, nor the Redis KV tier (its prompt is computed whole, and
+  its blocks are left for no one).
 
 `ttl` (seconds) is how long this request's result is kept for others; `threshold` only
 matters to `semantic`. Validation of the field happens at the API (core.requests); here a
@@ -58,6 +60,11 @@ class CachePolicy:
     def reads_semantic(self) -> bool:
         """Whether a semantically near earlier answer may answer."""
         return self.mode == "semantic"
+
+    @property
+    def shares_prefix_kv(self) -> bool:
+        """Whether the engine's prefix cache and the KV tier may serve and keep its blocks."""
+        return self.mode != "off"
 
     @property
     def fills(self) -> bool:

@@ -16,6 +16,7 @@ from prometheus_client import REGISTRY
 from transformers import AutoTokenizer
 
 from scheduler.embedded_services import free_port
+from storage.cache_stats import read_cache_stats
 from storage.models import JobStatus
 from tests.utils.api import make_tenant_key
 from tests.utils.service import running_api
@@ -113,13 +114,14 @@ def _run(svc: Service, bodies: list[dict[str, Any]]) -> list[Any]:
 
 def test_a_new_worker_loads_a_prefix_another_worker_computed(service) -> None:
     """Worker 1 reuses a long prefix (so it goes to Redis) and stops; worker 2, cold, loads
-    it: same greedy text, and kv hits in GET /v1/cache/stats."""
-    svc = service(kv_tier_enabled=True, cache_stats_interval_s=0.5)
+    it: same greedy text, and kv hits in GET /v1/cache/stats. The exact-result cache keeps
+    nothing (ttl 0), so the repeated job reaches the engine; `cache.mode: "off"` would
+    bypass the KV tier as well."""
+    svc = service(kv_tier_enabled=True, cache_stats_interval_s=0.5, result_cache_ttl_s=0)
     system = "You answer in one word. " * 12
 
     def body(question: str) -> dict[str, Any]:
-        return {"prompt": system + question, "max_tokens": 6, "temperature": 0,
-                "cache": {"mode": "off"}}  # fmt: skip
+        return {"prompt": system + question, "max_tokens": 6, "temperature": 0}
 
     tokenizer = AutoTokenizer.from_pretrained(svc.settings.model)
     q1, q2 = (tokenizer(system + q).input_ids for q in ("Q1?", "Q2?"))
@@ -152,11 +154,11 @@ def test_a_new_worker_loads_a_prefix_another_worker_computed(service) -> None:
 
 def test_a_worker_never_serves_one_tenants_prefix_to_another(service) -> None:
     """Tenant B's job with tenant A's long prompt computes it all (pool and tier miss);
-    A's next job with it finds it cached."""
-    svc = service(kv_tier_enabled=True, kv_tier_write_through=True)
+    A's next job with it finds it cached (the exact-result cache keeps nothing: ttl 0)."""
+    svc = service(kv_tier_enabled=True, kv_tier_write_through=True, result_cache_ttl_s=0)
     prompt = "A long shared instruction for isolation. " * 8
     svc.start_worker()
-    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "cache": {"mode": "off"}}
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
     (first,) = _run(svc, [body])
     tenant_a = svc.tenant_id
     svc.tenant_id = make_tenant_key(svc.sessions, "other-tenant").tenant_id
@@ -166,3 +168,45 @@ def test_a_worker_never_serves_one_tenants_prefix_to_another(service) -> None:
     assert first.cached_tokens == 0 and theirs.cached_tokens == 0
     assert ours.cached_tokens >= BLOCK
     assert theirs.result["choices"][0]["text"] == ours.result["choices"][0]["text"]
+
+
+def _num_tier_blocks(svc: Service) -> int:
+    client = redis.Redis.from_url(svc.settings.redis_url)
+    return sum(1 for _ in client.scan_iter(match=f"{svc.settings.topic_prefix}:kv:*:b:*"))
+
+
+def _kv_counters(svc: Service) -> dict[str, int]:
+    client = redis.Redis.from_url(svc.settings.redis_url)
+    published = read_cache_stats(client, prefix=svc.settings.topic_prefix)
+    return {w: entry["caches"]["kv"].get("hits", 0) + entry["caches"]["kv"].get("misses", 0)
+            for w, entry in published.items()}
+
+
+def test_a_job_with_cache_off_neither_reads_nor_writes_the_tier(service) -> None:
+    """`cache: {"mode": "off"}` on a write-through tier: its blocks never reach Redis; a
+    cold worker computes its whole prompt and asks the tier nothing, though the tier holds
+    it (as a cache-on job there then shows); greedy text the same throughout."""
+    svc = service(kv_tier_enabled=True, kv_tier_write_through=True, result_cache_ttl_s=0,
+                  cache_stats_interval_s=0.3)  # fmt: skip
+    prompt = "A long instruction that every job here shares, word for word. " * 6
+    off = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "cache": {"mode": "off"}}
+    on = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    first = svc.start_worker()
+    (computed_off,) = _run(svc, [off])
+    assert computed_off.cached_tokens == 0 and _num_tier_blocks(svc) == 0
+    (computed_on,) = _run(svc, [on])
+    num_blocks = _num_tier_blocks(svc)
+    assert num_blocks >= 4
+    (pool_skipped,) = _run(svc, [off])  # the pool holds the prefix now: still not used
+    assert pool_skipped.cached_tokens == 0 and _num_tier_blocks(svc) == num_blocks
+    first.stop()
+    svc.start_worker()
+    (cold_off,) = _run(svc, [off])
+    assert cold_off.cached_tokens == 0
+    time.sleep(1.0)  # a few publishing intervals
+    assert sum(_kv_counters(svc).values()) == 0  # no tier lookup at all
+    (cold_on,) = _run(svc, [on])
+    assert cold_on.cached_tokens >= num_blocks * BLOCK - BLOCK
+    texts = {j.result["choices"][0]["text"]
+             for j in (computed_off, computed_on, pool_skipped, cold_off, cold_on)}
+    assert len(texts) == 1

@@ -11,6 +11,9 @@ Responsibilities:
 - with a KV tier attached (`kv_link`): offload a cached block when it is first reused or
   evicted (or, write-through, once computed), and extend a sequence's pool hit with the
   blocks the tier holds, loaded into free blocks and then shared like any cached block;
+- leave out of all of this a sequence whose request opted out (`use_prefix_cache`
+  False): it reuses no cached block, loads nothing from the tier, and registers (so
+  offloads) none of its own blocks, which go back to the plain free pool when freed;
 - free everything a sequence holds, leaving no leak.
 
 Block arithmetic, worked once for block_size = 4: a sequence of 10 tokens needs
@@ -113,6 +116,10 @@ class BlockManager:
             hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
+    def uses_prefix_cache(self, seq: Sequence) -> bool:
+        """Whether the sequence may reuse cached blocks and leave its own for others."""
+        return self.enable_prefix_caching and seq.params.use_prefix_cache
+
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids caching the longest prefix of `seq`, leaving at least one token to compute.
 
@@ -120,7 +127,7 @@ class BlockManager:
         so for 16 tokens and block_size 16 nothing is reused ((16 - 1) // 16 = 0 blocks),
         while 17 tokens reuse one block.
         """
-        if not self.enable_prefix_caching or seq.num_tokens == 0:
+        if not self.uses_prefix_cache(seq) or seq.num_tokens == 0:
             return []
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
@@ -183,7 +190,7 @@ class BlockManager:
 
     def next_block_hash(self, seq: Sequence, num_cached_blocks: int) -> bytes | None:
         """Hash of the first block after a cache hit of `num_cached_blocks`, if cacheable."""
-        if not self.enable_prefix_caching:
+        if not self.uses_prefix_cache(seq):
             return None
         if (num_cached_blocks + 1) * self.block_size > seq.num_tokens - 1:
             return None
@@ -191,7 +198,7 @@ class BlockManager:
 
     def hashes_completed_by(self, seq: Sequence, num_new_tokens: int) -> list[bytes]:
         """Hashes of the blocks that become full once `num_new_tokens` more are computed."""
-        if not self.enable_prefix_caching:
+        if not self.uses_prefix_cache(seq):
             return []
         bs = self.block_size
         first = seq.num_computed_tokens // bs
@@ -240,7 +247,7 @@ class BlockManager:
         When another block already caches the same chain (two sequences computed the same
         prefix side by side), the existing entry wins and this copy stays private.
         """
-        if not self.enable_prefix_caching:
+        if not self.uses_prefix_cache(seq):
             return
         num_full = seq.num_computed_tokens // self.block_size
         start = self._num_registered_blocks.get(seq.request_id, 0)

@@ -24,6 +24,9 @@ class SamplingParams:
     logprobs: bool = False
     # Tenants sharing a worker can be kept out of each other's prefix cache.
     cache_salt: str | None = None
+    # False: this request neither reuses cached prefix blocks (pool or KV tier) nor
+    # leaves its own blocks for others; it computes its whole prompt.
+    use_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,6 +41,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not isinstance(self.use_prefix_cache, bool):
+            raise ValueError(f"use_prefix_cache must be a bool, got {self.use_prefix_cache!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -22,6 +22,7 @@ from core import metrics
 from core.messages import JobMessage
 from core.settings import Settings
 from core.topics import Priority
+from storage.cache_policy import CachePolicy
 from storage.models import utcnow
 from workers.engine import SamplingParams
 from workers.inference.embedding_jobs import embedding_request_from_body
@@ -129,6 +130,8 @@ class JobStarter:
                     # Prefix KV (in the pool and the Redis KV tier) is chained from the
                     # tenant: one tenant's blocks are never another's cache hits.
                     params.cache_salt = message.tenant_id
+                    # `cache: {"mode": "off"}` bypasses the prefix KV caches too.
+                    params.use_prefix_cache = CachePolicy.of(message.body).shares_prefix_kv
             except ValueError as e:
                 self._outcomes.failed(message, str(e))
                 self._ack(candidate.records)

@@ -11,10 +11,12 @@ from workers.engine.sequence import Sequence
 _counter = iter(range(1_000_000))
 
 
-def make_seq(tokens: list[int], salt: str | None = None) -> Sequence:
+def make_seq(tokens: list[int], salt: str | None = None, *,
+             use_prefix_cache: bool = True) -> Sequence:
     """A fresh sequence with a unique request id."""
     n = next(_counter)
-    return Sequence(f"r{n}", tokens, SamplingParams(cache_salt=salt), arrival_order=n)
+    params = SamplingParams(cache_salt=salt, use_prefix_cache=use_prefix_cache)
+    return Sequence(f"r{n}", tokens, params, arrival_order=n)
 
 
 def admit_and_compute(bm: BlockManager, seq: Sequence) -> list[int]:
@@ -182,6 +184,56 @@ def test_prefix_caching_off_never_shares() -> None:
     bm.free(seq)
     assert bm.find_cached_prefix(make_seq([1, 2, 3, 4, 5])) == []
     assert len(bm.free_block_ids) == 8
+
+
+class _RecordingLink:
+    """Stands in for a KVTierLink: records what the block manager asks of the tier."""
+
+    write_through = True
+
+    def __init__(self) -> None:
+        self.loads: list[list[bytes]] = []
+        self.offloads: list[bytes] = []
+
+    def load(self, block_hashes: list[bytes]) -> list[object]:
+        self.loads.append(block_hashes)
+        return []
+
+    def offload(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
+        self.offloads.append(block_hash)
+
+    def write(self, block_ids: list[int], blocks: list[object]) -> None:
+        assert not block_ids
+
+
+def test_a_request_off_the_prefix_cache_neither_reuses_nor_publishes_blocks() -> None:
+    """use_prefix_cache=False: the cached prefix is not found, the tier not asked, and the
+    sequence's own full blocks are neither registered nor offloaded; they go back plain."""
+    bm = BlockManager(16, 4)
+    link = _RecordingLink()
+    bm.kv_link = link  # type: ignore[assignment]  # the manager only calls these methods
+    first = make_seq(list(range(13)))
+    admit_and_compute(bm, first)
+    num_offloaded = len(link.offloads)
+    assert len(bm.hash_to_block_id) == 3 and num_offloaded == 3  # write-through
+    loads_before = len(link.loads)
+
+    off = make_seq(list(range(13)) + [77, 78, 79, 80], use_prefix_cache=False)
+    assert bm.find_cached_prefix(off) == []
+    assert bm.next_block_hash(off, 0) is None
+    assert bm.hashes_completed_by(off, off.num_tokens) == []
+    assert admit_and_compute(bm, off) == []
+    assert off.num_cached_tokens == 0 and len(off.block_table) == 5
+    assert set(off.block_table).isdisjoint(first.block_table)
+    assert len(bm.hash_to_block_id) == 3  # its 4 full blocks were not registered
+    assert len(link.loads) == loads_before and len(link.offloads) == num_offloaded
+    off_blocks = list(off.block_table)
+    bm.free(off)
+    assert all(bm.blocks[b].block_hash is None for b in off_blocks)
+    assert set(off_blocks) <= set(bm.free_block_ids) and not bm.cached_free_block_ids
+    # The same prompt with the cache on still finds the first sequence's blocks only.
+    assert bm.find_cached_prefix(make_seq(list(range(13)) + [77, 78, 79, 80])) == \
+        first.block_table[:3]
 
 
 def test_reset_prefix_cache_and_bad_sizes() -> None:

@@ -135,3 +135,36 @@ def test_payloads_of_another_layout_are_misses() -> None:
     reader = KVTierLink(tier, torch.zeros_like(half))
     reader.write([3], reader.load([b"h"]))
     assert torch.equal(reader.pool[:, :, 3], half[:, :, 1])
+
+
+def test_a_request_off_the_prefix_cache_computes_everything_and_skips_the_tier(
+    model_dir: Path,
+) -> None:
+    """`use_prefix_cache=False`: its prompt is computed whole though the pool and the tier
+    both hold it, the tier is neither read nor written, and greedy output is unchanged."""
+    rng = random.Random(4)
+    prompt = tokens(rng, 6 * BLOCK + 3)
+    off = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, use_prefix_cache=False)
+    tier = HostKVTier(max_bytes=1 << 30)
+    llm = make_llm(model_dir)
+    link = llm.engine.attach_kv_tier(tier, write_through=True)
+    (cached,) = llm.generate([prompt], greedy(4))
+    assert len(tier) == 6 and link.counters.num_offloaded_blocks == 6
+    computed_before = llm.engine.stats().num_computed_tokens
+    (uncached,) = llm.generate([prompt + [5]], off)
+    assert uncached.num_cached_tokens == 0
+    # The whole 100-token prompt, then 3 decode inputs.
+    assert llm.engine.stats().num_computed_tokens - computed_before == len(prompt) + 1 + 3
+    assert link.counters.num_offloaded_blocks == 6 and len(tier) == 6
+    assert llm.engine.stats().num_kv_blocks_used == 0
+    cold = make_llm(model_dir)
+    cold_link = cold.engine.attach_kv_tier(tier)
+    hits, misses = tier.num_hits, tier.num_misses
+    (again,) = cold.generate([prompt], off)
+    assert (tier.num_hits, tier.num_misses) == (hits, misses)
+    assert cold_link.counters.num_loaded_blocks == 0 and again.num_cached_tokens == 0
+    assert again.token_ids == cached.token_ids
+    assert cold.engine.scheduler.block_manager.hash_to_block_id == {}
+    reference = make_llm(model_dir, enable_prefix_caching=False).generate([prompt + [5]],
+                                                                          greedy(4))
+    assert uncached.token_ids == reference[0].token_ids
