@@ -95,8 +95,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=32,
                         help="sentence-transformers' encode batch size (its default: 32)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=16_384,
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096,
                         help="the runner's token budget per batch")
+    parser.add_argument("--streams", type=int, default=None,
+                        help="the runner's batches run side by side (default: one "
+                             "single-threaded stream per CPU thread; 1 on a GPU)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
@@ -110,11 +113,13 @@ def main() -> None:
 
     texts = make_texts(args.num_texts, args.seed)
     runner = EmbeddingRunner(args.model, device=args.device,
-                             max_num_batched_tokens=args.max_num_batched_tokens)
+                             max_num_batched_tokens=args.max_num_batched_tokens,
+                             streams=args.streams)
     st = SentenceTransformer(str(runner.model_dir), device=args.device)
     num_tokens = sum(len(e.token_ids) for e in runner.encode(texts))
     print(f"{args.num_texts} texts, {num_tokens} tokens (truncated at {runner.max_model_len}), "
           f"{args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"runner: {runner.streams} stream(s) of {runner.max_num_batched_tokens} tokens, "
           f"{platform.processor() or platform.machine()}, load {os.getloadavg()[0]:.2f}")
 
     warm = texts[: min(64, len(texts))]

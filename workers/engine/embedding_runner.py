@@ -7,13 +7,18 @@ Responsible for:
   and saying so per input, refusing over-long inputs otherwise;
 - batching by a token budget: inputs sorted by length, so each batch pads to nearly its
   own length, and as many rows per batch as the budget allows (short texts go in large
-  batches, long ones in small); results come back in input order.
+  batches, long ones in small); results come back in input order;
+- on a CPU, running batches side by side in several single-threaded streams (one per core)
+  rather than one after another with every core on each: an encoder this small splits each
+  matrix product too finely for the cores to share it well, and one OpenMP team whose
+  threads wait at every barrier is what collapses when another process takes a core.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,12 +65,15 @@ class EmbeddingRunner:
         models_dir: Path | None = None,
         device: str = "auto",
         dtype: str = "auto",
-        max_num_batched_tokens: int = 16_384,
+        max_num_batched_tokens: int = 4096,
         max_batch_size: int = 512,
+        streams: int | None = None,
     ) -> None:
         if max_num_batched_tokens < 1 or max_batch_size < 1:
             raise ValueError("max_num_batched_tokens and max_batch_size must be >= 1, got "
                              f"{max_num_batched_tokens} and {max_batch_size}")
+        if streams is not None and streams < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
         self.model_dir = resolve_model(str(model), models_dir or DEFAULT_MODELS_DIR)
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
@@ -79,13 +87,18 @@ class EmbeddingRunner:
         self.dimensions = int(self.model.config.hidden_size)
         self.max_num_batched_tokens = max(max_num_batched_tokens, self.max_model_len)
         self.max_batch_size = max_batch_size
+        # A GPU runs one batch at a time; a CPU one single-threaded stream per core.
+        self.streams = streams or (torch.get_num_threads() if self.device.type == "cpu" else 1)
+        self._pool = (ThreadPoolExecutor(self.streams, thread_name_prefix="embedding-stream",
+                                         initializer=_one_thread_per_stream)
+                      if self.streams > 1 else None)
         # What wrapping one sequence adds around its tokens: [CLS] ... [SEP] for BERT.
         self._prefix_ids, self._suffix_ids = _special_tokens_around(self.tokenizer)
         self._num_special = len(self._prefix_ids) + len(self._suffix_ids)
-        logger.info("embedding runner ready: %s, %s on %s, %d dims, %d tokens, %s pooling%s",
-                    self.model_dir.name, self.dtype, self.device, self.dimensions,
-                    self.max_model_len, self.pooling.mode,
-                    " + normalisation" if self.pooling.normalize else "")
+        logger.info("embedding runner ready: %s, %s on %s (%d stream%s), %d dims, %d tokens, "
+                    "%s pooling%s", self.model_dir.name, self.dtype, self.device, self.streams,
+                    "s" if self.streams > 1 else "", self.dimensions, self.max_model_len,
+                    self.pooling.mode, " + normalisation" if self.pooling.normalize else "")
 
     def encode(
         self, inputs: Sequence[EmbeddingInput], *, truncate: bool = True
@@ -125,12 +138,14 @@ class EmbeddingRunner:
         """One EmbeddingOutput per input, in input order (see `encode` for refusals)."""
         return self.embed_encoded(self.encode(inputs, truncate=truncate))
 
-    @torch.inference_mode()
     def embed_encoded(self, encoded: list[EncodedInput]) -> list[EmbeddingOutput]:
         """One EmbeddingOutput per encoded input, ordered by their `index` (0..n-1)."""
         outputs: list[EmbeddingOutput | None] = [None] * len(encoded)
-        for batch in self._batches(encoded):
-            vectors = self._run(batch)
+        batches = self._batches(encoded)
+        # Longest batches first, so the streams finish close together.
+        results = (self._pool.map(self._run, batches) if self._pool and len(batches) > 1
+                   else map(self._run, batches))
+        for batch, vectors in zip(batches, results, strict=True):
             for row, item in zip(vectors, batch, strict=True):
                 outputs[item.index] = EmbeddingOutput(row, len(item.token_ids),
                                                       item.is_truncated)
@@ -154,6 +169,13 @@ class EmbeddingRunner:
             batches.append(current)
         return batches
 
+    def close(self) -> None:
+        """Stop the streams' threads (the runner embeds one batch at a time afterwards)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    @torch.inference_mode()
     def _run(self, batch: list[EncodedInput]) -> torch.Tensor:
         """Pooled vectors (len(batch), H) of one right-padded batch, on the CPU."""
         width = max(len(e.token_ids) for e in batch)
@@ -166,6 +188,11 @@ class EmbeddingRunner:
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return pool(hidden, attention_mask, self.pooling).cpu()
+
+
+def _one_thread_per_stream() -> None:
+    # OpenMP's and MKL's counts are per OS thread: the caller's own count is left as it was.
+    torch.set_num_threads(1)
 
 
 def _special_tokens_around(tokenizer: Any) -> tuple[list[int], list[int]]:

@@ -91,7 +91,9 @@ class SemanticLookup:
         if self._runner is None:
             from workers.engine.embedding_runner import EmbeddingRunner
 
-            self._runner = EmbeddingRunner(self._embedding_model, models_dir=self._models_dir)
+            # One stream: the cores belong to the generating engine beside it.
+            self._runner = EmbeddingRunner(self._embedding_model, models_dir=self._models_dir,
+                                           streams=1)
             logger.info("semantic cache: embedding prompts with %s", self._embedding_model)
         outputs = self._runner.embed(texts)
         return [np.asarray(o.embedding.float().cpu().numpy(), dtype=np.float32)

@@ -111,6 +111,29 @@ def test_small_token_budgets_give_the_same_vectors_in_input_order(
         torch.testing.assert_close(a.embedding, b.embedding, atol=1e-5, rtol=0)
 
 
+def test_streams_run_batches_side_by_side_with_the_same_vectors(
+        runner: EmbeddingRunner) -> None:
+    """Several single-threaded streams give one stream's vectors, in input order, and
+    leave the caller's own thread count alone."""
+    texts = [f"stream test {i} " * (1 + i % 9) for i in range(60)]
+    threads = torch.get_num_threads()
+    one = EmbeddingRunner("all-minilm-l6-v2", device="cpu", streams=1,
+                          max_num_batched_tokens=256)
+    three = EmbeddingRunner("all-minilm-l6-v2", device="cpu", streams=3,
+                            max_num_batched_tokens=256)
+    try:
+        assert one._pool is None and three.streams == 3
+        assert len(three._batches(three.encode(texts))) > 3
+        for a, b in zip(one.embed(texts), three.embed(texts), strict=True):
+            torch.testing.assert_close(a.embedding, b.embedding, atol=1e-5, rtol=0)
+        assert torch.get_num_threads() == threads
+    finally:
+        three.close()
+    assert three._pool is None and len(three.embed(texts[:5])) == 5
+    with pytest.raises(ValueError, match="streams must be >= 1, got 0"):
+        EmbeddingRunner("all-minilm-l6-v2", device="cpu", streams=0)
+
+
 def test_over_long_input_without_truncation_and_bad_ids_are_refused(
         runner: EmbeddingRunner) -> None:
     """Errors name the input's index, so a caller can point at the field."""
