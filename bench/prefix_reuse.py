@@ -14,7 +14,8 @@ All jobs are POSTed first (a backlog), then awaited. Per run: the engine prefix-
 rate (cached / prompt tokens, from each job's usage), prefill tokens computed
 (prompt - cached), the share of the shared-prefix tokens that were not computed, KV tier
 blocks loaded (GET /v1/cache/stats), and the wall time from first POST to last result.
-Results caches are off in every job (`cache.mode: off`), so every job runs in the engine.
+Every job asks its own question, so no result cache can answer it and every job runs in
+the engine (`cache.mode: off` is no way to say so: it bypasses the prefix caches too).
 
     .venv/bin/python -m bench.prefix_reuse [--model smollm2-135m-instruct --num-jobs 200
         --num-prompts 8 --prompt-tokens 1000 --max-tokens 8 --kv-cache-bytes N --write-through]
@@ -102,8 +103,7 @@ def job_bodies(model: str, systems: list[str], num_jobs: int, *, random_keys: bo
         k = rng.randrange(len(systems))
         body: dict[str, Any] = {
             "model": model, "prompt": f"{systems[k]}\nQuestion {i}: what comes next?",
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "cache": {"mode": "off"}}  # fmt: skip
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         if random_keys:
             body["cache_key"] = uuid.uuid4().hex
         bodies.append(body)
