@@ -38,6 +38,7 @@ from core.settings import Settings
 from core.topics import Priority
 from storage.events import CancelSubscription
 from workers.engine import RequestOutput
+from workers.engine.embedding_engine import EmbeddingEngine
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
 from workers.inference.job_starter import Candidate, InFlightJob, JobStarter
 from workers.inference.job_store import JobStore
@@ -53,6 +54,13 @@ logger = logging.getLogger(__name__)
 
 # Short, so finished jobs are stored and committed promptly while the engine runs.
 POLL_TIMEOUT_MS = 50
+
+
+def max_inflight(settings: Settings, engine: object) -> int:
+    """Jobs one worker holds in its engine at once, by the kind of engine it runs."""
+    if isinstance(engine, EmbeddingEngine):
+        return settings.embedding_worker_max_inflight
+    return settings.worker_max_inflight
 
 
 class Worker:
@@ -80,12 +88,13 @@ class Worker:
         self._lock = threading.Lock()
         self._tracker = OffsetTracker()
         self._inflight: dict[str, InFlightJob] = {}
+        self._max_inflight = max_inflight(settings, engine_loop.engine)
         topic_rank = {topic: Priority(p).rank for p, topic in settings.job_topics.items()}
         self._pauser = PriorityPauser(topic_rank)
         self._prefetch: PrefetchBuffer[ConsumerRecord] = PrefetchBuffer(topic_rank)
         # Records a partition may hold here before it is paused: enough to refill the
         # whole in-flight bound from one partition without waiting for a fetch.
-        self._prefetch_limit = settings.worker_max_inflight
+        self._prefetch_limit = self._max_inflight
         self._listener = RebalanceListener(consumer, self._tracker, self._lock, self._pauser)
         self._watchdog = StallWatchdog(consumer, stall_after_s=settings.worker_stall_after_s)
         self._starter = JobStarter(settings, store=store, outcomes=self._outcomes,
@@ -131,7 +140,7 @@ class Worker:
 
     def _start_prefetched(self) -> None:
         """Start prefetched jobs, most urgent first, a batch at a time while there is room."""
-        while (room := self.settings.worker_max_inflight - len(self._inflight)) > 0:
+        while (room := self._max_inflight - len(self._inflight)) > 0:
             candidates: dict[str, Candidate] = {}
             while len(candidates) < room:
                 item = self._prefetch.pop_most_urgent()
