@@ -74,6 +74,28 @@ CACHE_LOOKUPS = Counter(
     "Cache lookups by the workers, by cache kind (exact, semantic) and outcome (hit, miss).",
     ["kind", "outcome"],
 )
+CACHE_BYTES = Counter(
+    "batchinfer_cache_bytes",
+    "Bytes of exact and semantic cache entries a worker wrote (stored) or answered jobs "
+    "from (loaded), by kind and direction.",
+    ["kind", "direction"],
+)
+CACHE_EVICTIONS = Counter(
+    "batchinfer_cache_evictions",
+    "Exact and semantic cache entries that left other than by being overwritten (a scope's "
+    "cap, expiry), each counted once by the worker whose call removed it, by kind.",
+    ["kind"],
+)
+CACHE_RESIDENT_BYTES = Gauge(
+    "batchinfer_cache_resident_bytes",
+    "Value bytes the exact and semantic caches hold (all workers together), by kind.",
+    ["kind"],
+)
+CACHE_ERRORS = Counter(
+    "batchinfer_cache_errors",
+    "Redis errors of the exact and semantic caches (read as misses or skipped writes), by kind.",
+    ["kind"],
+)
 KV_TIER_BLOCKS = Counter(
     "batchinfer_kv_tier_blocks",
     "Prefix KV blocks a worker asked the Redis KV tier for, by outcome (hit, miss), and "

@@ -2,8 +2,9 @@
 
 Responsible for: deciding which requests may be cached (temperature 0, or a seed), the
 cache key (a hash of the model and the canonical form of the fields that can change the
-output), and reading and writing results. A cache is an optimisation: Redis errors are
-logged and read as a miss, never raised.
+output), reading and writing results, and keeping the cache's ledger (bytes held,
+entries evicted: `storage.cache_ledger`) in the same round trip as its writes. A cache
+is an optimisation: Redis errors are logged and read as a miss, never raised.
 
 Canonical form, worked through: `{"temperature": 0.0, "stop": "END", "top_p": 0.9,
 "priority": "low", "max_completion_tokens": 8}` and `{"temperature": 0, "stop": ["END"],
@@ -17,9 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any
+from typing import Any, cast
 
 import redis
+
+from core import metrics
+from storage.cache_ledger import CacheLedger, LedgerChange
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +113,12 @@ def result_cache_key(model: str, body: dict[str, Any], *, salt: str | None = Non
 class ResultCache:
     """Finished results by `result_cache_key`, as JSON in Redis under `<prefix>:result:`."""
 
+    KIND = "exact"
+
     def __init__(self, redis_client: redis.Redis, *, prefix: str) -> None:
         self._redis = redis_client
         self._prefix = prefix
+        self.ledger = CacheLedger(redis_client, prefix=prefix, kind=self.KIND)
 
     def redis_key(self, key: str) -> str:
         """The Redis key holding the entry for a cache key."""
@@ -119,14 +126,7 @@ class ResultCache:
 
     def get(self, key: str | None) -> dict[str, Any] | None:
         """The cached result, or None on a miss, a None key, or Redis trouble."""
-        if key is None:
-            return None
-        try:
-            raw = self._redis.get(self.redis_key(key))
-        except redis.RedisError as e:
-            logger.warning("result cache read failed (%s); treating as a miss", e)
-            return None
-        return _decoded(key, raw)
+        return self.get_many([key])[0]
 
     def get_many(self, keys: list[str | None]) -> list[dict[str, Any] | None]:
         """`get` for each key in one round trip (MGET); misses and None keys give None."""
@@ -136,48 +136,60 @@ class ResultCache:
         try:
             raws = self._redis.mget([self.redis_key(key) for key in wanted])
         except redis.RedisError as e:
+            metrics.CACHE_ERRORS.labels(self.KIND).inc()
             logger.warning("result cache read failed (%s); treating as misses", e)
             return [None] * len(keys)
-        found = dict(zip(wanted, raws, strict=True))
-        return [None if key is None else _decoded(key, found[key]) for key in keys]
+        # A client without decode_responses (ours) answers bytes.
+        found = cast(dict[str, bytes | None], dict(zip(wanted, raws, strict=True)))
+        values = [None if key is None else _decoded(key, found[key]) for key in keys]
+        loaded = sum(len(found[key] or b"") for key, value in zip(keys, values, strict=True)
+                     if key is not None and value is not None)
+        metrics.CACHE_BYTES.labels(self.KIND, "loaded").inc(loaded)
+        return values
 
     def put_many(self, entries: list[tuple[str | None, dict[str, Any], int]]) -> None:
-        """`put` for each (key, result, ttl) in one round trip (a pipeline)."""
+        """`put` for each (key, result, ttl) in one round trip (a pipeline, with the ledger)."""
         if any(ttl < 0 for _, _, ttl in entries):
             raise ValueError("ttl must be >= 0 seconds (0 disables caching)")
-        entries = [(key, value, ttl) for key, value, ttl in entries if key is not None and ttl]
-        if not entries:
+        payloads = {
+            key: (json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+                  .encode("utf-8", "surrogatepass"), ttl)
+            for key, value, ttl in entries if key is not None and ttl
+        }  # fmt: skip
+        if not payloads:
             return
         pipe = self._redis.pipeline(transaction=False)
-        for key, value, ttl in entries:
-            assert key is not None
-            pipe.set(self.redis_key(key),
-                     json.dumps(value, separators=(",", ":"), ensure_ascii=False), ex=ttl)
+        for key, (payload, ttl) in payloads.items():
+            pipe.set(self.redis_key(key), payload, ex=ttl)
+        self.ledger.queue(pipe, [LedgerChange("set", key, len(payload), 1, ttl)
+                                 for key, (payload, ttl) in payloads.items()])
         try:
-            pipe.execute()
+            replies = pipe.execute()
         except redis.RedisError as e:
+            metrics.CACHE_ERRORS.labels(self.KIND).inc()
             logger.warning("result cache write failed (%s); %d results not cached", e,
-                           len(entries))
+                           len(payloads))
+            return
+        metrics.CACHE_BYTES.labels(self.KIND, "stored").inc(
+            sum(len(payload) for payload, _ in payloads.values()))
+        report = self.ledger.report(replies[-1])
+        metrics.CACHE_EVICTIONS.labels(self.KIND).inc(report.num_evicted)
+        metrics.CACHE_RESIDENT_BYTES.labels(self.KIND).set(report.resident_bytes)
 
     def put(self, key: str | None, value: dict[str, Any], ttl: int) -> None:
         """Store a result for `ttl` seconds; nothing for a None key or a ttl of 0."""
         if ttl < 0:
             raise ValueError(f"ttl must be >= 0 seconds (0 disables caching), got {ttl}")
-        if key is None or ttl == 0:
-            return
-        payload = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-        try:
-            self._redis.set(self.redis_key(key), payload, ex=ttl)
-        except redis.RedisError as e:
-            logger.warning("result cache write failed (%s); result not cached", e)
+        self.put_many([(key, value, ttl)])
 
 
 def _decoded(key: str, raw: Any) -> dict[str, Any] | None:
     if raw is None:
         return None
     try:
-        value = json.loads(raw)
-    except ValueError:
+        value = json.loads(raw.decode("utf-8", "surrogatepass") if isinstance(raw, bytes)
+                           else raw)
+    except ValueError:  # UnicodeDecodeError included
         logger.warning("result cache entry %s is not JSON; ignoring it", key)
         return None
     return value if isinstance(value, dict) else None

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
+from prometheus_client import REGISTRY
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from storage.cache_ledger import LedgerReport
 from storage.result_cache import ResultCache, result_cache_key
 
 BODY = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
@@ -57,9 +60,41 @@ def test_non_deterministic_requests_and_zero_ttl_are_never_stored(cache: ResultC
         cache.put(key, RESULT, ttl=-1)
 
 
+def _counted(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, {"kind": "exact", **labels}) or 0.0
+
+
+def test_the_ledger_counts_bytes_held_and_each_expired_entry_once(cache: ResultCache) -> None:
+    """Resident bytes are the JSON bytes of the live entries; overwriting a key is no
+    eviction; an entry gone with its TTL is evicted once, by the first sweep after it."""
+    size = len(json.dumps(RESULT, separators=(",", ":")))
+    stored, loaded = _counted("batchinfer_cache_bytes_total", direction="stored"), \
+        _counted("batchinfer_cache_bytes_total", direction="loaded")
+    short, long = result_cache_key("m", BODY), result_cache_key("m", {**BODY, "seed": 3,
+                                                                       "temperature": 1})
+    cache.put_many([(short, RESULT, 1), (long, RESULT, 60)])
+    assert cache.ledger.sweep() == LedgerReport(2 * size, 0)
+    bigger = {**RESULT, "usage": {"completion_tokens": 1}}
+    cache.put(long, bigger, ttl=60)  # replaced, not evicted
+    big = len(json.dumps(bigger, separators=(",", ":")))
+    assert cache.ledger.sweep() == LedgerReport(size + big, 0)
+    assert cache.get(long) == bigger
+    assert _counted("batchinfer_cache_bytes_total", direction="stored") - stored == \
+        2 * size + big
+    assert _counted("batchinfer_cache_bytes_total", direction="loaded") - loaded == big
+    time.sleep(1.3)
+    assert cache.get(short) is None
+    assert cache.ledger.sweep() == LedgerReport(big, 1)
+    assert cache.ledger.sweep() == LedgerReport(big, 0)
+    cache.put(short, RESULT, ttl=60)  # back again: a new entry, not a replacement
+    assert cache.ledger.sweep() == LedgerReport(big + size, 0)
+
+
 def test_unreachable_redis_reads_as_a_miss() -> None:
     dead = redis.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))
     cache = ResultCache(dead, prefix="t")
     key = result_cache_key("m", BODY)
+    errors = _counted("batchinfer_cache_errors_total")
     cache.put(key, RESULT, ttl=60)
     assert cache.get(key) is None
+    assert _counted("batchinfer_cache_errors_total") - errors == 2
