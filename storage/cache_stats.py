@@ -3,8 +3,9 @@
 Each worker keeps one small hash, `<prefix>:cache_stats:<worker id>`, rewritten every few
 seconds with a TTL of a few intervals, so a worker that stopped drops out on its own.
 Fields are `<kind>.<counter>` (kind: exact, semantic, kv; counter: hits, misses,
-stored_bytes, loaded_bytes, evictions, errors, resident_bytes) plus `model` and
-`updated_at`; counters are totals since the worker started.
+stored_bytes, loaded_bytes, evictions, errors, resident_bytes) plus `model`,
+`updated_at` and `semantic_backend` (`hnsw` or `exact`); counters are totals since the
+worker started, except `resident_bytes`, what the shared cache held when published.
 """
 
 from __future__ import annotations
@@ -36,12 +37,15 @@ def publish_cache_stats(
     updated_at: float,
     counters: Mapping[str, Mapping[str, int]],
     ttl_s: int,
+    semantic_backend: str | None = None,
 ) -> None:
     """Replace the worker's hash with `counters` (kind → counter → value); one round trip."""
     unknown = [k for k in counters if k not in CACHE_KINDS]
     if unknown:
         raise ValueError(f"cache kinds must be among {CACHE_KINDS}, got {unknown}")
     fields: dict[str, str | int | float] = {"model": model, "updated_at": updated_at}
+    if semantic_backend is not None:
+        fields["semantic_backend"] = semantic_backend
     for kind, values in counters.items():
         for name, value in values.items():
             if name not in COUNTERS:
@@ -56,7 +60,8 @@ def publish_cache_stats(
 
 
 def read_cache_stats(client: redis.Redis, *, prefix: str) -> dict[str, dict[str, Any]]:
-    """Worker id → {"model", "updated_at", "caches": {kind: {counter: value}}}."""
+    """Worker id → {"model", "updated_at", "semantic_backend", "caches": {kind: {counter:
+    value}}}; `semantic_backend` is None for a worker that did not say."""
     match = stats_key(prefix, "*")
     keys = sorted(client.scan_iter(match=match, count=500))
     if not keys:
@@ -78,6 +83,7 @@ def read_cache_stats(client: redis.Redis, *, prefix: str) -> dict[str, dict[str,
         workers[_text(key)[start:]] = {
             "model": fields.get("model", ""),
             "updated_at": float(fields.get("updated_at", 0.0)),
+            "semantic_backend": fields.get("semantic_backend"),
             "caches": caches,
         }
     return workers

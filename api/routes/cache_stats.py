@@ -1,12 +1,17 @@
 """`GET /v1/cache/stats`: hits, misses, bytes and evictions per cache kind and per worker.
 
 Workers publish their counters to Redis every `cache_stats_interval_s` (see
-`storage.cache_stats`); this route adds them up. Kinds: `exact` and `semantic` (result
-caches; lookups only: their entries leave by TTL, so nothing is evicted or budgeted) and
-`kv` (the prefix KV tier: blocks found and missed, bytes moved, blocks pushed out of its
-byte budget, and the bytes it holds per model revision). Counters are totals since each
-listed worker started; a stopped worker drops out after a few intervals. Redis down
-answers 503 like every other route that needs it.
+`storage.cache_stats`); this route adds them up. Kinds:
+- `exact` and `semantic` (result caches): lookups, bytes written (`stored_bytes`) and
+  answered from (`loaded_bytes`), entries evicted (dropped for a scope's cap or at their
+  expiry, each counted once: `storage.cache_ledger`), and `resident_bytes`, the value
+  bytes the cache holds for all workers (the freshest worker's figure in the totals);
+- `kv` (the prefix KV tier): blocks found and missed, bytes moved, blocks pushed out of
+  its byte budget, and the bytes it holds per model revision.
+`semantic_backend` says how semantic lookups search: `hnsw` (Redis vector search) or
+`exact` (a numpy scan of the scope), per worker and overall (`mixed` while they differ).
+Counters are totals since each listed worker started; a stopped worker drops out after a
+few intervals. Redis down answers 503 like every other route that needs it.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ class CacheKindStats(BaseModel):
     loaded_bytes: int = 0
     evictions: int = 0
     errors: int = 0
-    resident_bytes: int | None = None  # kv only: what the tier holds now
+    resident_bytes: int | None = None  # what the shared cache holds now
 
 
 class WorkerCacheStats(BaseModel):
@@ -43,6 +48,7 @@ class WorkerCacheStats(BaseModel):
     worker_id: str
     model: str
     updated_at: float
+    semantic_backend: str | None = None  # hnsw or exact
     caches: dict[str, CacheKindStats]
 
 
@@ -50,6 +56,7 @@ class CacheStatsPublic(BaseModel):
     """Totals per kind over the live workers, then each worker."""
 
     object: str = "cache.stats"
+    semantic_backend: str | None = None  # hnsw, exact, or mixed; None without workers
     totals: dict[str, CacheKindStats]
     workers: list[WorkerCacheStats]
 
@@ -61,11 +68,14 @@ async def cache_stats(tenant: TenantDep, resources: ResourcesDep) -> CacheStatsP
     workers = [
         WorkerCacheStats(worker_id=worker_id, model=entry["model"],
                          updated_at=entry["updated_at"],
+                         semantic_backend=entry.get("semantic_backend"),
                          caches={kind: _kind(entry["caches"].get(kind, {}), kind)
                                  for kind in CACHE_KINDS})
         for worker_id, entry in sorted(published.items())
     ]  # fmt: skip
-    return CacheStatsPublic(totals=_totals(workers), workers=workers)
+    backends = {w.semantic_backend for w in workers if w.semantic_backend is not None}
+    backend = backends.pop() if len(backends) == 1 else ("mixed" if backends else None)
+    return CacheStatsPublic(semantic_backend=backend, totals=_totals(workers), workers=workers)
 
 
 def _read(resources: Resources) -> dict[str, dict[str, Any]]:
@@ -74,8 +84,7 @@ def _read(resources: Resources) -> dict[str, dict[str, Any]]:
 
 def _kind(counters: dict[str, int], kind: str) -> CacheKindStats:
     stats = CacheKindStats(**{k: v for k, v in counters.items() if k != "resident_bytes"})
-    if kind == "kv":
-        stats.resident_bytes = counters.get("resident_bytes", 0)
+    stats.resident_bytes = counters.get("resident_bytes", 0)
     stats.hit_rate = _rate(stats.hits, stats.misses)
     return stats
 
@@ -99,6 +108,11 @@ def _totals(workers: list[WorkerCacheStats]) -> dict[str, CacheKindStats]:
     for total in totals.values():
         total.hit_rate = _rate(total.hits, total.misses)
     totals["kv"].resident_bytes = sum(resident_by_model.values())
+    # The result caches are one per deployment: every worker reads the same figure.
+    freshest = max(workers, key=lambda w: w.updated_at, default=None)
+    for kind in ("exact", "semantic"):
+        totals[kind].resident_bytes = 0 if freshest is None else \
+            freshest.caches[kind].resident_bytes or 0
     return totals
 
 

@@ -20,13 +20,15 @@ def test_workers_publish_and_the_reader_sees_each(redis_url: str) -> None:
     publish_cache_stats(client, prefix=prefix, worker_id="w2", model="m", updated_at=2.0,
                         counters={"semantic": {"misses": 4}}, ttl_s=15)
     publish_cache_stats(client, prefix=prefix, worker_id="w2", model="m", updated_at=3.0,
-                        counters={"semantic": {"misses": 5}}, ttl_s=15)
+                        counters={"semantic": {"misses": 5}}, ttl_s=15,
+                        semantic_backend="exact")
     got = read_cache_stats(client, prefix=prefix)
     assert set(got) == {"w1", "w2"}
     assert got["w1"]["caches"]["exact"] == {"hits": 3, "misses": 1}
     assert got["w1"]["caches"]["kv"] == {"hits": 9, "resident_bytes": 100}
-    assert got["w2"] == {"model": "m", "updated_at": 3.0,
+    assert got["w2"] == {"model": "m", "updated_at": 3.0, "semantic_backend": "exact",
                          "caches": {"exact": {}, "semantic": {"misses": 5}, "kv": {}}}
+    assert got["w1"]["semantic_backend"] is None
     assert 0 < client.ttl(stats_key(prefix, "w1")) <= 15
     assert read_cache_stats(client, prefix=prefix + "x") == {}
 

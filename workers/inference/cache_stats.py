@@ -1,10 +1,12 @@
 """Publishes this worker's cache counters to Redis for `GET /v1/cache/stats`.
 
-Responsible for: a background thread that, every `interval_s`, gathers the exact and
-semantic cache lookups this process counted (the `batchinfer_cache_lookups` metric) and
-the KV tier's counters, refreshes the tier's resident-bytes gauge, and rewrites the
-worker's stats hash with a TTL of three intervals. Redis trouble costs a warning, never
-the worker.
+Responsible for: a background thread that, every `interval_s`, sweeps the exact and
+semantic caches' ledgers (entries past their expiry leave and count as evictions:
+`storage.cache_ledger`), gathers what this process counted of those caches (the
+`batchinfer_cache_*` metrics: lookups, bytes, evictions, errors) and the KV tier's
+counters, refreshes the resident-bytes gauges, and rewrites the worker's stats hash
+(with the semantic cache's backend) with a TTL of three intervals. Redis trouble costs a
+warning, never the worker.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ import redis
 from prometheus_client import REGISTRY
 
 from core import metrics
+from storage.cache_ledger import CacheLedger
 from storage.cache_stats import publish_cache_stats
 from workers.inference.kv_tier import RedisKVTier
 
 logger = logging.getLogger(__name__)
+
+
+RESULT_CACHE_KINDS = ("exact", "semantic")
 
 
 def lookups_counted(kind: str) -> dict[str, int]:
@@ -30,6 +36,19 @@ def lookups_counted(kind: str) -> dict[str, int]:
         value = REGISTRY.get_sample_value("batchinfer_cache_lookups_total",
                                           {"kind": kind, "outcome": outcome})  # fmt: skip
         counts[name] = int(value or 0)
+    return counts
+
+
+def result_cache_counted(kind: str) -> dict[str, int]:
+    """Everything this process recorded of one result-cache kind (see the metrics)."""
+    counts = lookups_counted(kind)
+    for name, sample, labels in (
+        ("stored_bytes", "batchinfer_cache_bytes_total", {"direction": "stored"}),
+        ("loaded_bytes", "batchinfer_cache_bytes_total", {"direction": "loaded"}),
+        ("evictions", "batchinfer_cache_evictions_total", {}),
+        ("errors", "batchinfer_cache_errors_total", {}),
+    ):
+        counts[name] = int(REGISTRY.get_sample_value(sample, {"kind": kind, **labels}) or 0)
     return counts
 
 
@@ -45,6 +64,7 @@ class CacheStatsPublisher:
         model: str,
         interval_s: float,
         kv_tier: RedisKVTier | None = None,
+        semantic_backend: str | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"cache_stats_interval_s must be > 0, got {interval_s}")
@@ -54,6 +74,8 @@ class CacheStatsPublisher:
         self.model = model
         self.interval_s = interval_s
         self.kv_tier = kv_tier
+        self.semantic_backend = semantic_backend
+        self._ledgers = [CacheLedger(client, prefix=prefix, kind=k) for k in RESULT_CACHE_KINDS]
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cache-stats", daemon=True)
 
@@ -67,7 +89,13 @@ class CacheStatsPublisher:
 
     def publish(self) -> None:
         """Write the current counters once."""
-        counters = {"exact": lookups_counted("exact"), "semantic": lookups_counted("semantic")}
+        counters: dict[str, dict[str, int]] = {}
+        for ledger in self._ledgers:
+            report = ledger.sweep()
+            metrics.CACHE_EVICTIONS.labels(ledger.kind).inc(report.num_evicted)
+            metrics.CACHE_RESIDENT_BYTES.labels(ledger.kind).set(report.resident_bytes)
+            counters[ledger.kind] = {**result_cache_counted(ledger.kind),
+                                     "resident_bytes": report.resident_bytes}
         if self.kv_tier is not None:
             stats = self.kv_tier.snapshot()
             resident = self.kv_tier.resident_bytes()
@@ -81,7 +109,8 @@ class CacheStatsPublisher:
             }  # fmt: skip
         publish_cache_stats(self.client, prefix=self.prefix, worker_id=self.worker_id,
                             model=self.model, updated_at=time.time(), counters=counters,
-                            ttl_s=max(1, round(3 * self.interval_s)))  # fmt: skip
+                            ttl_s=max(1, round(3 * self.interval_s)),
+                            semantic_backend=self.semantic_backend)  # fmt: skip
 
     def _run(self) -> None:
         while True:
