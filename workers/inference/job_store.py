@@ -168,8 +168,7 @@ class JobStore:
             for s in filled
         ])
         if self.semantic is not None:
-            for success in filled:
-                self.semantic.remember(success.message, success.result)
+            self.semantic.remember_many([(s.message, s.result) for s in filled])
         publish_jobs_done(self._redis, prefix=self._prefix,
                           statuses=dict.fromkeys(finished, JobStatus.SUCCEEDED))
         return finished

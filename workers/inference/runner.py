@@ -25,7 +25,7 @@ from core.settings import Settings, get_settings
 from storage.db import create_db_engine, session_factory
 from storage.events import CancelSubscription
 from storage.model_cards import publish_card
-from storage.semantic_cache import SemanticCache
+from storage.semantic_backends import open_semantic_cache
 from workers.engine import EngineConfig, LLMEngine
 from workers.engine.embedding_engine import EmbeddingEngine
 from workers.engine.embedding_runner import EmbeddingRunner
@@ -117,9 +117,13 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
         kv_tier = connect_kv_tier(settings, engine, revision=card.revision)
         if kv_tier is not None:
             stack.callback(kv_tier.close)  # after the engine stopped: it writes what is queued
+        semantic_cache = open_semantic_cache(
+            redis_client, prefix=settings.topic_prefix, backend=settings.semantic_cache_backend,
+            max_entries=settings.semantic_cache_max_entries)
         stack.enter_context(CacheStatsPublisher(
             redis_client, prefix=settings.topic_prefix, worker_id=worker_id, model=card.name,
-            interval_s=settings.cache_stats_interval_s, kv_tier=kv_tier))
+            interval_s=settings.cache_stats_interval_s, kv_tier=kv_tier,
+            semantic_backend=semantic_cache.backend))
         engine_loop = EngineLoop(engine)
         engine_loop.start()
         stack.callback(engine_loop.stop, ENGINE_STOP_TIMEOUT_S)
@@ -137,7 +141,7 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
             model_revision=card.revision,
         )
         store.semantic = SemanticLookup(
-            SemanticCache(redis_client, prefix=settings.topic_prefix),
+            semantic_cache,
             models_dir=settings.models_dir, revision=card.revision,
             default_ttl_s=settings.result_cache_ttl_s)
         worker = Worker(

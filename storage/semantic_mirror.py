@@ -1,0 +1,175 @@
+"""A process's copy of semantic-cache scopes: their vectors as one float32 matrix.
+
+Responsible for: holding, per scope, the rows Redis holds (vectors and their raw meta
+JSON, parsed only for the few rows a search picks), growing by appends without copying
+the whole matrix each time (capacity doubles), dropping rows trimmed from the scope's
+head, scoring a batch of queries with one matrix product, and keeping all mirrors of the
+process within a byte budget (the least recently searched scope goes first; it is simply
+read again from Redis when next searched).
+
+Rows are addressed by their absolute index in the scope (entries ever added, counting
+the trimmed ones): the mirror of a scope whose head was trimmed to absolute index 40
+holds rows 40, 41, ... at buffer rows first, first + 1, ...
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Rows a new buffer has room for before its first doubling.
+MIN_CAPACITY = 1024
+# What CPython spends on a bytes object besides its contents.
+BYTES_OBJECT_OVERHEAD = 33
+
+
+@dataclass(slots=True)
+class ScopeMirror:
+    """One scope's rows in this process, in the order Redis holds them."""
+
+    epoch: bytes  # the scope's incarnation: a scope that expired and began again differs
+    start: int  # absolute index of the oldest row held
+    dims: int
+    _buffer: np.ndarray = field(init=False)  # (capacity, dims) float32; rows first..
+    _first: int = 0
+    _metas: list[bytes] = field(default_factory=list)
+    _num_meta_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self._buffer = np.empty((0, self.dims), dtype=np.float32)
+
+    def __len__(self) -> int:
+        return len(self._metas)
+
+    @property
+    def end(self) -> int:
+        """Absolute index of the next row to come."""
+        return self.start + len(self._metas)
+
+    @property
+    def vectors(self) -> np.ndarray:
+        """(rows, dims) view of the held unit vectors."""
+        return self._buffer[self._first : self._first + len(self._metas)]
+
+    @property
+    def capacity(self) -> int:
+        """Rows the buffer holds before it must grow (trimmed head rows included)."""
+        return len(self._buffer)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes this mirror takes (its buffer and raw metas), roughly."""
+        return self._buffer.nbytes + self._num_meta_bytes + BYTES_OBJECT_OVERHEAD * len(self)
+
+    def reserve(self, num_rows: int) -> None:
+        """Make room for `num_rows` rows in all, so a known number of appends copies none."""
+        if self._first + num_rows > len(self._buffer):
+            self._resize(max(num_rows, len(self)))
+
+    def append(self, vectors: np.ndarray, metas: list[bytes]) -> None:
+        """Add rows at the end; `vectors` is (len(metas), dims)."""
+        if vectors.shape != (len(metas), self.dims):
+            raise ValueError(f"vectors must be ({len(metas)}, {self.dims}), got {vectors.shape}")
+        self.append_chunks([vectors.astype(np.float32).tobytes()], [b"\n".join(metas)])
+
+    def append_chunks(self, vector_chunks: list[bytes], meta_chunks: list[bytes], *,
+                      skip: int = 0) -> None:
+        """Add the entries of chunks as Redis keeps them (vectors back to back; metas joined
+        by newlines), less the first `skip` entries of the first chunk."""
+        metas = [m for chunk in meta_chunks for m in chunk.split(b"\n")][skip:]
+        row_bytes = 4 * self.dims
+        if sum(len(c) for c in vector_chunks) != (skip + len(metas)) * row_bytes:
+            raise ValueError(f"chunks hold {sum(len(c) for c in vector_chunks)} vector bytes "
+                             f"for {skip + len(metas)} metas of {self.dims} floats")
+        num_rows, num_new = len(self._metas), len(metas)
+        if self._first + num_rows + num_new > len(self._buffer):
+            # Full: move the rows to the front of a buffer twice their size (or of the same
+            # size when trimmed head rows left room), so n appends copy O(n) rows in all.
+            self._resize(max(MIN_CAPACITY, 2 * (num_rows + num_new), len(self._buffer)))
+        at, offset = self._first + num_rows, skip * row_bytes
+        for chunk in vector_chunks:  # straight into the buffer: no joined copy
+            rows = np.frombuffer(chunk, dtype=np.float32, offset=min(offset, len(chunk)))
+            self._buffer[at : at + len(rows) // self.dims] = rows.reshape(-1, self.dims)
+            at += len(rows) // self.dims
+            offset = max(0, offset - len(chunk))
+        self._metas.extend(metas)
+        self._num_meta_bytes += sum(len(m) for m in metas)
+
+    def _resize(self, capacity: int) -> None:
+        """Move the held rows to the front of a new buffer of `capacity` rows."""
+        grown = np.empty((capacity, self.dims), dtype=np.float32)
+        grown[: len(self)] = self.vectors
+        self._buffer, self._first = grown, 0
+
+    def drop_head(self, num_rows: int) -> None:
+        """Forget the oldest `num_rows` rows (Redis trimmed them)."""
+        num_rows = min(num_rows, len(self._metas))
+        self._first += num_rows
+        self.start += num_rows
+        self._num_meta_bytes -= sum(len(m) for m in self._metas[:num_rows])
+        del self._metas[:num_rows]
+
+    def best_rows(self, queries: np.ndarray, k: int,
+                  min_similarity: float = -1.0) -> list[list[tuple[int, float]]]:
+        """Per query (a row of `queries`, unit vectors): its at most `k` most similar rows
+        at least `min_similarity` alike, best first, as (row position, similarity)."""
+        scores = queries @ self.vectors.T  # (q, rows): one pass over the matrix
+        best: list[list[tuple[int, float]]] = []
+        if min_similarity > -1.0:
+            # A high bar leaves few candidates: find them with one comparison rather than
+            # a partial sort of every row (e.g. 200 queries x 100,000 rows: ~10x faster).
+            query_ids, row_ids = np.nonzero(scores >= min_similarity)
+            per_query: list[list[int]] = [[] for _ in range(len(queries))]
+            for query, row in zip(query_ids.tolist(), row_ids.tolist(), strict=True):
+                per_query[query].append(row)
+            for row_scores, rows in zip(scores, per_query, strict=True):
+                ranked = sorted(rows, key=row_scores.__getitem__, reverse=True)[:k]
+                best.append([(row, float(row_scores[row])) for row in ranked])
+            return best
+        k = min(k, scores.shape[1])
+        if k == 0:
+            return [[] for _ in range(len(queries))]
+        top = np.argpartition(scores, scores.shape[1] - k, axis=1)[:, -k:]
+        for row_scores, rows in zip(scores, top, strict=True):
+            ranked = sorted(rows.tolist(), key=row_scores.__getitem__, reverse=True)
+            best.append([(row, float(row_scores[row])) for row in ranked])
+        return best
+
+    def meta(self, row: int) -> dict[str, Any]:
+        """The parsed meta JSON of a held row."""
+        value: dict[str, Any] = json.loads(self._metas[row])
+        return value
+
+
+class MirrorSet:
+    """Every scope mirror of a process, within `max_bytes` (least recently used go)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._mirrors: OrderedDict[str, ScopeMirror] = OrderedDict()
+
+    def get(self, scope: str) -> ScopeMirror | None:
+        """The scope's mirror (now the most recently used), or None."""
+        mirror = self._mirrors.get(scope)
+        if mirror is not None:
+            self._mirrors.move_to_end(scope)
+        return mirror
+
+    def put(self, scope: str, mirror: ScopeMirror) -> None:
+        """Keep a mirror, dropping the least recently used others beyond the budget."""
+        self._mirrors[scope] = mirror
+        self._mirrors.move_to_end(scope)
+        total = sum(m.num_bytes for m in self._mirrors.values())
+        while total > self.max_bytes and len(self._mirrors) > 1:
+            _, dropped = self._mirrors.popitem(last=False)
+            total -= dropped.num_bytes
+
+    def discard(self, scope: str) -> None:
+        """Forget a scope's mirror."""
+        self._mirrors.pop(scope, None)
