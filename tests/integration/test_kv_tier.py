@@ -59,9 +59,26 @@ def test_budget_evicts_oldest_and_blocks_carry_the_ttl(redis_url: str) -> None:
     assert (stats.num_hits, stats.num_misses, stats.num_evictions) == (2, 2, 1)
     assert stats.num_stored_bytes == 30 and tier.resident_bytes() == 20
     assert 0 < tier.client.ttl(tier.block_key(b"c")) <= 60
+    assert tier.client.exists(tier.block_key(b"a")) == 0  # deleted once evicted
     tier.close()
     with pytest.raises(ValueError, match="kv_tier_max_bytes"):
         make_tier(redis_url, "x", max_bytes=0)
+
+
+def test_a_block_stored_again_before_its_eviction_is_deleted_stays(redis_url: str) -> None:
+    """The store script evicts (off the books), another store brings the block back before
+    the delete script runs: it stays, counted once."""
+    tier = make_tier(redis_url, f"t{random.getrandbits(40):x}", max_bytes=15)
+    a, b = tier.block_key(b"a"), tier.block_key(b"b")
+    now = time.time()
+    _, evicted = tier._store_script(keys=[*tier._keys, a, b], args=[now, 60, 15, b"x" * 10,
+                                                                   b"y" * 10])
+    assert evicted == [a.encode()] and tier.resident_bytes() == 10
+    tier._store_script(keys=[*tier._keys, a], args=[now + 1, 60, 25, b"x" * 10])
+    assert tier._delete_script(keys=[tier._keys[0], a]) == 0
+    assert tier.load([b"a", b"b"]) == [b"x" * 10, b"y" * 10]
+    assert tier.resident_bytes() == 20
+    tier.close()
 
 
 def test_tenants_never_read_each_others_kv(redis_url: str, tiny_model: Path) -> None:
@@ -147,6 +164,7 @@ def test_a_new_worker_loads_a_prefix_another_worker_computed(service) -> None:
             time.sleep(0.5)
     assert kv["hits"] == num_blocks, stats
     assert kv["loaded_bytes"] > 0 and kv["resident_bytes"] > 0
+    assert stats["semantic_backend"] == "exact"  # the test Redis has no vector search
     (worker,) = [w for w in stats["workers"] if w["caches"]["kv"]["hits"]]
     assert worker["caches"]["kv"]["hit_rate"] > 0
     assert set(stats["totals"]) == {"exact", "semantic", "kv"}

@@ -2,11 +2,13 @@
 
 Responsibilities:
 - keep encoded prefix blocks (the engine's payloads: token ids + K/V of every layer in
-  the pool's dtype) under `<prefix>:kv:<model>:<revision>:b:<chain hash>`; the chain hash
+  the pool's dtype) under `<prefix>:kv:{<model>:<revision>}:b:<chain hash>`; the chain hash
   is rooted in the request's cache salt, which the worker sets to the tenant, so one
   tenant's requests can never address another's blocks, and new weights never see old KV;
 - a TTL per block and a byte budget per model revision, enforced by one Lua script per
-  store: expired entries leave the byte count, then the oldest stored go until it fits;
+  store: expired entries leave the byte count, then the oldest stored go until it fits
+  (deleted by a second script: Redis Cluster safe, every key a script touches is passed
+  in KEYS, and all of a revision's keys share one hash tag, `{<model>:<revision>}`);
 - write on a background thread: the engine thread hands over the payloads and goes on
   with its step; a backlog beyond `MAX_PENDING_BYTES` is dropped (counted), never waited
   for; each script call carries at most `MAX_STORE_BYTES`, so Redis is never held long;
@@ -41,42 +43,64 @@ MAX_PENDING_BYTES = 256 << 20
 # ~23 MB, so a few calls, each short enough not to stall Redis for its other clients.
 MAX_STORE_BYTES = 16 << 20
 
-# KEYS: index (zset key -> store time), sizes (hash key -> bytes), total bytes, evictions.
-# ARGV: now, ttl, budget, block key prefix, then (hash hex, payload) pairs.
+# Redis Cluster safe: every key a script touches is in KEYS and shares the namespace's
+# hash tag, so one slot holds them all. Evicted blocks are therefore not deleted by the
+# store script (the client could not have named them in advance): it returns their keys
+# and `_DELETE_SCRIPT` deletes them next, with those keys in KEYS.
+#
+# KEYS: index (zset block key -> store time), sizes (hash block key -> bytes), total
+# bytes, evictions, then the block keys to store. ARGV: now, ttl, budget, then one payload
+# per block key, in the same order. Returns: bytes stored, evicted block keys.
 _STORE_SCRIPT = """
 local now, ttl, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local index, sizes, total, evictions = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local stored = 0
-local function forget(key)
-  local size = tonumber(redis.call('HGET', KEYS[2], key) or '0')
-  redis.call('DECRBY', KEYS[3], size)
-  redis.call('HDEL', KEYS[2], key)
-  redis.call('ZREM', KEYS[1], key)
-  redis.call('DEL', key)
+local function count(key, size)
+  redis.call('HSET', sizes, key, size)
+  redis.call('INCRBY', total, size)
 end
-for i = 5, #ARGV, 2 do
-  local key = ARGV[4] .. ARGV[i]
-  if redis.call('SET', key, ARGV[i + 1], 'EX', ttl, 'NX') then
-    local size = string.len(ARGV[i + 1])
-    redis.call('HSET', KEYS[2], key, size)
-    redis.call('INCRBY', KEYS[3], size)
-    stored = stored + size
+local function forget(key)  -- off the books; the key itself expires or is deleted next
+  redis.call('DECRBY', total, tonumber(redis.call('HGET', sizes, key) or '0'))
+  redis.call('HDEL', sizes, key)
+  redis.call('ZREM', index, key)
+end
+for i = 5, #KEYS do
+  local key, payload = KEYS[i], ARGV[i - 1]
+  if redis.call('SET', key, payload, 'EX', ttl, 'NX') then
+    count(key, string.len(payload))
+    stored = stored + string.len(payload)
   else
+    if redis.call('HEXISTS', sizes, key) == 0 then  -- evicted, not yet deleted: books again
+      count(key, redis.call('STRLEN', key))
+    end
     redis.call('EXPIRE', key, ttl)
   end
-  redis.call('ZADD', KEYS[1], now, key)
+  redis.call('ZADD', index, now, key)
 end
-for _, key in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl)) do
-  forget(key)
+for _, key in ipairs(redis.call('ZRANGEBYSCORE', index, '-inf', now - ttl)) do
+  forget(key)  -- stored ttl ago and not since: expired on its own
 end
-local evicted = 0
-while tonumber(redis.call('GET', KEYS[3]) or '0') > budget do
-  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0)
+local evicted = {}
+while tonumber(redis.call('GET', total) or '0') > budget do
+  local oldest = redis.call('ZRANGE', index, 0, 0)
   if #oldest == 0 then break end
   forget(oldest[1])
-  evicted = evicted + 1
+  evicted[#evicted + 1] = oldest[1]
 end
-if evicted > 0 then redis.call('INCRBY', KEYS[4], evicted) end
+if #evicted > 0 then redis.call('INCRBY', evictions, #evicted) end
 return {stored, evicted}
+"""
+
+# KEYS: index, then block keys a store evicted. One stored again since (back in the
+# index) stays. Returns: keys deleted.
+_DELETE_SCRIPT = """
+local deleted = 0
+for i = 2, #KEYS do
+  if not redis.call('ZSCORE', KEYS[1], KEYS[i]) then
+    deleted = deleted + redis.call('DEL', KEYS[i])
+  end
+end
+return deleted
 """
 
 
@@ -111,13 +135,15 @@ class RedisKVTier:
         if max_bytes < 1:
             raise ValueError(f"kv_tier_max_bytes must be >= 1, got {max_bytes}")
         self.client = client
-        self.namespace = f"{prefix}:kv:{model}:{revision}"
+        # The hash tag puts every key of the revision in one Redis Cluster slot.
+        self.namespace = f"{prefix}:kv:{{{model}:{revision}}}"
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
         self.stats = KVTierStats()
         self._keys = [f"{self.namespace}:{name}" for name in
                       ("index", "sizes", "bytes", "evictions")]  # fmt: skip
         self._store_script = client.register_script(_STORE_SCRIPT)
+        self._delete_script = client.register_script(_DELETE_SCRIPT)
         self._bypass_until = 0.0
         self._lock = threading.Lock()  # stats are read by the publisher thread
         self._pending: queue.Queue[list[tuple[bytes, bytes]] | None] = queue.Queue()
@@ -175,21 +201,26 @@ class RedisKVTier:
                 self._pending.task_done()
 
     def _write(self, blocks: list[tuple[bytes, bytes]]) -> None:
-        """One store script call: keep the blocks, enforce TTL and budget."""
-        argv: list[bytes | str | int | float] = [time.time(), self.ttl_s, self.max_bytes,
-                                                 f"{self.namespace}:b:"]  # fmt: skip
-        for block_hash, payload in blocks:
-            argv += [block_hash.hex(), payload]
+        """One store script call: keep the blocks, enforce TTL and budget; then delete
+        what the budget evicted."""
+        keys = self._keys + [self.block_key(block_hash) for block_hash, _ in blocks]
+        argv: list[bytes | str | int | float] = [time.time(), self.ttl_s, self.max_bytes]
+        argv += [payload for _, payload in blocks]
         try:
-            stored, evicted = self._store_script(keys=self._keys, args=argv)
+            stored, evicted = self._store_script(keys=keys, args=argv)
         except redis.RedisError as e:
             self._failed("store", e)
             return
         with self._lock:
             self.stats.num_stored_bytes += int(stored)
-            self.stats.num_evictions += int(evicted)
+            self.stats.num_evictions += len(evicted)
         metrics.KV_TIER_BYTES.labels("stored").inc(int(stored))
-        metrics.KV_TIER_EVICTIONS.inc(int(evicted))
+        metrics.KV_TIER_EVICTIONS.inc(len(evicted))
+        if evicted:
+            try:
+                self._delete_script(keys=[self._keys[0], *evicted])
+            except redis.RedisError as e:  # off the books already; they leave at their TTL
+                self._failed("delete", e)
 
     def load(self, block_hashes: list[bytes]) -> list[bytes | None]:
         """The payloads found (one round trip); all misses while Redis is bypassed."""
