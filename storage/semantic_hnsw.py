@@ -48,6 +48,8 @@ DEFAULT_DIMS = 384  # all-MiniLM-L6-v2
 # 1.x said "ft".
 SEARCH_MODULE_NAMES = frozenset({"search", "ft", "searchlight"})
 _NAMESPACE = re.compile(r"[0-9a-f]+")  # semantic_namespace's hex: no TAG escaping needed
+# A search that finds no index tries to create it again, at most this often.
+RECREATE_INTERVAL_S = 30.0
 
 
 def has_vector_search(client: redis.Redis) -> bool:
@@ -100,6 +102,7 @@ class HnswSemanticCache:
         self.index_name = f"{prefix}:sem:hnsw:{dims}"
         self.doc_prefix = f"{prefix}:semdoc:{dims}:"
         self.ledger = CacheLedger(client, prefix=prefix, kind=KIND)
+        self._next_recreate_at = 0.0
 
     def ensure_index(self) -> None:
         """Create the index unless it exists; RedisError propagates."""
@@ -112,6 +115,17 @@ class HnswSemanticCache:
                 raise
         else:
             logger.info("semantic cache: created HNSW index %s", self.index_name)
+
+    def _recreate_index(self) -> None:
+        """Create the index again if it is gone, at most every `RECREATE_INTERVAL_S`."""
+        now = time.monotonic()
+        if now < self._next_recreate_at:
+            return
+        self._next_recreate_at = now + RECREATE_INTERVAL_S
+        try:
+            self.ensure_index()
+        except redis.RedisError as e:
+            logger.warning("semantic cache: cannot create the HNSW index again (%s)", e)
 
     def doc_key(self, namespace: str, job_id: str) -> str:
         """The Redis key of one answered prompt's document."""
@@ -171,6 +185,8 @@ class HnswSemanticCache:
             except redis.RedisError as e:
                 metrics.CACHE_ERRORS.labels(KIND).inc()
                 logger.warning("semantic cache search failed (%s); treating as a miss", e)
+                if "index" in str(e).lower() and isinstance(e, redis.ResponseError):
+                    self._recreate_index()  # e.g. a restarted Redis without persistence
                 matches.append(None)
                 continue
             matches.append(self._best(_documents(found), min_similarity))

@@ -147,10 +147,14 @@ def test_a_search_reply_gives_the_best_live_document_above_the_bar() -> None:
     np.testing.assert_allclose(sent, vector / np.linalg.norm(vector), rtol=1e-6)
 
 
-def test_a_search_error_is_a_miss() -> None:
-    with FakeRedisServer({**REDIS_8, "FT.SEARCH": b"-no such index\r\n"}) as server:
+def test_a_search_error_is_a_miss_and_a_lost_index_is_created_again() -> None:
+    """A Redis restarted without persistence lost the index: searches miss, and it is
+    created again (once per interval, not per search)."""
+    with FakeRedisServer({**REDIS_8, "FT.SEARCH": b"-bi:sem:hnsw:384: no such index\r\n"}
+                         ) as server:
         cache = HnswSemanticCache(client_of(server), prefix="bi")
-        assert cache.nearest_many(NAMESPACE, [np.ones(384)]) == [None]
+        assert cache.nearest_many(NAMESPACE, [np.ones(384), np.ones(384)]) == [None, None]
+    assert len(server.sent(b"FT.CREATE")) == 1
 
 
 def test_an_entry_is_one_hash_document_with_its_ttl_and_a_ledger_line() -> None:
