@@ -85,7 +85,7 @@ class Settings(BaseSettings):
     # the search module, else the exact numpy scan; `hnsw` or `exact` insist on one.
     semantic_cache_backend: Literal["auto", "hnsw", "exact"] = "auto"
     # Exact scan only: entries one scope (tenant, model, revision, sampling) keeps at most,
-    # oldest dropped first; a lookup scans them all (~25 ms at 100,000 on one core).
+    # oldest dropped first; a lookup scans them all (17-25 ms at 100,000 here: bench/RESULTS).
     semantic_cache_max_entries: int = Field(default=100_000, ge=128)  # >= one chunk
     # Prefix KV tier in Redis: full prefix blocks a worker's pool evicts or reuses are kept
     # there (by chain hash, model revision and tenant) for every worker of the model to
