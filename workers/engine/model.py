@@ -82,7 +82,39 @@ def head_dim_of(hf_config: PretrainedConfig) -> int:
     return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
 
 
-class FusedLinear(nn.Linear):
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A (out, in) CPU weight re-laid in oneDNN's blocked format for `linear_packed`.
+
+    The layout is chosen once instead of on every call: at 16-64 rows a SmolLM2-135M
+    projection runs 1.2-2.2x faster than F.linear in fp32 (which re-packs the weight per
+    call), 1.1-1.5x in bf16. bf16 results are bit-identical to F.linear; fp32 differ in the
+    last bits (another summation order), as any other GEMM kernel would.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear with a weight from pack_weight(); x (N, in) -> (N, out)."""
+    return cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
+
+
+class Linear(nn.Linear):
+    """nn.Linear that runs from a pre-packed weight once `pack()` made one (CPU only)."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Keep a oneDNN-blocked copy of the weight; `weight` stays as loaded."""
+        self.packed_weight = pack_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, in) -> (N, out)."""
+        if self.packed_weight is None:
+            return F.linear(x, self.weight, self.bias)
+        return linear_packed(x, self.packed_weight, self.bias)
+
+
+class FusedLinear(Linear):
     """A Linear whose output rows stack several checkpoint matrices (q/k/v, gate/up)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
@@ -157,7 +189,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = FusedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
         self.backend = backend
 
     def forward(
@@ -188,7 +220,7 @@ class MLP(nn.Module):
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
         bias = bool(getattr(hf_config, "mlp_bias", False))
         self.gate_up_proj = FusedLinear(hidden, [inter, inter], bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, hidden) -> (N, hidden)."""
@@ -244,6 +276,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.packed_logits_weight: torch.Tensor | None = None  # set by pack_weights()
 
     @property
     def layers(self) -> list[DecoderLayer]:
@@ -267,7 +300,23 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, kv_cache[0, i], kv_cache[1, i], metadata)
         return self.model.norm(x)
 
+    def pack_weights(self) -> None:
+        """Pre-pack every projection's weight for oneDNN (the CPU placement calls this).
+
+        Costs a second copy of the projection weights in memory (the loaded ones stay, for
+        whoever reads them); start-up grows by well under a second for SmolLM2-135M.
+        """
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self.packed_logits_weight = pack_weight(self._logits_weight)
+
+    @property
+    def _logits_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (M, hidden) -> float32 logits (M, vocab), only for the rows that sample."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.packed_logits_weight is not None:
+            return linear_packed(hidden, self.packed_logits_weight, None).float()
+        return F.linear(hidden, self._logits_weight).float()

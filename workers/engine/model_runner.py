@@ -21,7 +21,12 @@ from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.loader import load_hf_config, load_model, read_eos_token_ids
 from workers.engine.model import check_supported, head_dim_of
-from workers.engine.placement import pick_backend, pick_device, pick_dtype
+from workers.engine.placement import (
+    pick_backend,
+    pick_device,
+    pick_dtype,
+    should_pack_weights,
+)
 from workers.engine.registry import resolve_model
 from workers.engine.sampler import SampledToken, Sampler
 from workers.engine.sampling_params import SamplingParams
@@ -99,6 +104,8 @@ class ModelRunner:
         self.model = load_model(
             self.model_dir, self.hf_config, self.backend, self.dtype, self.device
         )
+        if should_pack_weights(self.device, self.dtype):
+            self.model.pack_weights()
         self.sampler = Sampler(config.seed, self.device)
         self.graphs: DecodeGraphs | None = None  # captured once the pool exists
         self.num_kv_blocks = self._count_kv_blocks()

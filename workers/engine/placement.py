@@ -50,6 +50,18 @@ def pick_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> 
     return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def should_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether projections run from oneDNN-packed weights: on the CPU in fp32 and bf16.
+
+    (CUDA's cuBLAS needs no packing; fp16 on the CPU is left to F.linear.)
+    """
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
+
+
 def pick_backend(
     name: str, device: torch.device, dtype: torch.dtype, hf_config: PretrainedConfig
 ) -> AttentionBackend:
