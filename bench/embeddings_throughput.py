@@ -27,9 +27,6 @@ import json
 import os
 import platform
 import random
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -142,33 +139,36 @@ def main() -> None:
     cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min().item()
     print(f"lowest cosine between the two: {cosine:.6f}")
     if args.service:
-        service = Timing("service", service_seconds(args.model, texts), len(texts), num_tokens)
+        cpu_start = time.process_time()
+        runner.embed(texts)
+        print(cpu_line("runner", {"this process": time.process_time() - cpu_start}, len(texts)))
+        seconds, spent = service_run(args.model, texts)
+        service = Timing("service", seconds, len(texts), num_tokens)
         print(service.line())
+        print(cpu_line("service", spent, len(texts)))
         print(f"service / runner: {timings[0].seconds / service.seconds:.2f} of the runner's "
               "throughput")
 
 
-def service_seconds(model: str, texts: list[str]) -> float:
+def service_run(model: str, texts: list[str]) -> tuple[float, dict[str, float]]:
     """Seconds from creating a batch of `texts` (one line each) to its completion, on a
-    `batchinfer up` started (and stopped) here with one worker for `model`."""
+    `batchinfer up` started (and stopped) here with one worker for `model`, and the CPU
+    seconds each of its processes spent meanwhile."""
     import httpx
 
+    from bench.service_throughput import cpu_seconds_by_pid, cpu_seconds_by_role, stop_service
     from scheduler.embedded_services import free_port
+    from tests.utils.up_process import start_up
 
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="bench-embeddings-") as tmp:
-        argv = [sys.executable, "-m", "core.cli", "up", "--port", str(port), "--data-dir",
-                str(Path(tmp) / "data"), "--model", model, "--served-model-name", "emb"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHINFER_")}
-        with (Path(tmp) / "up.log").open("ab") as log:
-            up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        up = start_up(Path(tmp) / "data", free_port(), num_workers=1,
+                      log_path=Path(tmp) / "up.log",
+                      args=["--model", model, "--served-model-name", "emb"])
         try:
-            key = _api_key(up)
             lines = [json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/embeddings",
                                  "body": {"model": "emb", "input": text}})
                      for i, text in enumerate(texts)]
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120,
-                              headers={"Authorization": f"Bearer {key}"}) as client:
+            with httpx.Client(base_url=up.url, timeout=120, headers=up.headers) as client:
                 uploaded = client.post("/v1/files", data={"purpose": "batch"}, files={
                     "file": ("in.jsonl", ("\n".join(lines) + "\n").encode(),
                              "application/jsonl")}).raise_for_status().json()
@@ -176,6 +176,7 @@ def service_seconds(model: str, texts: list[str]) -> float:
                 # runner alone is timed warm, so is the service.
                 client.post("/v1/embeddings", json={"model": "emb", "input": "warm-up"}
                             ).raise_for_status()
+                before = cpu_seconds_by_pid(up)
                 start = time.perf_counter()
                 batch = client.post("/v1/batches", json={
                     "input_file_id": uploaded["id"], "endpoint": "/v1/embeddings",
@@ -184,21 +185,20 @@ def service_seconds(model: str, texts: list[str]) -> float:
                     time.sleep(0.2)
                     batch = client.get(f"/v1/batches/{batch['id']}").raise_for_status().json()
                 seconds = time.perf_counter() - start
+                spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
                 if batch["status"] != "completed" or batch["request_counts"]["failed"]:
                     raise RuntimeError(f"the batch ended {batch['status']}: {batch}")
-                return seconds
+                return seconds, spent
         finally:
-            up.send_signal(signal.SIGTERM)
-            up.wait(120)
+            stop_service(up)
 
 
-def _api_key(up: subprocess.Popen[str]) -> str:
-    """Read `batchinfer up`'s banner until its API key."""
-    assert up.stdout is not None
-    for line in up.stdout:
-        if line.startswith("API key: "):
-            return line.removeprefix("API key: ").strip()
-    raise RuntimeError(f"`batchinfer up` exited ({up.wait()}) before printing its API key")
+def cpu_line(title: str, spent: dict[str, float], num_texts: int) -> str:
+    """CPU milliseconds per text, by process."""
+    parts = ", ".join(f"{role} {1e3 * s / num_texts:.2f}"
+                      for role, s in sorted(spent.items(), key=lambda kv: -kv[1]))
+    return (f"  {title} CPU ms per text: {parts} "
+            f"(total {1e3 * sum(spent.values()) / num_texts:.2f})")
 
 
 if __name__ == "__main__":
