@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import httpx
 import pytest
 import redis
 
@@ -19,6 +20,8 @@ from storage.cache_stats import read_cache_stats
 from storage.models import JobStatus
 from storage.semantic_hnsw import has_vector_search
 from storage.tenants import create_tenant
+from tests.utils.api import TenantKey, make_tenant_key
+from tests.utils.service import running_api
 from tests.utils.worker_service import Service
 
 
@@ -120,3 +123,45 @@ def test_semantic_hits_at_the_default_threshold_and_the_guard_refusing_blurred_o
     assert semantic["stored_bytes"] == semantic["resident_bytes"] > semantic["loaded_bytes"]
     assert (semantic["hits"], semantic["misses"], semantic["evictions"]) == (1, 5, 0)
     assert worker["semantic_backend"] == backend
+
+
+def test_cached_answers_through_the_http_api(service) -> None:
+    """Jobs POSTed and long-polled over HTTP: the job objects say which cache answered, with
+    no completion tokens computed; another tenant's identical prompt runs in the engine."""
+    svc = service()
+    svc.start_worker()
+    acme = make_tenant_key(svc.sessions, "acme-http")
+    globex = make_tenant_key(svc.sessions, "globex-http")
+    with running_api(svc.settings) as url:
+
+        def ask(tenant: TenantKey, prompt: str, **cache: Any) -> dict[str, Any]:
+            with httpx.Client(base_url=url, headers=tenant.headers, timeout=60) as client:
+                body = {"model": svc.settings.model, **_greedy(prompt, **cache)}
+                job = client.post("/v1/jobs", json=body).raise_for_status().json()
+                deadline = time.monotonic() + 120
+                while job["status"] in ("queued", "running"):
+                    assert time.monotonic() < deadline, job
+                    job = client.get(f"/v1/jobs/{job['id']}",
+                                     params={"wait": 10}).raise_for_status().json()
+                assert job["status"] == "succeeded", job
+                return job
+
+        first = ask(acme, "What is the capital of France?", mode="semantic")
+        again = ask(acme, "What is the capital of France?")
+        paraphrase = ask(acme, "What is the capital of France, exactly?", mode="semantic")
+        germany = ask(acme, "What is the capital of Germany?", mode="semantic")
+        other_tenant = ask(globex, "What is the capital of France?", mode="semantic")
+    text = first["result"]["choices"][0]["text"]
+    assert first["cached"] is None and first["usage"]["completion_tokens"] > 0
+    assert again["cached"] == "exact"
+    assert again["result"]["cached"] == "exact"
+    assert again["usage"]["completion_tokens"] == 0
+    assert again["result"]["choices"][0]["text"] == text
+    assert paraphrase["cached"]["kind"] == "semantic"
+    assert paraphrase["cached"]["matched_job_id"] == first["id"]
+    assert paraphrase["cached"]["similarity"] >= 0.95
+    assert paraphrase["usage"]["completion_tokens"] == 0
+    assert paraphrase["result"]["choices"][0]["text"] == text
+    assert germany["cached"] is None
+    assert other_tenant["cached"] is None
+    assert other_tenant["usage"]["completion_tokens"] == first["usage"]["completion_tokens"]
