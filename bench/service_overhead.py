@@ -18,7 +18,7 @@ broker, Redis, the load generator), so the next bottleneck is visible. The tenan
 limit is lifted for the run (BATCHINFER_TENANT_RATE_LIMIT_PER_S), and said so.
 
     .venv/bin/python -m bench.service_overhead [--api-seconds 10 --e2e-jobs 5000 \
-        --batch-lines 50000]
+        --batch-lines 50000 --phases engine api e2e batch]
 """
 
 from __future__ import annotations
@@ -248,6 +248,8 @@ def main() -> None:
     parser.add_argument("--api-seconds", type=float, default=10.0)
     parser.add_argument("--e2e-jobs", type=int, default=5000)
     parser.add_argument("--batch-lines", type=int, default=50_000)
+    parser.add_argument("--phases", nargs="+", default=["engine", "api", "e2e", "batch"],
+                        choices=["engine", "api", "e2e", "batch"], help="which phases to run")
     parser.add_argument("--client", nargs=6, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
@@ -260,11 +262,15 @@ def main() -> None:
     model = str(model_dir)
     print(f"machine: {machine()}")
     print("tenant rate limit lifted for the run (BATCHINFER_TENANT_RATE_LIMIT_PER_S=1e9)")
-    print(f"engine   {engine_phase(model_dir, 2000):8.0f} jobs/s (LLM.generate, 1 token each)")
+    if "engine" in args.phases:
+        print(f"engine   {engine_phase(model_dir, 2000):8.0f} jobs/s (LLM.generate, "
+              "1 token each)")
     for name, workers, phase in (("api", 0, lambda up: api_phase(up, model, args.api_seconds)),
                                  ("e2e", 1, lambda up: e2e_phase(up, model, args.e2e_jobs)),
                                  ("batch", 1, lambda up: batch_phase(up, model,
                                                                      args.batch_lines))):
+        if name not in args.phases:
+            continue
         up = started(root, name, model_dir, workers)
         try:
             phase(up)
