@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 
 from workers.engine.attention import BatchLayout, to_device
 from workers.engine.config import EngineConfig
+from workers.engine.cpu_threads import CpuThreadGovernor
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.loader import load_hf_config, load_model, read_eos_token_ids
 from workers.engine.model import check_supported, head_dim_of
@@ -107,6 +108,8 @@ class ModelRunner:
         if should_pack_weights(self.device, self.dtype):
             self.model.pack_weights()
         self.sampler = Sampler(config.seed, self.device)
+        # On the CPU, ops use as many threads as other processes leave cores free.
+        self.threads = CpuThreadGovernor() if self.device.type == "cpu" else None
         self.graphs: DecodeGraphs | None = None  # captured once the pool exists
         self.num_kv_blocks = self._count_kv_blocks()
         # One extra block at the end: scratch space for padded CUDA-graph rows; the block
@@ -166,6 +169,8 @@ class ModelRunner:
             raise ValueError("num_scheduled_tokens must have one entry per sequence")
         if not seqs:
             return [], torch.empty(0, self.hf_config.vocab_size, device=self.device)
+        if self.threads is not None:
+            self.threads.adjust()
         step = self._pack(seqs, num_scheduled_tokens)
         graphs = self.graphs
         max_blocks = max(len(t) for t in step.block_tables)
