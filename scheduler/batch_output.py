@@ -96,6 +96,18 @@ def job_line(row: BatchJobRow, *, stopped_code: str) -> tuple[bool, dict[str, An
                                   code=stopped_code)
 
 
+def encode_job_line(row: BatchJobRow, *, stopped_code: str) -> tuple[bool, bytes]:
+    """`job_line` encoded; a succeeded job's stored result JSON (`row.result_json`) is copied
+    into the line as it is rather than decoded and encoded again."""
+    if row.status != JobStatus.SUCCEEDED or row.result_json is None:
+        is_success, line = job_line(row, stopped_code=stopped_code)
+        return is_success, encode_line(line)
+    head = encode_line({"id": request_line_id(row.job_id), "custom_id": row.custom_id})
+    request_id = json.dumps(row.job_id)
+    return True, (head[:-2] + f',"response":{{"status_code":200,"request_id":{request_id},'
+                  f'"body":{row.result_json}}},"error":null}}\n'.encode())
+
+
 def encode_line(item: dict[str, Any]) -> bytes:
     """One JSONL line, newline included."""
     return json.dumps(item, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"

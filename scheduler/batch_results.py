@@ -17,7 +17,12 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from scheduler.batch_input import iter_requests
-from scheduler.batch_output import encode_line, job_line, unfinished_line, unstarted_line_id
+from scheduler.batch_output import (
+    encode_job_line,
+    encode_line,
+    unfinished_line,
+    unstarted_line_id,
+)
 from storage.batch_jobs import iter_batch_jobs
 from storage.batches import Batch
 from storage.files import FilePurpose, FileStore, FileWriter, create_file, new_file_id
@@ -46,8 +51,8 @@ def write_result_files(
     num_completed = num_failed = 0
     with store.writer(output_id) as output, store.writer(error_id) as errors:
         for row in iter_batch_jobs(session, batch_id=batch.id):
-            is_success, line = job_line(row, stopped_code=stopped_code)
-            (output if is_success else errors).write(encode_line(line))
+            is_success, line = encode_job_line(row, stopped_code=stopped_code)
+            (output if is_success else errors).write(line)
             if is_success:
                 num_completed += 1
             else:

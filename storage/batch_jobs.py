@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Index, func, literal, select, tuple_, update
+from sqlalchemy import Index, Text, cast, func, literal, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from storage.models import Job, JobStatus, UTCDateTime, utcnow
@@ -54,13 +54,15 @@ class BatchJobUsage:
 
 @dataclass(frozen=True, slots=True)
 class BatchJobRow:
-    """What the output and error files need of one job."""
+    """What the output and error files need of one job. `result_json` is the stored result
+    as the database holds it (JSON text), for writers that copy it into a line as is."""
 
     job_id: str
     custom_id: str
     status: JobStatus
     result: dict[str, Any] | None
     error: dict[str, Any] | None
+    result_json: str | None = None
 
 
 def count_batch_jobs(session: Session, *, batch_id: str) -> BatchJobCounts:
@@ -93,8 +95,14 @@ def sum_batch_usage(session: Session, *, batch_id: str) -> BatchJobUsage:
 def iter_batch_jobs(
     session: Session, *, batch_id: str, page_size: int = PAGE_SIZE
 ) -> Iterator[BatchJobRow]:
-    """Every job of the batch in creation order (the input file's), a page per query."""
-    columns = (Job.id, Job.custom_id, Job.status, Job.result, Job.error, Job.created_at)
+    """Every job of the batch in creation order (the input file's), a page per query.
+
+    The result comes as its JSON text (`result_json`; `result` is None): decoding and
+    re-encoding it cost the output file most of its time (an embedding is hundreds of
+    floats), and the file only copies it.
+    """
+    columns = (Job.id, Job.custom_id, Job.status, cast(Job.result, Text), Job.error,
+               Job.created_at)
     query = select(*columns).where(Job.batch_id == batch_id)
     after: tuple[datetime, str] | None = None
     while True:
@@ -103,9 +111,10 @@ def iter_batch_jobs(
             at = tuple_(literal(after[0], UTCDateTime), literal(after[1]))
             page = page.where(tuple_(Job.created_at, Job.id) > at)
         rows = session.execute(page.order_by(Job.created_at, Job.id).limit(page_size)).all()
-        for job_id, custom_id, status, result, error, _ in rows:
+        for job_id, custom_id, status, result_json, error, _ in rows:
             yield BatchJobRow(job_id=job_id, custom_id=custom_id or "",
-                              status=JobStatus(status), result=result, error=error)
+                              status=JobStatus(status), result=None, error=error,
+                              result_json=result_json)
         if len(rows) < page_size:
             return
         after = (rows[-1][5], rows[-1][0])

@@ -7,6 +7,7 @@ import json
 from scheduler.batch_output import (
     BATCH_CANCELLED,
     BATCH_EXPIRED,
+    encode_job_line,
     encode_line,
     job_line,
     unfinished_line,
@@ -90,3 +91,18 @@ def test_encoded_line_is_one_json_line() -> None:
     raw = encode_line({"custom_id": "é\nx", "n": 1})
     assert raw.endswith(b"\n") and raw.count(b"\n") == 1
     assert json.loads(raw) == {"custom_id": "é\nx", "n": 1}
+
+
+def test_a_stored_result_is_copied_into_its_line_as_the_same_json() -> None:
+    """The result's JSON text goes into the line undecoded; the line reads back exactly as
+    the one built from the decoded result, custom ids with quotes and newlines included."""
+    for custom_id in ("req-7", 'say "hi"\nthere é'):
+        stored = row(JobStatus.SUCCEEDED, custom_id=custom_id,
+                     result_json=json.dumps(COMPLETION))
+        decoded = row(JobStatus.SUCCEEDED, custom_id=custom_id, result=COMPLETION)
+        is_success, raw = encode_job_line(stored, stopped_code=BATCH_EXPIRED)
+        assert is_success and raw.endswith(b"\n") and raw.count(b"\n") == 1
+        assert json.loads(raw) == job_line(decoded, stopped_code=BATCH_EXPIRED)[1]
+    failed = row(JobStatus.FAILED, error={"message": "bad"}, result_json=None)
+    assert encode_job_line(failed, stopped_code=BATCH_EXPIRED) == (
+        False, encode_line(job_line(failed, stopped_code=BATCH_EXPIRED)[1]))
