@@ -17,7 +17,6 @@ import pytest
 import redis
 
 from storage.cache_stats import read_cache_stats
-from storage.models import JobStatus
 from storage.semantic_hnsw import has_vector_search
 from storage.tenants import create_tenant
 from tests.utils.api import TenantKey, make_tenant_key
@@ -30,14 +29,6 @@ def _greedy(prompt: str, **cache: Any) -> dict[str, Any]:
     if cache:
         body["cache"] = cache
     return body
-
-
-def _run(svc: Service, bodies: list[dict[str, Any]]) -> list[Any]:
-    job_ids = svc.submit("high", bodies)
-    done = svc.wait_terminal(job_ids)
-    jobs = [done[job_id] for job_id in job_ids]
-    assert all(job.status == JobStatus.SUCCEEDED for job in jobs), [j.error for j in jobs]
-    return jobs
 
 
 def _published(svc: Service, kind: str, check: Any) -> dict[str, Any]:
@@ -54,9 +45,9 @@ def _published(svc: Service, kind: str, check: Any) -> dict[str, Any]:
 def test_exact_hits_are_marked_free_and_bypassed_when_off(service) -> None:
     svc = service(cache_stats_interval_s=0.3)
     svc.start_worker()
-    (first,) = _run(svc, [_greedy("the cache test prompt")])
+    (first,) = svc.run_succeeded([_greedy("the cache test prompt")])
     assert first.result.get("cached") is None
-    (again, off) = _run(svc, [_greedy("the cache test prompt"),
+    (again, off) = svc.run_succeeded([_greedy("the cache test prompt"),
                               _greedy("the cache test prompt", mode="off")])
     assert again.result["cached"] == "exact"
     assert again.completion_tokens == 0
@@ -77,12 +68,12 @@ def test_exact_hits_are_marked_free_and_bypassed_when_off(service) -> None:
 def test_another_tenant_never_gets_a_cached_answer(service) -> None:
     svc = service()
     svc.start_worker()
-    _run(svc, [_greedy("tenant isolation prompt")])
+    svc.run_succeeded([_greedy("tenant isolation prompt")])
     with svc.sessions() as session:
         other = create_tenant(session, name="globex")
         session.commit()
     svc.tenant_id = other.id
-    (theirs,) = _run(svc, [_greedy("tenant isolation prompt")])
+    (theirs,) = svc.run_succeeded([_greedy("tenant isolation prompt")])
     assert theirs.result.get("cached") is None
 
 
@@ -98,11 +89,11 @@ def test_semantic_hits_at_the_default_threshold_and_the_guard_refusing_blurred_o
                     "(BATCHINFER_TEST_REDIS_URL) runs the HNSW path")
     svc = service(semantic_cache_backend=backend, cache_stats_interval_s=0.3)
     svc.start_worker()
-    asked = _run(svc, [_greedy("What is the capital of France?", mode="semantic"),
+    asked = svc.run_succeeded([_greedy("What is the capital of France?", mode="semantic"),
                        _greedy("How many legs do 3 spiders have?", mode="semantic"),
                        _greedy("Is it safe to eat raw eggs?", mode="semantic")])
     assert all(job.result.get("cached") is None for job in asked)
-    paraphrase, four_spiders, negated, not_opted_in = _run(svc, [
+    paraphrase, four_spiders, negated, not_opted_in = svc.run_succeeded([
         _greedy("What is the capital of France, exactly?", mode="semantic"),
         _greedy("How many legs do 4 spiders have?", mode="semantic"),
         _greedy("Is it not safe to eat raw eggs?", mode="semantic"),

@@ -17,7 +17,6 @@ from transformers import AutoTokenizer
 
 from scheduler.embedded_services import free_port
 from storage.cache_stats import read_cache_stats
-from storage.models import JobStatus
 from tests.utils.api import make_tenant_key
 from tests.utils.service import running_api
 from tests.utils.worker_service import Service
@@ -121,14 +120,6 @@ def test_redis_down_bypasses_the_tier(tiny_model: Path, caplog: pytest.LogCaptur
     assert any("bypassing Redis" in r.getMessage() for r in caplog.records)
 
 
-def _run(svc: Service, bodies: list[dict[str, Any]]) -> list[Any]:
-    job_ids = svc.submit("high", bodies)
-    done = svc.wait_terminal(job_ids)
-    jobs = [done[job_id] for job_id in job_ids]
-    assert all(job.status == JobStatus.SUCCEEDED for job in jobs), [j.error for j in jobs]
-    return jobs
-
-
 def test_a_new_worker_loads_a_prefix_another_worker_computed(service) -> None:
     """Worker 1 reuses a long prefix (so it goes to Redis) and stops; worker 2, cold, loads
     it: same greedy text, and kv hits in GET /v1/cache/stats. The exact-result cache keeps
@@ -147,10 +138,11 @@ def test_a_new_worker_loads_a_prefix_another_worker_computed(service) -> None:
     num_blocks = min(num_shared // BLOCK, (len(q2) - 1) // BLOCK)
     assert num_blocks >= 10
     first = svc.start_worker()
-    texts_1 = [j.result["choices"][0]["text"] for j in _run(svc, [body("Q1?"), body("Q2?")])]
+    texts_1 = [j.result["choices"][0]["text"]
+               for j in svc.run_succeeded([body("Q1?"), body("Q2?")])]
     first.stop()
     svc.start_worker()
-    (again,) = _run(svc, [body("Q2?")])
+    (again,) = svc.run_succeeded([body("Q2?")])
     assert again.result["choices"][0]["text"] == texts_1[1]
     key = make_tenant_key(svc.sessions, "stats-reader")
     with running_api(svc.settings) as url, httpx.Client(base_url=url, headers=key.headers,
@@ -177,12 +169,12 @@ def test_a_worker_never_serves_one_tenants_prefix_to_another(service) -> None:
     prompt = "A long shared instruction for isolation. " * 8
     svc.start_worker()
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
-    (first,) = _run(svc, [body])
+    (first,) = svc.run_succeeded([body])
     tenant_a = svc.tenant_id
     svc.tenant_id = make_tenant_key(svc.sessions, "other-tenant").tenant_id
-    (theirs,) = _run(svc, [body])
+    (theirs,) = svc.run_succeeded([body])
     svc.tenant_id = tenant_a
-    (ours,) = _run(svc, [body])
+    (ours,) = svc.run_succeeded([body])
     assert first.cached_tokens == 0 and theirs.cached_tokens == 0
     assert ours.cached_tokens >= BLOCK
     assert theirs.result["choices"][0]["text"] == ours.result["choices"][0]["text"]
@@ -210,20 +202,20 @@ def test_a_job_with_cache_off_neither_reads_nor_writes_the_tier(service) -> None
     off = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "cache": {"mode": "off"}}
     on = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
     first = svc.start_worker()
-    (computed_off,) = _run(svc, [off])
+    (computed_off,) = svc.run_succeeded([off])
     assert computed_off.cached_tokens == 0 and _num_tier_blocks(svc) == 0
-    (computed_on,) = _run(svc, [on])
+    (computed_on,) = svc.run_succeeded([on])
     num_blocks = _num_tier_blocks(svc)
     assert num_blocks >= 4
-    (pool_skipped,) = _run(svc, [off])  # the pool holds the prefix now: still not used
+    (pool_skipped,) = svc.run_succeeded([off])  # the pool holds the prefix now: still not used
     assert pool_skipped.cached_tokens == 0 and _num_tier_blocks(svc) == num_blocks
     first.stop()
     svc.start_worker()
-    (cold_off,) = _run(svc, [off])
+    (cold_off,) = svc.run_succeeded([off])
     assert cold_off.cached_tokens == 0
     time.sleep(1.0)  # a few publishing intervals
     assert sum(_kv_counters(svc).values()) == 0  # no tier lookup at all
-    (cold_on,) = _run(svc, [on])
+    (cold_on,) = svc.run_succeeded([on])
     assert cold_on.cached_tokens >= num_blocks * BLOCK - BLOCK
     texts = {j.result["choices"][0]["text"]
              for j in (computed_off, computed_on, pool_skipped, cold_off, cold_on)}

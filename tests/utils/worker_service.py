@@ -126,6 +126,15 @@ class Service:
         )
         return self.jobs(job_ids)
 
+    def run_succeeded(self, bodies: list[dict[str, Any]], *,
+                      priority: str = "high") -> list[Job]:
+        """Submit the bodies, wait for them, assert each succeeded; their rows in order."""
+        job_ids = self.submit(priority, bodies)
+        done = self.wait_terminal(job_ids)
+        finished = [done[job_id] for job_id in job_ids]
+        assert all(j.status == JobStatus.SUCCEEDED for j in finished), [j.error for j in finished]
+        return finished
+
     def count_status(self, job_ids: list[str], status: JobStatus) -> int:
         """How many of these jobs are in `status`."""
         return sum(j.status == status for j in self.jobs(job_ids).values())
