@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
+from core import metrics
+from storage.cache_ledger import LedgerReport
 from storage.result_cache import canonical_request
+
+logger = logging.getLogger(__name__)
 
 # Bump when the scope material or a stored layout changes: old entries then miss.
 SEMANTIC_CACHE_VERSION = 2
@@ -99,3 +104,19 @@ def json_bytes(value: Any) -> bytes:
 def from_json_bytes(raw: bytes | str) -> Any:
     """`json_bytes` read back."""
     return json.loads(raw.decode("utf-8", "surrogatepass") if isinstance(raw, bytes) else raw)
+
+
+def count_write(stored_bytes: int, reports: list[LedgerReport]) -> None:
+    """Metrics of one write of either backend: bytes stored, entries it evicted, and the
+    bytes the cache holds after it (the last report's)."""
+    metrics.CACHE_BYTES.labels(KIND, "stored").inc(stored_bytes)
+    metrics.CACHE_EVICTIONS.labels(KIND).inc(sum(r.num_evicted for r in reports))
+    metrics.CACHE_RESIDENT_BYTES.labels(KIND).set(reports[-1].resident_bytes)
+
+
+def count_failed_write(error: Exception, num_prompts: int) -> None:
+    """A write either backend could not make: counted and logged; the prompts are simply
+    not remembered (a cache outage never fails a job)."""
+    metrics.CACHE_ERRORS.labels(KIND).inc()
+    logger.warning("semantic cache write failed (%s); %d prompts not remembered", error,
+                   num_prompts)

@@ -53,6 +53,8 @@ from storage.semantic_cache import (
     NUM_CANDIDATES,
     SemanticEntry,
     SemanticMatch,
+    count_failed_write,
+    count_write,
     from_json_bytes,
     json_bytes,
     unit_vector,
@@ -213,13 +215,9 @@ class ExactSemanticCache:
             if drops:  # rare: a scope reached its cap, or a batch of its head expired
                 reports.append(self.ledger.apply(drops))
         except redis.RedisError as e:
-            metrics.CACHE_ERRORS.labels(KIND).inc()
-            logger.warning("semantic cache write failed (%s); %d prompts not remembered", e,
-                           len(entries))
+            count_failed_write(e, len(entries))
             return
-        metrics.CACHE_BYTES.labels(KIND, "stored").inc(sum(c.num_bytes for c in changes))
-        metrics.CACHE_EVICTIONS.labels(KIND).inc(sum(r.num_evicted for r in reports))
-        metrics.CACHE_RESIDENT_BYTES.labels(KIND).set(reports[-1].resident_bytes)
+        count_write(sum(c.num_bytes for c in changes), reports)
 
     def nearest_many(self, namespace: str, vectors: list[np.ndarray],
                      min_similarity: float = -1.0) -> list[SemanticMatch | None]:

@@ -36,6 +36,8 @@ from storage.semantic_cache import (
     NUM_CANDIDATES,
     SemanticEntry,
     SemanticMatch,
+    count_failed_write,
+    count_write,
     from_json_bytes,
     json_bytes,
     unit_vector,
@@ -160,13 +162,9 @@ class HnswSemanticCache:
         try:
             report = self.ledger.report(pipe.execute()[-1])
         except redis.RedisError as e:
-            metrics.CACHE_ERRORS.labels(KIND).inc()
-            logger.warning("semantic cache write failed (%s); %d prompts not remembered", e,
-                           len(changes))
+            count_failed_write(e, len(changes))
             return
-        metrics.CACHE_BYTES.labels(KIND, "stored").inc(sum(c.num_bytes for c in changes))
-        metrics.CACHE_EVICTIONS.labels(KIND).inc(report.num_evicted)
-        metrics.CACHE_RESIDENT_BYTES.labels(KIND).set(report.resident_bytes)
+        count_write(sum(c.num_bytes for c in changes), [report])
 
     def nearest_many(self, namespace: str, vectors: list[np.ndarray],
                      min_similarity: float = -1.0) -> list[SemanticMatch | None]:
