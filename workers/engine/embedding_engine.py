@@ -1,15 +1,28 @@
 """The embedding runner behind the engine's request surface, for the worker's engine loop.
 
 Responsible for: taking requests (each a list of inputs) with `add_request`, refusing bad
-ones at once (ValueError, for that request only), and on each `step` embedding the
-waiting requests most urgent first, many requests' inputs in one run of the runner so
-that small requests share batches; every request finishes in the step that runs it.
+ones at once (ValueError, for that request only), and embedding the waiting requests'
+inputs most urgent first, many requests' inputs sorted into the same batches so that
+small requests share them; a request finishes in the step that completes its last batch.
+
+Why batches flow instead of steps embedding everything waiting: on a CPU the runner's
+streams (one per core) must never wait for the engine thread. Each `step` keeps one
+batch more than there are streams submitted, returns as soon as any batch completes
+(with the requests it finished) and refills the streams before returning, so the worker
+writes results and hands over new jobs while the streams compute. Waiting inputs are
+sorted into batches a round at a time (up to MAX_INPUTS_PER_ROUND inputs of the most
+urgent priority waiting), when the formed batches run low or something more urgent
+arrives; rounds are large because the worker keeps many jobs in flight, so each batch
+still pads to nearly its own length.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +31,9 @@ import torch
 from workers.engine.embedding_runner import EmbeddingInput, EmbeddingRunner, EncodedInput
 from workers.engine.outputs import EngineStats, RequestMetrics
 
-# Inputs one step embeds at most: enough for many requests' worth of batches, few enough
-# that an abort or a more urgent request waits one step of a few seconds at most.
-MAX_INPUTS_PER_STEP = 4096
+# Inputs sorted into batches together at most: enough for good packing, few enough that a
+# more urgent request arriving later waits for little more than a round's first batches.
+MAX_INPUTS_PER_ROUND = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +62,21 @@ class EmbeddingRequestOutput:
 
 
 @dataclass(slots=True)
-class _Waiting:
+class _Request:
     request_id: str
     priority: int
-    arrival: int
     encoded: list[EncodedInput]
+    vectors: list[torch.Tensor | None]
+    remaining: int
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+
+
+@dataclass(slots=True)
+class _Batch:
+    """A batch for the runner and, row by row, whose input each row is."""
+
+    rows: list[EncodedInput]
+    owners: list[tuple[_Request, int]]  # (request, index of the input in the request)
 
 
 class EmbeddingEngine:
@@ -65,10 +87,14 @@ class EmbeddingEngine:
         self.tokenizer: Any = runner.tokenizer
         self.max_model_len = runner.max_model_len
         self.dimensions = runner.dimensions
-        self._waiting: dict[str, _Waiting] = {}
-        self._arrivals = itertools.count()
+        self._requests: dict[str, _Request] = {}  # every unfinished, unaborted request
+        self._unbatched: dict[str, _Request] = {}  # of those, the ones not yet in a batch
+        self._formed: list[tuple[int, int, _Batch]] = []  # heap: (priority, order, batch)
+        self._running: deque[tuple[Future[torch.Tensor], _Batch]] = deque()
+        self._order = itertools.count()
         self._num_computed_tokens = 0
         self._busy_seconds = 0.0
+        self._busy_since: float | None = None
 
     def add_request(self, request_id: str, prompt: list[EmbeddingInput],
                     params: EmbeddingParams, *, priority: int = 0) -> None:
@@ -78,61 +104,129 @@ class EmbeddingEngine:
             # A chat or completion request routed here (a batch line, an older message).
             raise ValueError("model is an embedding model: it takes `input` (POST "
                              "/v1/embeddings), not messages or a prompt to complete")
-        if request_id in self._waiting:
+        if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already waiting")
         if not prompt:
             raise ValueError("input must hold at least one text or token list")
         encoded = self.runner.encode(prompt, truncate=params.truncate)
-        self._waiting[request_id] = _Waiting(request_id, priority, next(self._arrivals), encoded)
+        request = _Request(request_id, priority, encoded, [None] * len(encoded), len(encoded))
+        self._requests[request_id] = self._unbatched[request_id] = request
 
     def abort(self, request_id: str) -> None:
-        """Drop a waiting request (a running step finishes its requests regardless)."""
-        self._waiting.pop(request_id, None)
+        """Drop a request; rows of it already running finish and are thrown away."""
+        self._requests.pop(request_id, None)
+        self._unbatched.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        """True while requests wait."""
-        return bool(self._waiting)
+        """True while requests wait or run."""
+        return bool(self._requests)
 
     def step(self) -> list[EmbeddingRequestOutput]:
-        """Embed the most urgent waiting requests (at least one) and return them finished."""
-        chosen: list[_Waiting] = []
-        num_inputs = 0
-        for request in sorted(self._waiting.values(), key=lambda r: (r.priority, r.arrival)):
-            if chosen and num_inputs + len(request.encoded) > MAX_INPUTS_PER_STEP:
-                break
-            chosen.append(request)
-            num_inputs += len(request.encoded)
-        for request in chosen:
-            del self._waiting[request.request_id]
-        start = time.perf_counter()
-        now = time.time()
-        # One run over every chosen input: renumber them 0..n-1, then split back.
-        combined: list[EncodedInput] = []
-        for request in chosen:
-            request.metrics.first_scheduled_time = now
-            for item in request.encoded:
-                combined.append(EncodedInput(len(combined), item.token_ids, item.is_truncated))
-        vectors = self.runner.embed_encoded(combined) if combined else []
-        self._busy_seconds += time.perf_counter() - start
-        outputs, position = [], 0
-        finish = time.time()
-        for request in chosen:
-            mine = vectors[position:position + len(request.encoded)]
-            position += len(request.encoded)
-            request.metrics.finish_time = finish
-            outputs.append(EmbeddingRequestOutput(
-                request_id=request.request_id,
-                embeddings=[v.embedding for v in mine],
-                num_tokens_per_input=[v.num_tokens for v in mine],
-                truncated_indices=[i for i, v in enumerate(mine) if v.is_truncated],
-                metrics=request.metrics,
-            ))
-            self._num_computed_tokens += sum(v.num_tokens for v in mine)
+        """Wait for the next batch to complete; the requests it finished (maybe none)."""
+        self._form_batches()
+        self._submit()
+        if not self._running:
+            return []
+        wait([future for future, _ in self._running], return_when=FIRST_COMPLETED)
+        outputs = []
+        for done in [entry for entry in self._running if entry[0].done()]:
+            self._running.remove(done)
+            outputs.extend(self._collect(*done))
+        # Refill before the worker handles these results, so no stream waits for it.
+        self._form_batches()
+        if self.runner.is_concurrent:
+            self._submit()
+        self._note_busy()
         return outputs
 
     def stats(self) -> EngineStats:
         """Load and totals; an encoder has no KV cache and generates nothing."""
-        return EngineStats(num_running=0, num_waiting=len(self._waiting), num_kv_blocks_used=0,
+        busy = self._busy_seconds
+        if self._busy_since is not None:
+            busy += time.perf_counter() - self._busy_since
+        return EngineStats(num_running=len(self._requests) - len(self._unbatched),
+                           num_waiting=len(self._unbatched), num_kv_blocks_used=0,
                            num_kv_blocks_free=0, num_prefix_cache_hit_tokens=0,
                            num_preemptions=0, num_computed_tokens=self._num_computed_tokens,
-                           num_generated_tokens=0, busy_seconds=self._busy_seconds)
+                           num_generated_tokens=0, busy_seconds=busy)
+
+    def _form_batches(self) -> None:
+        """Sort the next round of waiting inputs into batches, when they are needed."""
+        if not self._unbatched:
+            return
+        urgent = min(r.priority for r in self._unbatched.values())
+        if len(self._formed) >= self.runner.streams and urgent >= self._formed[0][0]:
+            return  # enough formed to keep the streams busy, none less urgent than this
+        chosen: list[_Request] = []
+        num_inputs = 0
+        for request in self._unbatched.values():  # in arrival order, as inserted
+            if request.priority != urgent:
+                continue
+            if chosen and num_inputs + len(request.encoded) > MAX_INPUTS_PER_ROUND:
+                break
+            chosen.append(request)
+            num_inputs += len(request.encoded)
+        owners: list[tuple[_Request, int]] = []
+        rows: list[EncodedInput] = []
+        for request in chosen:
+            del self._unbatched[request.request_id]
+            for i, item in enumerate(request.encoded):
+                rows.append(EncodedInput(len(rows), item.token_ids, item.is_truncated))
+                owners.append((request, i))
+        for batch in self.runner.batches(rows):
+            heapq.heappush(self._formed, (urgent, next(self._order), _Batch(
+                batch, [owners[row.index] for row in batch])))
+
+    def _submit(self) -> None:
+        """Keep one batch more than there are streams running (one at a time without)."""
+        limit = self.runner.streams + 1 if self.runner.is_concurrent else 1
+        while len(self._running) < limit and self._formed:
+            _, _, batch = heapq.heappop(self._formed)
+            live = [i for i, (request, _) in enumerate(batch.owners)
+                    if self._requests.get(request.request_id) is request]
+            if not live:
+                continue  # every row's request was aborted
+            if len(live) < len(batch.rows):
+                batch = _Batch([batch.rows[i] for i in live], [batch.owners[i] for i in live])
+            now = time.time()
+            for request, _ in batch.owners:
+                if request.metrics.first_scheduled_time is None:
+                    request.metrics.first_scheduled_time = now
+            self._note_busy()
+            self._running.append((self.runner.submit(batch.rows), batch))
+
+    def _collect(self, future: Future[torch.Tensor],
+                 batch: _Batch) -> list[EmbeddingRequestOutput]:
+        """Give each row's vector to its request; the requests that now have them all."""
+        vectors = future.result()  # a failed batch fails the engine, as a failed step would
+        finished = []
+        for row, vector, (request, index) in zip(batch.rows, vectors, batch.owners,
+                                                  strict=True):
+            if self._requests.get(request.request_id) is not request:
+                continue  # aborted while its batch ran
+            request.vectors[index] = vector
+            self._num_computed_tokens += len(row.token_ids)
+            request.remaining -= 1
+            if request.remaining == 0:
+                del self._requests[request.request_id]
+                finished.append(self._output(request))
+        return finished
+
+    def _output(self, request: _Request) -> EmbeddingRequestOutput:
+        request.metrics.finish_time = time.time()
+        return EmbeddingRequestOutput(
+            request_id=request.request_id,
+            embeddings=[v for v in request.vectors if v is not None],
+            num_tokens_per_input=[len(e.token_ids) for e in request.encoded],
+            truncated_indices=[i for i, e in enumerate(request.encoded) if e.is_truncated],
+            metrics=request.metrics,
+        )
+
+    def _note_busy(self) -> None:
+        """Busy time = time with a batch running, however many streams run one."""
+        now = time.perf_counter()
+        if self._running and self._busy_since is None:
+            self._busy_since = now
+        elif not self._running and self._busy_since is not None:
+            self._busy_seconds += now - self._busy_since
+            self._busy_since = None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,7 +141,7 @@ class EmbeddingRunner:
     def embed_encoded(self, encoded: list[EncodedInput]) -> list[EmbeddingOutput]:
         """One EmbeddingOutput per encoded input, ordered by their `index` (0..n-1)."""
         outputs: list[EmbeddingOutput | None] = [None] * len(encoded)
-        batches = self._batches(encoded)
+        batches = self.batches(encoded)
         # Longest batches first, so the streams finish close together.
         results = (self._pool.map(self._run, batches) if self._pool and len(batches) > 1
                    else map(self._run, batches))
@@ -152,7 +152,24 @@ class EmbeddingRunner:
         assert all(o is not None for o in outputs), "every input belongs to one batch"
         return [o for o in outputs if o is not None]
 
-    def _batches(self, encoded: list[EncodedInput]) -> list[list[EncodedInput]]:
+    def submit(self, batch: list[EncodedInput]) -> Future[torch.Tensor]:
+        """Start one batch (from `batches`) on a free stream: its pooled vectors (rows in
+        batch order) when done. Without streams it runs here and returns done."""
+        if self._pool is not None:
+            return self._pool.submit(self._run, batch)
+        done: Future[torch.Tensor] = Future()
+        try:
+            done.set_result(self._run(batch))
+        except BaseException as e:  # raised again where the caller reads the result
+            done.set_exception(e)
+        return done
+
+    @property
+    def is_concurrent(self) -> bool:
+        """True when `submit` returns at once and batches run on the streams' threads."""
+        return self._pool is not None
+
+    def batches(self, encoded: list[EncodedInput]) -> list[list[EncodedInput]]:
         """Longest first; each batch's rows × its longest row stays within the budget."""
         ordered = sorted(encoded, key=lambda e: len(e.token_ids), reverse=True)
         batches: list[list[EncodedInput]] = []

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 import torch
 
 from workers.engine import SamplingParams
-from workers.engine.embedding_engine import EmbeddingEngine, EmbeddingParams
-from workers.engine.embedding_runner import EmbeddingRunner
+from workers.engine.embedding_engine import (
+    EmbeddingEngine,
+    EmbeddingParams,
+    EmbeddingRequestOutput,
+)
+from workers.engine.embedding_runner import EmbeddingInput, EmbeddingRunner, EncodedInput
 from workers.inference.embedding_jobs import (
     build_embedding_result,
     decode_base64_embedding,
@@ -19,19 +25,26 @@ LONG = "many words here " * 200
 
 @pytest.fixture(scope="module")
 def engine() -> EmbeddingEngine:
-    """all-MiniLM-L6-v2 on the CPU behind the engine surface."""
-    return EmbeddingEngine(EmbeddingRunner("all-minilm-l6-v2", device="cpu"))
+    """all-MiniLM-L6-v2 on the CPU behind the engine surface, batches on two streams."""
+    return EmbeddingEngine(EmbeddingRunner("all-minilm-l6-v2", device="cpu", streams=2))
 
 
-def test_requests_share_a_step_and_come_back_whole(engine: EmbeddingEngine) -> None:
-    """Several requests run in one step, most urgent first, each with its own vectors."""
+def run_all(engine: EmbeddingEngine) -> list[EmbeddingRequestOutput]:
+    """Step until nothing is left; every output, in the order they finished."""
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    return outputs
+
+
+def test_requests_share_batches_and_come_back_whole(engine: EmbeddingEngine) -> None:
+    """Several requests' inputs share batches, each request gets its own vectors back."""
     engine.add_request("a", ["first text", "second"], EmbeddingParams(), priority=2)
     engine.add_request("b", ["only text", LONG], EmbeddingParams(), priority=0)
     engine.add_request("gone", ["aborted"], EmbeddingParams())
     engine.abort("gone")
     assert engine.has_unfinished_requests()
-    outputs = {o.request_id: o for o in engine.step()}
-    assert not engine.has_unfinished_requests()
+    outputs = {o.request_id: o for o in run_all(engine)}
     assert set(outputs) == {"a", "b"} and all(o.finished for o in outputs.values())
     alone = engine.runner.embed(["first text", "second", "only text", LONG])
     got = outputs["a"].embeddings + outputs["b"].embeddings
@@ -59,7 +72,7 @@ def test_job_bodies_become_inputs_and_results(engine: EmbeddingEngine) -> None:
     assert (inputs, params) == (["one text"], EmbeddingParams(truncate=True))
     assert embedding_request_from_body({"input": [1, 2, 3]}, engine)[0] == [[1, 2, 3]]
     engine.add_request("r", inputs, params)
-    (output,) = engine.step()
+    (output,) = run_all(engine)
     body = {"input": "one text", "encoding_format": "base64"}
     result = build_embedding_result(output, model="emb", body=body)
     assert result["object"] == "list" and result["model"] == "emb"
@@ -77,3 +90,76 @@ def test_job_bodies_become_inputs_and_results(engine: EmbeddingEngine) -> None:
             embedding_request_from_body(bad, engine)
     with pytest.raises(ValueError, match="not embeddings"):
         embedding_request_from_body({"input": "x"}, object())
+
+
+@pytest.fixture(scope="module")
+def small_batches() -> EmbeddingEngine:
+    """Batches of at most 8 rows, so a few dozen requests make many batches."""
+    return EmbeddingEngine(EmbeddingRunner("all-minilm-l6-v2", device="cpu", streams=2,
+                                           max_batch_size=8))
+
+
+def texts(n: int, tag: str) -> list[EmbeddingInput]:
+    return [f"{tag} text number {i} " + "word " * (i % 7) for i in range(n)]
+
+
+def test_steps_return_as_batches_complete_and_keep_the_streams_fed(
+    small_batches: EmbeddingEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step returns what one batch finished while the next batches run; vectors are
+    the runner's own for every request, however the steps cut them."""
+    engine = small_batches
+    submitted: list[int] = []
+    submit = engine.runner.submit
+
+    def counted(batch: list[EncodedInput]) -> Future[torch.Tensor]:
+        submitted.append(len(batch))
+        return submit(batch)
+
+    monkeypatch.setattr(engine.runner, "submit", counted)
+    inputs = texts(40, "flow")  # 5 batches of 8
+    for i, text in enumerate(inputs):
+        engine.add_request(f"r{i}", [text], EmbeddingParams())
+    first = engine.step()
+    assert 0 < len(first) < len(inputs) and engine.has_unfinished_requests()
+    # streams + 1 batches went first; what completed was replaced before the step returned.
+    assert len(submitted) > engine.runner.streams + 1
+    outputs = {o.request_id: o for o in first + run_all(engine)}
+    assert set(outputs) == {f"r{i}" for i in range(len(inputs))}
+    alone = engine.runner.embed(inputs)
+    for i, ref in enumerate(alone):
+        torch.testing.assert_close(outputs[f"r{i}"].embeddings[0], ref.embedding,
+                                   atol=1e-5, rtol=0)
+        assert outputs[f"r{i}"].metrics.first_scheduled_time is not None
+
+
+def test_an_urgent_request_overtakes_a_formed_round(small_batches: EmbeddingEngine) -> None:
+    """Batches already formed from less urgent work wait; the urgent one runs next."""
+    engine = small_batches
+    for i, text in enumerate(texts(64, "bulk")):
+        engine.add_request(f"bulk{i}", [text], EmbeddingParams(), priority=5)
+    engine.step()  # the bulk round is formed and its first batches run
+    engine.add_request("urgent", ["answer me first"], EmbeddingParams(), priority=0)
+    finished_before: list[str] = []
+    while True:
+        done = [o.request_id for o in engine.step()]
+        if "urgent" in done:
+            break
+        finished_before.extend(done)
+    # At most the batches that were already submitted (streams + 1) ran ahead of it.
+    assert len(finished_before) <= 3 * 8
+    assert engine.stats().num_running + engine.stats().num_waiting > 0
+    run_all(engine)
+
+
+def test_aborting_a_running_request_drops_its_rows(small_batches: EmbeddingEngine) -> None:
+    """A request aborted while its batch runs never comes back; the others do, whole."""
+    engine = small_batches
+    engine.add_request("kept", texts(20, "kept"), EmbeddingParams())
+    engine.add_request("dropped", texts(20, "dropped"), EmbeddingParams())
+    outputs = engine.step()
+    assert engine.stats().num_running == 2  # both have rows in batches by now
+    engine.abort("dropped")
+    outputs += run_all(engine)
+    assert [o.request_id for o in outputs] == ["kept"]
+    assert len(outputs[0].embeddings) == 20 and not engine.has_unfinished_requests()

@@ -98,7 +98,7 @@ def test_small_token_budgets_give_the_same_vectors_in_input_order(
     whole = runner.embed(texts)
     runner.max_num_batched_tokens, budget = 256, runner.max_num_batched_tokens
     try:
-        batches = runner._batches(runner.encode(texts))
+        batches = runner.batches(runner.encode(texts))
         split = runner.embed(texts)
     finally:
         runner.max_num_batched_tokens = budget
@@ -123,7 +123,7 @@ def test_streams_run_batches_side_by_side_with_the_same_vectors(
                             max_num_batched_tokens=256)
     try:
         assert one._pool is None and three.streams == 3
-        assert len(three._batches(three.encode(texts))) > 3
+        assert len(three.batches(three.encode(texts))) > 3
         for a, b in zip(one.embed(texts), three.embed(texts), strict=True):
             torch.testing.assert_close(a.embedding, b.embedding, atol=1e-5, rtol=0)
         assert torch.get_num_threads() == threads
