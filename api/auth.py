@@ -2,8 +2,10 @@
 
 Responsible for: reading `Authorization: Bearer <key>`, resolving it to a live tenant with
 `storage.tenants.tenant_for_api_key`, and a 401 carrying `WWW-Authenticate` (RFC 6750)
-when the key is missing, unknown or revoked. The key lookup runs in its own short
-session, so a route's long wait never holds a database transaction open.
+when the key is missing, unknown or revoked. A key found live lately is answered from
+`api.key_cache` on the event loop (no thread, no SELECT); otherwise the lookup runs on the
+thread pool in its own short session, so a route's long wait never holds a database
+transaction open.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from api.errors import Unauthorized
 from api.resources import Resources
-from storage.tenants import tenant_for_api_key
+from storage.tenants import hash_api_key, tenant_for_api_key
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ class CurrentTenant:
     name: str
 
 
-def authenticate(
+async def authenticate(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
 ) -> CurrentTenant:
@@ -48,11 +51,25 @@ def authenticate(
             headers={"WWW-Authenticate": f'Bearer realm="{REALM}"'},
         )
     resources: Resources = request.app.state.resources
+    key_hash = hash_api_key(credentials.credentials)
+    tenant = resources.api_keys.get(key_hash)
+    if tenant is None:
+        tenant = await run_in_threadpool(look_up_key, resources, credentials.credentials)
+    if tenant is None:
+        raise Unauthorized(
+            "Incorrect API key provided: it is unknown or has been revoked.",
+            headers={"WWW-Authenticate": f'Bearer realm="{REALM}", error="invalid_token"'},
+        )
+    return tenant
+
+
+def look_up_key(resources: Resources, key: str) -> CurrentTenant | None:
+    """The tenant of a live key, read from the database and remembered; None otherwise."""
+    read_at = resources.api_keys.now()
     with resources.sessions() as session:
-        tenant = tenant_for_api_key(session, key=credentials.credentials)
-        if tenant is None:
-            raise Unauthorized(
-                "Incorrect API key provided: it is unknown or has been revoked.",
-                headers={"WWW-Authenticate": f'Bearer realm="{REALM}", error="invalid_token"'},
-            )
-        return CurrentTenant(id=tenant.id, name=tenant.name)
+        found = tenant_for_api_key(session, key=key)
+        if found is None:
+            return None
+        tenant = CurrentTenant(id=found.id, name=found.name)
+    resources.api_keys.put(hash_api_key(key), tenant, read_at=read_at)
+    return tenant

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.asyncio as aioredis
@@ -29,11 +29,15 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.active_jobs import ActiveJobGate
 from api.job_writer import JobWriter
+from api.key_cache import ApiKeyCache
 from api.rate_limit import TokenBucketLimiter
 from core.kafka import ensure_topics, make_producer
 from core.settings import Settings
 from storage.db import create_db_engine, session_factory
 from storage.model_cards import CardReader
+
+if TYPE_CHECKING:
+    from api.auth import CurrentTenant
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +253,8 @@ class Resources:
     active_jobs: ActiveJobGate
     # The workers' model cards, re-read at most every few seconds.
     cards: CardReader
+    # Live API keys seen lately (see api.key_cache).
+    api_keys: ApiKeyCache[CurrentTenant]
     # Unix time the app started: the `created` of the models it serves.
     started_at: float = field(default_factory=time.time)
 
@@ -258,6 +264,8 @@ class Resources:
         engine = create_db_engine(settings.database_url)
         sync_redis = redis.Redis.from_url(settings.redis_url, **_redis_options(Retry))
         sessions = session_factory(engine)
+        api_keys: ApiKeyCache[CurrentTenant] = ApiKeyCache()
+        api_keys.listen()
         return cls(
             settings=settings,
             engine=engine,
@@ -272,11 +280,13 @@ class Resources:
             writer=JobWriter(settings, sessions, publish_timeout_s=PUBLISH_TIMEOUT_S),
             active_jobs=ActiveJobGate(settings.tenant_max_active_jobs),
             cards=CardReader(sync_redis, prefix=settings.topic_prefix),
+            api_keys=api_keys,
         )
 
     async def aclose(self) -> None:
         """Close in reverse order of use; one failing close does not skip the others."""
         closers = [
+            ("API key cache", self.api_keys.close),
             ("job writer", self.writer.close),
             ("kafka producer", self.producer.close),
             ("redis", self.redis.close),
