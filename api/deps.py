@@ -2,7 +2,8 @@
 
 Everything comes from the app's `Resources` (opened by the lifespan), never from module
 state, so tests build an app per test and override any of these with
-`app.dependency_overrides`.
+`app.dependency_overrides`. The ones that only hand out an attribute are `async def`:
+FastAPI runs a plain `def` dependency on the thread pool, a hand-off per request each.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from core.settings import Settings
 MAX_IDEMPOTENCY_KEY_CHARS = 200
 
 
-def get_resources(request: Request) -> Resources:
+async def get_resources(request: Request) -> Resources:
     """The connections the app's lifespan opened."""
     resources: Resources = request.app.state.resources
     return resources
@@ -32,7 +33,7 @@ def get_resources(request: Request) -> Resources:
 ResourcesDep = Annotated[Resources, Depends(get_resources)]
 
 
-def get_app_settings(resources: ResourcesDep) -> Settings:
+async def get_app_settings(resources: ResourcesDep) -> Settings:
     """The settings this app was built with (not necessarily the process's)."""
     return resources.settings
 
@@ -43,17 +44,17 @@ def get_session(resources: ResourcesDep) -> Iterator[Session]:
         yield session
 
 
-def get_producer(resources: ResourcesDep) -> LazyProducer:
+async def get_producer(resources: ResourcesDep) -> LazyProducer:
     """The Kafka producer handle; it connects on first `get()`."""
     return resources.producer
 
 
-def get_redis(resources: ResourcesDep) -> redis.Redis:
+async def get_redis(resources: ResourcesDep) -> redis.Redis:
     """The synchronous Redis client (publishing events)."""
     return resources.redis
 
 
-def get_async_redis(resources: ResourcesDep) -> aioredis.Redis:
+async def get_async_redis(resources: ResourcesDep) -> aioredis.Redis:
     """The asyncio Redis client (long-poll subscriptions)."""
     return resources.aredis
 
