@@ -42,8 +42,9 @@ class ActiveJobGate:
         self._lock = threading.Lock()
         self._counts: dict[str, _Count] = {}
 
-    def admit(self, session: Session, *, tenant_id: str) -> bool:
-        """Take a slot for one more job of the tenant; False when it is at its cap."""
+    def admit_without_count(self, *, tenant_id: str) -> bool:
+        """Take a slot if a recent count shows the tenant far from its cap; False when only
+        a count can tell (then call `admit`). Never touches the database."""
         now = self._clock()
         with self._lock:
             known = self._counts.get(tenant_id)
@@ -51,6 +52,13 @@ class ActiveJobGate:
                     and known.num_active + known.num_admitted_since < self.cap * NEAR_CAP):
                 known.num_admitted_since += 1
                 return True
+        return False
+
+    def admit(self, session: Session, *, tenant_id: str) -> bool:
+        """Take a slot for one more job of the tenant; False when it is at its cap."""
+        if self.admit_without_count(tenant_id=tenant_id):
+            return True
+        now = self._clock()
         num_active = count_active_jobs(session, tenant_id=tenant_id)
         with self._lock:
             admitted = num_active < self.cap

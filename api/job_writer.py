@@ -103,13 +103,22 @@ class JobWriter:
         error (BrokerUnavailable, KafkaError) when the record was not acknowledged, a
         SQLAlchemyError when the database refused the group.
         """
+        producer.get()  # a broker known to be down refuses at once, not behind a group
+        return self.enqueue(job, producer).result(timeout=WRITE_TIMEOUT_S)
+
+    def enqueue(self, job: Job, producer: ProducerHandle) -> Future[Job]:
+        """Hand a job to the writer without waiting: its answer comes as `write`'s would.
+
+        For the event loop (`asyncio.wrap_future`): it never blocks, so the producer is
+        asked for only on the writer thread, where a broker known to be down refuses the
+        group before anything is written.
+        """
         if self._closed.is_set():
             raise RuntimeError("the job writer is closed")
-        producer.get()  # a broker known to be down refuses at once, not behind a group
         pending = _Pending(job, producer)
         self._inbox.put(pending)
         self._start()
-        return pending.answer.result(timeout=WRITE_TIMEOUT_S)
+        return pending.answer
 
     def close(self) -> None:
         """Finish the groups already taken, then stop the writer thread."""

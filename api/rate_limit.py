@@ -9,7 +9,8 @@ continuously at `rate` per second. Worked example, rate = 2/s: a burst of two
 submissions empties the bucket; the third, 0.1 s later, finds 0.2 tokens and is told to
 retry after (1 − 0.2) / 2 = 0.4 s.
 
-If Redis is unreachable the limiter fails open (and logs): a limiter outage should not
+The call is made on the event loop with the asyncio client: a submission needs no thread
+for it. If Redis is unreachable the limiter fails open (and logs): a limiter outage should not
 turn into a submission outage, and the active-jobs cap still bounds a tenant.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 
 import redis
+import redis.asyncio as aioredis
 
 logger = logging.getLogger(__name__)
 
@@ -50,17 +52,18 @@ return {admitted, tostring(wait)}
 class TokenBucketLimiter:
     """Admits a tenant's submissions at `rate_per_s`, with bursts up to one second's worth."""
 
-    def __init__(self, redis_client: redis.Redis, *, prefix: str, rate_per_s: float) -> None:
+    def __init__(self, redis_client: aioredis.Redis, *, prefix: str, rate_per_s: float) -> None:
         self.rate_per_s = rate_per_s
         self.capacity = max(1.0, rate_per_s)
         self._prefix = prefix
         self._script = redis_client.register_script(_TOKEN_BUCKET_LUA)
 
-    def retry_after_s(self, tenant_id: str) -> float | None:
+    async def retry_after_s(self, tenant_id: str) -> float | None:
         """Take a token for the tenant: None when admitted, else seconds until one frees."""
         key = f"{self._prefix}:ratelimit:{tenant_id}"
         try:
-            admitted, wait = self._script(keys=[key], args=[self.rate_per_s, self.capacity])
+            admitted, wait = await self._script(keys=[key],
+                                                args=[self.rate_per_s, self.capacity])
         except redis.RedisError as e:
             logger.warning("rate limiter unavailable (%s); admitting tenant %s", e, tenant_id)
             return None

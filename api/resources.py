@@ -3,7 +3,7 @@
 Responsible for: the database engine and session factory, the Kafka producer (connected on
 first use, so the API starts, and answers /readyz, while the broker is still coming up;
 dropped and re-made in the background when the broker dies and returns),
-the Redis clients (sync for publishing and the rate limiter, async for long-polls), and
+the Redis clients (sync for publishing, async for long-polls and the rate limiter), and
 closing all of them in reverse order.
 """
 
@@ -263,6 +263,7 @@ class Resources:
         """Create every client; none of them connects before first use."""
         engine = create_db_engine(settings.database_url)
         sync_redis = redis.Redis.from_url(settings.redis_url, **_redis_options(Retry))
+        async_redis = aioredis.Redis.from_url(settings.redis_url, **_redis_options(AsyncRetry))
         sessions = session_factory(engine)
         api_keys: ApiKeyCache[CurrentTenant] = ApiKeyCache()
         api_keys.listen()
@@ -272,9 +273,9 @@ class Resources:
             sessions=sessions,
             producer=LazyProducer(settings),
             redis=sync_redis,
-            aredis=aioredis.Redis.from_url(settings.redis_url, **_redis_options(AsyncRetry)),
+            aredis=async_redis,
             limiter=TokenBucketLimiter(
-                sync_redis, prefix=settings.topic_prefix,
+                async_redis, prefix=settings.topic_prefix,
                 rate_per_s=settings.tenant_rate_limit_per_s,
             ),
             writer=JobWriter(settings, sessions, publish_timeout_s=PUBLISH_TIMEOUT_S),

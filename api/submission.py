@@ -15,18 +15,20 @@ for every request that arrived within a few milliseconds, in one commit).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
 from dataclasses import dataclass
 
 from kafka.errors import KafkaError
-from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from api.auth import CurrentTenant
-from api.capabilities import check_request
+from api.capabilities import can_check_without_io, check_request
 from api.embedding_checks import check_embedding_request, check_generation_model
 from api.errors import Conflict, InvalidParameter, RateLimited, ServiceUnavailable
+from api.job_writer import WRITE_TIMEOUT_S
 from api.resources import BrokerUnavailable, LazyProducer, Resources
 from core.embedding_requests import EmbeddingRequest
 from core.metrics import JOBS_SUBMITTED
@@ -68,7 +70,7 @@ def request_hash(request: AnyRequest | EmbeddingRequest) -> str:
     return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def submit(
+async def submit(
     *,
     request: AnyRequest | EmbeddingRequest,
     priority: Priority,
@@ -77,7 +79,57 @@ def submit(
     resources: Resources,
     producer: LazyProducer,
 ) -> Submission:
-    """Store and publish one job, or return the job an identical earlier request made."""
+    """Store and publish one job, or return the job an identical earlier request made.
+
+    Runs on the event loop; only what waits on I/O goes to the thread pool (a model's
+    context not loaded yet, a long prompt, a callback host to resolve, an Idempotency-Key
+    to look up, a tenant near its active-job cap). The rate limiter is an asyncio Redis
+    call and the grouped writer answers through a future.
+    """
+    if (isinstance(request, EmbeddingRequest)
+            or getattr(request, "callback_url", None) is not None
+            or not can_check_without_io(request, resources)):
+        await run_in_threadpool(check, request, resources)
+    else:
+        check(request, resources)
+    digest = request_hash(request)
+    if idempotency_key is not None:
+        earlier = await run_in_threadpool(_find_earlier, resources, tenant, idempotency_key)
+        if earlier is not None:
+            return _replay(earlier, digest, idempotency_key)
+    await _admit(tenant, resources)
+    job = new_job(
+        tenant_id=tenant.id,
+        priority=priority,
+        model=request.model,
+        kind=request.kind,
+        request=request.inference_body(),
+        callback_url=getattr(request, "callback_url", None),
+        metadata=request.metadata,
+        idempotency_key=idempotency_key,
+        request_hash=digest,
+        cache_key=request.cache_key,
+        published=True,
+    )
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(resources.writer.enqueue(job, producer)),
+                               WRITE_TIMEOUT_S)
+    except IdempotencyKeyTaken:
+        # A concurrent request with the same key committed first: answer as its replay.
+        assert idempotency_key is not None
+        earlier = await run_in_threadpool(_find_earlier, resources, tenant, idempotency_key)
+        assert earlier is not None, "the key's unique index held, so its row exists"
+        return _replay(earlier, digest, idempotency_key)
+    except (BrokerUnavailable, KafkaError) as e:
+        logger.warning("job not accepted, the broker did not take it: %s", e)
+        raise ServiceUnavailable("message broker") from e
+    JOBS_SUBMITTED.labels(priority=job.priority).inc()
+    logger.debug("job %s queued (%s, %s)", job.id, job.priority, job.model)
+    return Submission(job=job, is_replay=False)
+
+
+def check(request: AnyRequest | EmbeddingRequest, resources: Resources) -> None:
+    """Everything that can refuse the request before admission: 4xx naming the field."""
     settings = resources.settings
     if isinstance(request, EmbeddingRequest):
         check_embedding_request(request, resources)
@@ -91,41 +143,11 @@ def submit(
             validate_callback_url(callback_url, settings)
         except ValueError as e:
             raise InvalidParameter(str(e), param="callback_url", code="invalid_callback_url") from e
-    digest = request_hash(request)
+
+
+def _find_earlier(resources: Resources, tenant: CurrentTenant, key: str) -> Job | None:
     with resources.sessions() as session:
-        if idempotency_key is not None:
-            earlier = find_by_idempotency_key(session, tenant_id=tenant.id, key=idempotency_key)
-            if earlier is not None:
-                return _replay(earlier, digest, idempotency_key)
-        _admit(session, tenant, resources)
-    job = new_job(
-        tenant_id=tenant.id,
-        priority=priority,
-        model=request.model,
-        kind=request.kind,
-        request=request.inference_body(),
-        callback_url=callback_url,
-        metadata=request.metadata,
-        idempotency_key=idempotency_key,
-        request_hash=digest,
-        cache_key=request.cache_key,
-        published=True,
-    )
-    try:
-        resources.writer.write(job, producer)
-    except IdempotencyKeyTaken:
-        # A concurrent request with the same key committed first: answer as its replay.
-        assert idempotency_key is not None
-        with resources.sessions() as session:
-            earlier = find_by_idempotency_key(session, tenant_id=tenant.id, key=idempotency_key)
-        assert earlier is not None, "the key's unique index held, so its row exists"
-        return _replay(earlier, digest, idempotency_key)
-    except (BrokerUnavailable, KafkaError) as e:
-        logger.warning("job not accepted, the broker did not take it: %s", e)
-        raise ServiceUnavailable("message broker") from e
-    JOBS_SUBMITTED.labels(priority=job.priority).inc()
-    logger.debug("job %s queued (%s, %s)", job.id, job.priority, job.model)
-    return Submission(job=job, is_replay=False)
+        return find_by_idempotency_key(session, tenant_id=tenant.id, key=key)
 
 
 def _replay(earlier: Job, digest: str, key: str) -> Submission:
@@ -137,16 +159,22 @@ def _replay(earlier: Job, digest: str, key: str) -> Submission:
     return Submission(job=earlier, is_replay=True)
 
 
-def _admit(session: Session, tenant: CurrentTenant, resources: Resources) -> None:
+async def _admit(tenant: CurrentTenant, resources: Resources) -> None:
     """429 when the tenant is over its submission rate or its active-job cap."""
-    retry_after = resources.limiter.retry_after_s(tenant.id)
+    retry_after = await resources.limiter.retry_after_s(tenant.id)
     if retry_after is not None:
         raise RateLimited(
             f"Rate limit reached: at most {resources.limiter.rate_per_s:g} submissions per "
             "second per tenant.", retry_after_s=retry_after)
     cap = resources.settings.tenant_max_active_jobs
-    if not resources.active_jobs.admit(session, tenant_id=tenant.id):
+    if not (resources.active_jobs.admit_without_count(tenant_id=tenant.id)
+            or await run_in_threadpool(_admit_by_count, resources, tenant)):
         raise RateLimited(
             f"Too many active jobs: at most {cap} may be queued or running at once; wait for "
             "some to finish.", retry_after_s=ACTIVE_JOBS_RETRY_AFTER_S,
             code="too_many_active_jobs")
+
+
+def _admit_by_count(resources: Resources, tenant: CurrentTenant) -> bool:
+    with resources.sessions() as session:
+        return resources.active_jobs.admit(session, tenant_id=tenant.id)

@@ -71,10 +71,9 @@ async def run_synchronously(
 ) -> JSONResponse:
     """Queue the request as a high-priority job, await it, answer with its stored result
     (the OpenAI object) or its error."""
-    submission = await run_in_threadpool(
-        lambda: submit(request=body, priority=Priority.HIGH, tenant=tenant,
-                       idempotency_key=idempotency_key, resources=resources, producer=producer)
-    )
+    submission = await submit(request=body, priority=Priority.HIGH, tenant=tenant,
+                              idempotency_key=idempotency_key, resources=resources,
+                              producer=producer)
     job_id = submission.job.id
     view = await _await_finished(request, resources, job_id=job_id, tenant_id=tenant.id)
     if view.status is JobStatus.SUCCEEDED and view.result is not None:

@@ -37,7 +37,7 @@ def job_not_found(job_id: str) -> NotFound:
 
 
 @router.post("", status_code=202, response_model=JobPublic)
-def create_job(
+async def create_job(
     raw: Annotated[dict[str, Any], Body()],
     response: Response,
     tenant: TenantDep,
@@ -48,10 +48,12 @@ def create_job(
     """Queue a job; 202 with its id and links (200 when an Idempotency-Key replays one).
 
     A body with `input` is an embeddings request; any other a chat or text completion.
+    On the event loop: `api.submission.submit` hands to threads only what waits on I/O.
     """
     body = _job_request(raw)
-    submission = submit(request=body, priority=body.priority, tenant=tenant,
-                        idempotency_key=idempotency_key, resources=resources, producer=producer)
+    submission = await submit(request=body, priority=body.priority, tenant=tenant,
+                              idempotency_key=idempotency_key, resources=resources,
+                              producer=producer)
     response.headers["Location"] = job_path(submission.job.id)
     if submission.is_replay:
         response.status_code = 200

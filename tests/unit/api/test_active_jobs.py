@@ -64,3 +64,24 @@ def test_near_the_cap_every_submission_counts_exactly(sessions: sessionmaker[Ses
                    kind="text_completion", request={"prompt": "tenth"})
         session.commit()
         assert not gate.admit(session, tenant_id=tenant_id)
+
+
+def test_admission_without_a_count_needs_a_recent_one_far_from_the_cap(
+    sessions: sessionmaker[Session],
+) -> None:
+    """The event loop's path: never a SELECT; False sends the caller to a counting admit."""
+    tenant_id = _tenant_with_jobs(sessions, 8)
+    clock = _Clock()
+    gate = ActiveJobGate(1000, clock=clock)
+    statements = _counting_selects(sessions)
+    assert not gate.admit_without_count(tenant_id=tenant_id)
+    with sessions() as session:
+        assert gate.admit(session, tenant_id=tenant_id)
+    assert gate.admit_without_count(tenant_id=tenant_id)
+    clock.now += MAX_AGE_S
+    assert not gate.admit_without_count(tenant_id=tenant_id)
+    assert sum("count" in sql.lower() for sql in statements) == 1
+    near = ActiveJobGate(9, clock=clock)
+    with sessions() as session:
+        assert near.admit(session, tenant_id=tenant_id)
+    assert not near.admit_without_count(tenant_id=tenant_id)

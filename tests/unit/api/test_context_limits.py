@@ -10,14 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import redis
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.model_context import ModelContexts, find_model_dir
+from api.capabilities import MAX_PROMPT_CHARS_ON_LOOP, can_check_without_io
+from api.resources import Resources
+from core.model_context import ModelContexts, find_model_dir, model_contexts
+from core.requests import JobCreate
 from storage.model_cards import publish_card
 from tests.unit.api.conftest import MODEL, ClientFactory
 from tests.unit.api.hostile_cases import send_json
@@ -219,3 +223,25 @@ def test_warm_up_loads_contexts_in_the_background(models_dir: Path) -> None:
     context = contexts.loaded(MODEL)
     assert context is not None and context.max_model_len == CONTEXT
     assert context.tokenizer is not None
+
+
+def test_short_prompts_of_loaded_models_are_checked_on_the_event_loop(
+    models_dir: Path, make_settings: Callable[..., Any]
+) -> None:
+    """No I/O to wait for: a model not served, or loaded and a short prompt. Otherwise the
+    check goes to the thread pool (a context still to load, a long prompt)."""
+    resources = cast(Resources, SimpleNamespace(
+        settings=make_settings(models_dir=models_dir, served_models=[MODEL, "elsewhere"])))
+    short, long = "x " * 10, "x " * MAX_PROMPT_CHARS_ON_LOOP
+
+    def chat(content: str) -> JobCreate:
+        return JobCreate.model_validate(
+            {"model": MODEL, "messages": [{"role": "user", "content": content}]})
+
+    model_contexts(models_dir).get(MODEL)
+    assert can_check_without_io(JobCreate(model=MODEL, prompt=short), resources)
+    assert can_check_without_io(chat(short), resources)
+    assert not can_check_without_io(JobCreate(model=MODEL, prompt=long), resources)
+    assert not can_check_without_io(chat(long), resources)
+    assert can_check_without_io(JobCreate(model="not-served", prompt=short), resources)
+    assert not can_check_without_io(JobCreate(model="elsewhere", prompt=short), resources)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -114,3 +115,34 @@ def test_a_taken_idempotency_key_fails_only_its_own_request(
     assert isinstance(answers[0], IdempotencyKeyTaken)
     assert answers[1:] == jobs[1:]
     assert _num_jobs(sessions) == 9
+
+
+def test_enqueue_from_the_event_loop_refuses_a_down_broker_on_the_writer_thread(
+    writer: JobWriter, sessions: sessionmaker[Session], tenant_id: str
+) -> None:
+    """enqueue never blocks; the group is refused before its insert, as write's would be."""
+    with pytest.raises(BrokerUnavailable):
+        writer.enqueue(_job(tenant_id, 0), _DownHandle()).result(timeout=5)
+    assert _num_jobs(sessions) == 0
+
+
+def test_a_request_that_stops_waiting_leaves_its_group_answered(
+    writer: JobWriter, sessions: sessionmaker[Session], producer: RecordingProducer,
+    tenant_id: str,
+) -> None:
+    """A cancelled await (client gone, timeout) must not break the answers of its group."""
+    jobs = [_job(tenant_id, i) for i in range(4)]
+
+    async def scenario() -> list[object]:
+        waits = [asyncio.ensure_future(asyncio.wrap_future(writer.enqueue(job, producer)))
+                 for job in jobs]
+        await asyncio.sleep(0)
+        waits[0].cancel()
+        return await asyncio.gather(*waits, return_exceptions=True)
+
+    answers = asyncio.run(scenario())
+    assert isinstance(answers[0], asyncio.CancelledError)
+    assert answers[1:] == jobs[1:]
+    # The cancelled request's job was stored and produced all the same (it had been taken).
+    assert _num_jobs(sessions) == 4
+    assert len(producer.records) == 4

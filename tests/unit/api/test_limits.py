@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
-import redis
+import redis.asyncio as aioredis
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.rate_limit import TokenBucketLimiter
@@ -17,15 +18,19 @@ VALID: dict[str, Any] = {"model": MODEL, **CHAT_BODY}
 
 def test_bucket_admits_a_burst_then_refuses_then_refills(redis_url: str) -> None:
     """rate=5/s: five at once pass, the sixth waits about 0.2 s, and later passes."""
-    client = redis.Redis.from_url(redis_url)
-    limiter = TokenBucketLimiter(client, prefix="rl-test-1", rate_per_s=5)
-    assert all(limiter.retry_after_s("t") is None for _ in range(5))
-    wait = limiter.retry_after_s("t")
-    assert wait is not None and 0 < wait <= 0.2 + 1e-6
-    assert limiter.retry_after_s("other-tenant") is None
-    time.sleep(wait + 0.05)
-    assert limiter.retry_after_s("t") is None
-    client.close()
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        limiter = TokenBucketLimiter(client, prefix="rl-test-1", rate_per_s=5)
+        assert [await limiter.retry_after_s("t") for _ in range(5)] == [None] * 5
+        wait = await limiter.retry_after_s("t")
+        assert wait is not None and 0 < wait <= 0.2 + 1e-6
+        assert await limiter.retry_after_s("other-tenant") is None
+        await asyncio.sleep(wait + 0.05)
+        assert await limiter.retry_after_s("t") is None
+        await client.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_without_redis_submissions_are_admitted_and_long_polls_poll(
