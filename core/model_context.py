@@ -56,8 +56,20 @@ class ModelContext:
                 except Exception as e:  # jinja raises its own errors from inside templates
                     raise PromptRenderError(f"cannot render the chat messages: {e}") from e
                 # The template already places special tokens such as BOS.
-                return len(self.tokenizer(text, add_special_tokens=False).input_ids)
-            return len(self.tokenizer(body["prompt"]).input_ids)
+                return self._count(text, add_special_tokens=False)
+            return self._count(body["prompt"], add_special_tokens=True)
+
+    def _count(self, text: str, *, add_special_tokens: bool) -> int:
+        """Tokens of `text`, as `len(tokenizer(text).input_ids)` counts them."""
+        assert self.tokenizer is not None
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if (backend is not None and backend.truncation is None and backend.padding is None
+                and backend.encode_special_tokens == bool(
+                    getattr(self.tokenizer, "split_special_tokens", False))):
+            # A fast tokenizer's __call__ sets these three options, then runs this same
+            # Rust encode; wrapping the result in a BatchEncoding costs about as much again.
+            return len(backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        return len(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
 def find_model_dir(name: str, models_dir: Path) -> Path | None:

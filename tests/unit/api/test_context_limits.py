@@ -225,6 +225,25 @@ def test_warm_up_loads_contexts_in_the_background(models_dir: Path) -> None:
     assert context.tokenizer is not None
 
 
+@pytest.mark.parametrize("text", [
+    "the quick brown fox", "<s> a </s> b", "héllo 日本語 \U0001F600 tabs\tand\nlines", "  x", "",
+])
+def test_prompt_tokens_are_counted_as_the_tokenizer_counts_them(
+    models_dir: Path, text: str
+) -> None:
+    """The Rust encode the count uses gives `len(tokenizer(text).input_ids)`, and the
+    tokenizer's own call is used when its backend carries options that call would reset."""
+    context = ModelContexts(models_dir).get(MODEL)
+    assert context is not None and context.tokenizer is not None
+    expected = len(context.tokenizer(text).input_ids)
+    assert context.count_prompt_tokens({"prompt": text}) == expected
+    context.tokenizer.backend_tokenizer.enable_truncation(max_length=2)
+    try:
+        assert context.count_prompt_tokens({"prompt": text}) == expected
+    finally:
+        context.tokenizer.backend_tokenizer.no_truncation()
+
+
 def test_short_prompts_of_loaded_models_are_checked_on_the_event_loop(
     models_dir: Path, make_settings: Callable[..., Any]
 ) -> None:
