@@ -197,6 +197,11 @@ def service_run(model: str, texts: list[str]) -> tuple[float, dict[str, float]]:
                 spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
                 if batch["status"] != "completed" or batch["request_counts"]["failed"]:
                     raise RuntimeError(f"the batch ended {batch['status']}: {batch}")
+                print("  batch phases: " + ", ".join(
+                    f"{name} {batch[end] - batch[begin]:.1f} s" for name, begin, end in (
+                        ("validating", "created_at", "in_progress_at"),
+                        ("in progress", "in_progress_at", "finalizing_at"),
+                        ("finalizing", "finalizing_at", "completed_at"))))
                 return seconds, spent
         finally:
             stop_service(up)
