@@ -1,4 +1,5 @@
-"""Job reads and claims for many jobs in one statement: what a worker does per poll.
+"""Job reads, claims and results for many jobs in one statement: what a worker does per
+poll and per engine step.
 
 A worker that starts a hundred short jobs per poll cannot afford a transaction per job
 (three round trips and a commit each, at a thousand jobs a second). These run one
@@ -10,12 +11,15 @@ says which it moved. Functions flush but never commit: the caller owns the trans
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import CursorResult, Table, bindparam, func, literal, or_, select, update
 from sqlalchemy.orm import Session
 
-from storage.models import Job, JobStatus, utcnow
+from storage.jobs import UNFINISHED
+from storage.models import Job, JobStatus, UTCDateTime, utcnow
 from storage.states import sources_of
 
 
@@ -48,3 +52,55 @@ def claim_jobs(session: Session, *, job_ids: Collection[str], worker_id: str) ->
         .execution_options(synchronize_session=False)
     )
     return set(session.scalars(statement))
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A result for `complete_jobs`, with the token counts of its `usage`."""
+
+    job_id: str
+    result: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    first_token_at: datetime | None
+
+
+def complete_jobs(session: Session, completions: list[Completion]) -> set[str] | None:
+    """Store every result with one statement run for each (executemany): the ids finished,
+    or None when some job was no longer unfinished.
+
+    Like `jobs.complete_job` for each. One statement cannot say which rows it skipped, only
+    how many it changed; on None the caller rolls the transaction back and stores the
+    results one by one to learn which jobs were finished elsewhere (a rare race: a
+    cancellation, or a redelivered copy that finished first).
+    """
+    if not completions:
+        return set()
+    table: Table = Job.__table__  # type: ignore[assignment]  # a Table, typed as FromClause
+    now = utcnow()
+    # Constants, not an IN list: expanding parameters cannot run as executemany.
+    unfinished = or_(*(table.c.status == status for status in UNFINISHED))
+    statement = (
+        update(table)
+        .where(table.c.id == bindparam("b_id"), unfinished)
+        .values(status=JobStatus.SUCCEEDED, result=bindparam("b_result"), error=None,
+                prompt_tokens=bindparam("b_prompt_tokens"),
+                completion_tokens=bindparam("b_completion_tokens"),
+                cached_tokens=bindparam("b_cached_tokens"),
+                first_token_at=bindparam("b_first_token_at"),
+                started_at=func.coalesce(table.c.started_at, literal(now, UTCDateTime())),
+                finished_at=now)
+    )
+    result = session.execute(statement, [
+        {"b_id": c.job_id, "b_result": c.result, "b_prompt_tokens": c.prompt_tokens,
+         "b_completion_tokens": c.completion_tokens, "b_cached_tokens": c.cached_tokens,
+         "b_first_token_at": c.first_token_at} for c in completions])
+    assert isinstance(result, CursorResult)
+    if result.rowcount != len(completions):
+        return None
+    for job_id in (c.job_id for c in completions):
+        job = session.identity_map.get(session.identity_key(Job, job_id))
+        if job is not None:
+            session.expire(job)
+    return {c.job_id for c in completions}

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
+import redis
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -19,6 +20,7 @@ from storage.jobs import (
     create_job,
     find_by_idempotency_key,
     get_job,
+    job_message,
     list_jobs,
     mark_running,
     stale_queued_jobs,
@@ -26,6 +28,8 @@ from storage.jobs import (
 from storage.migrate import upgrade
 from storage.models import Job, JobStatus, Tenant
 from storage.tenants import create_api_key, create_tenant, tenant_for_api_key
+from tests.unit.storage.test_job_batches import check_complete_jobs
+from workers.inference.job_store import JobStore, Success
 
 
 @pytest.fixture
@@ -168,3 +172,39 @@ def test_complete_from_queued_and_stale_selection(
         assert job is not None and job.started_at is not None
         later = datetime.now(UTC) + timedelta(seconds=1)
         assert [j.id for j in stale_queued_jobs(session, older_than=later, limit=10)] == [stale.id]
+
+
+def test_complete_jobs_in_one_statement(sessions: sessionmaker[Session], tenant: Tenant) -> None:
+    """What tests/unit/storage/test_job_batches.py checks on SQLite, on PostgreSQL."""
+    check_complete_jobs(sessions, tenant)
+
+
+def test_a_step_with_a_cancelled_job_stores_the_others(
+    sessions: sessionmaker[Session], tenant: Tenant, redis_url: str
+) -> None:
+    """The worker's result write for a step: when one job was cancelled meanwhile, the
+    one-statement write is rolled back and the others are stored one by one; only they are
+    reported finished (cached, announced)."""
+    with sessions() as session:
+        created = [new_job(session, tenant.id) for _ in range(4)]
+        session.commit()
+        messages = [job_message(job) for job in created]
+        assert cancel_job(session, job_id=created[2].id, tenant_id=tenant.id) is not None
+        session.commit()
+    store = JobStore(sessions, redis.Redis.from_url(redis_url), prefix="t-steps",
+                     result_cache_ttl_s=0)
+    results = [Success(m, {"choices": [{"text": m.job_id}], "usage": {"prompt_tokens": 2}},
+                       None) for m in messages]
+    expected = {m.job_id for i, m in enumerate(messages) if i != 2}
+    assert store.succeed_many(results) == expected
+    with sessions() as session:
+        for i, message in enumerate(messages):
+            job = get_job(session, job_id=message.job_id)
+            assert job is not None
+            if i == 2:
+                assert job.status is JobStatus.CANCELLED and job.result is None
+            else:
+                assert job.status is JobStatus.SUCCEEDED and job.prompt_tokens == 2
+                assert job.result == {"choices": [{"text": message.job_id}],
+                                      "usage": {"prompt_tokens": 2}}
+    assert store.succeed_many(results) == set()

@@ -140,21 +140,15 @@ class JobStore:
         """
         if not successes:
             return set()
-        finished: set[str] = set()
+        completions = [_completion(s) for s in successes]
         with self._sessions() as session:
-            for success in successes:
-                usage = success.result.get("usage") or {}
-                details = usage.get("prompt_tokens_details") or {}
-                if jobs.complete_job(
-                    session,
-                    job_id=success.message.job_id,
-                    result=success.result,
-                    prompt_tokens=int(usage.get("prompt_tokens", 0)),
-                    completion_tokens=int(usage.get("completion_tokens", 0)),
-                    cached_tokens=int(details.get("cached_tokens", 0)),
-                    first_token_at=success.first_token_at,
-                ):
-                    finished.add(success.message.job_id)
+            finished = job_batches.complete_jobs(session, completions)
+            if finished is None:  # some job was finished elsewhere: find which, one by one
+                session.rollback()
+                finished = {c.job_id for c in completions if jobs.complete_job(
+                    session, job_id=c.job_id, result=c.result, prompt_tokens=c.prompt_tokens,
+                    completion_tokens=c.completion_tokens, cached_tokens=c.cached_tokens,
+                    first_token_at=c.first_token_at)}
             self._enqueue_webhooks(session, finished)
             session.commit()
         if dropped := len(successes) - len(finished):
@@ -230,3 +224,15 @@ class JobStore:
 def epoch_to_datetime(seconds: float | None) -> datetime | None:
     """An engine timestamp (seconds since the epoch) as an aware UTC datetime."""
     return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
+
+
+def _completion(success: Success) -> job_batches.Completion:
+    """A result with the token counts of its OpenAI `usage` object."""
+    usage = success.result.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return job_batches.Completion(
+        job_id=success.message.job_id, result=success.result,
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        completion_tokens=int(usage.get("completion_tokens", 0)),
+        cached_tokens=int(details.get("cached_tokens", 0)),
+        first_token_at=success.first_token_at)
