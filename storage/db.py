@@ -8,6 +8,7 @@ session factory every role uses. Nothing is built at import time.
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 from pathlib import Path
@@ -28,13 +29,25 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 
 
 def _dumps(value: Any) -> str:
-    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except orjson.JSONEncodeError:
+        # A lone surrogate in a free-form field of a request (valid JSON escapes it, UTF-8
+        # cannot hold it): the standard library writes it as its escape, as it always did.
+        return json.dumps(value)
+
+
+def _loads(text: str | bytes) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)  # such an escape, read back
 
 
 # JSON columns (request bodies, results) through orjson: a result holding an embedding is
 # hundreds of floats, which the standard library formats ~10x slower, per job, in the
 # worker's result write and again when a batch's output file is read back.
-JSON_CODEC: dict[str, Any] = {"json_serializer": _dumps, "json_deserializer": orjson.loads}
+JSON_CODEC: dict[str, Any] = {"json_serializer": _dumps, "json_deserializer": _loads}
 
 
 def create_db_engine(url: str) -> sqlalchemy.Engine:

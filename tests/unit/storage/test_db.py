@@ -73,3 +73,27 @@ def test_datetimes_come_back_aware_utc_and_naive_ones_are_refused(session: Sessi
     session.add(Tenant(id="ten_2", name="b", created_at=datetime(2025, 1, 1)))
     with pytest.raises(StatementError, match="naive datetime"):
         session.flush()
+
+
+def test_json_columns_keep_floats_non_ascii_and_lone_surrogates(
+    session: Session, tenant: Tenant
+) -> None:
+    """The JSON codec (orjson, the standard library for what UTF-8 cannot hold) gives back
+    exactly what was stored: floats bit for bit, non-Latin text, and a lone surrogate that
+    a free-form request field can carry."""
+    from storage.jobs import create_job, get_job
+
+    floats = [0.1, -1.2345678901234567, 1e-300, 3.4028234663852886e38, 0.0]
+    plain = {"input": "日本語 café 🚀", "v": floats}
+    odd = {**plain, "extra": {"odd": "x\ud800y"}}
+    ids = [create_job(session, tenant_id=tenant.id, priority="low", model="m",
+                      kind="embedding", request=request).id for request in (plain, odd)]
+    session.commit()
+    session.expunge_all()
+    for job_id, request in zip(ids, (plain, odd), strict=True):
+        stored = get_job(session, job_id=job_id)
+        assert stored is not None and stored.request == request
+    raw = [session.execute(text("SELECT request FROM jobs WHERE id = :id"),
+                           {"id": job_id}).scalar_one() for job_id in ids]
+    assert "日本語" in raw[0]  # written as UTF-8 by orjson
+    assert "\\ud800" in raw[1]  # escaped by the standard library, which can
