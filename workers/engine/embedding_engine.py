@@ -2,24 +2,19 @@
 
 Responsible for: taking requests (each a list of inputs) with `add_request`, refusing bad
 ones at once (ValueError, for that request only), and embedding the waiting requests'
-inputs most urgent first, many requests' inputs sorted into the same batches so that
-small requests share them; a request finishes in the step that completes its last batch.
+inputs in batches that many requests share (chosen by `WaitingInputs`: oldest of the most
+urgent first, with the inputs nearest it in length); a request finishes in the step that
+completes its last batch.
 
 Why batches flow instead of steps embedding everything waiting: on a CPU the runner's
 streams (one per core) must never wait for the engine thread. Each `step` keeps one
 batch more than there are streams submitted, returns as soon as any batch completes
 (with the requests it finished) and refills the streams before returning, so the worker
-writes results and hands over new jobs while the streams compute. Waiting inputs are
-sorted into batches a round at a time (up to MAX_INPUTS_PER_ROUND inputs of the most
-urgent priority waiting), when the formed batches run low or something more urgent
-arrives; rounds are large because the worker keeps many jobs in flight, so each batch
-still pads to nearly its own length.
+writes results and hands over new jobs while the streams compute.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -28,6 +23,7 @@ from typing import Any
 
 import torch
 
+from workers.engine.embedding_pool import WaitingInputs
 from workers.engine.embedding_runner import EmbeddingInput, EmbeddingRunner, EncodedInput
 from workers.engine.outputs import EngineStats, RequestMetrics
 
@@ -64,10 +60,11 @@ class EmbeddingRequestOutput:
 @dataclass(slots=True)
 class _Request:
     request_id: str
-    priority: int
     encoded: list[EncodedInput]
     vectors: list[torch.Tensor | None]
-    remaining: int
+    remaining: int  # inputs without a vector yet
+    seqs: list[int]  # its inputs' places in the pool, for an abort
+    num_pooled: int  # of its inputs, those not yet in a batch
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
 
 
@@ -88,10 +85,8 @@ class EmbeddingEngine:
         self.max_model_len = runner.max_model_len
         self.dimensions = runner.dimensions
         self._requests: dict[str, _Request] = {}  # every unfinished, unaborted request
-        self._unbatched: dict[str, _Request] = {}  # of those, the ones not yet in a batch
-        self._formed: list[tuple[int, int, _Batch]] = []  # heap: (priority, order, batch)
+        self._pool = WaitingInputs()
         self._running: deque[tuple[Future[torch.Tensor], _Batch]] = deque()
-        self._order = itertools.count()
         self._num_computed_tokens = 0
         self._busy_seconds = 0.0
         self._busy_since: float | None = None
@@ -109,13 +104,18 @@ class EmbeddingEngine:
         if not prompt:
             raise ValueError("input must hold at least one text or token list")
         encoded = self.runner.encode(prompt, truncate=params.truncate)
-        request = _Request(request_id, priority, encoded, [None] * len(encoded), len(encoded))
-        self._requests[request_id] = self._unbatched[request_id] = request
+        request = _Request(request_id, encoded, [None] * len(encoded), len(encoded), [],
+                           len(encoded))
+        request.seqs = [self._pool.add(priority, item, (request, i))
+                        for i, item in enumerate(encoded)]
+        self._requests[request_id] = request
 
     def abort(self, request_id: str) -> None:
         """Drop a request; rows of it already running finish and are thrown away."""
-        self._requests.pop(request_id, None)
-        self._unbatched.pop(request_id, None)
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            for seq in request.seqs:
+                self._pool.discard(seq)
 
     def has_unfinished_requests(self) -> bool:
         """True while requests wait or run."""
@@ -123,7 +123,6 @@ class EmbeddingEngine:
 
     def step(self) -> list[EmbeddingRequestOutput]:
         """Wait for the next batch to complete; the requests it finished (maybe none)."""
-        self._form_batches()
         self._submit()
         if not self._running:
             return []
@@ -133,7 +132,6 @@ class EmbeddingEngine:
             self._running.remove(done)
             outputs.extend(self._collect(*done))
         # Refill before the worker handles these results, so no stream waits for it.
-        self._form_batches()
         if self.runner.is_concurrent:
             self._submit()
         self._note_busy()
@@ -144,56 +142,32 @@ class EmbeddingEngine:
         busy = self._busy_seconds
         if self._busy_since is not None:
             busy += time.perf_counter() - self._busy_since
-        return EngineStats(num_running=len(self._requests) - len(self._unbatched),
-                           num_waiting=len(self._unbatched), num_kv_blocks_used=0,
+        num_waiting = sum(1 for r in self._requests.values() if r.num_pooled == len(r.encoded))
+        return EngineStats(num_running=len(self._requests) - num_waiting,
+                           num_waiting=num_waiting, num_kv_blocks_used=0,
                            num_kv_blocks_free=0, num_prefix_cache_hit_tokens=0,
                            num_preemptions=0, num_computed_tokens=self._num_computed_tokens,
                            num_generated_tokens=0, busy_seconds=busy)
 
-    def _form_batches(self) -> None:
-        """Sort the next round of waiting inputs into batches, when they are needed."""
-        if not self._unbatched:
-            return
-        urgent = min(r.priority for r in self._unbatched.values())
-        if len(self._formed) >= self.runner.streams and urgent >= self._formed[0][0]:
-            return  # enough formed to keep the streams busy, none less urgent than this
-        chosen: list[_Request] = []
-        num_inputs = 0
-        for request in self._unbatched.values():  # in arrival order, as inserted
-            if request.priority != urgent:
-                continue
-            if chosen and num_inputs + len(request.encoded) > MAX_INPUTS_PER_ROUND:
-                break
-            chosen.append(request)
-            num_inputs += len(request.encoded)
-        owners: list[tuple[_Request, int]] = []
-        rows: list[EncodedInput] = []
-        for request in chosen:
-            del self._unbatched[request.request_id]
-            for i, item in enumerate(request.encoded):
-                rows.append(EncodedInput(len(rows), item.token_ids, item.is_truncated))
-                owners.append((request, i))
-        for batch in self.runner.batches(rows):
-            heapq.heappush(self._formed, (urgent, next(self._order), _Batch(
-                batch, [owners[row.index] for row in batch])))
-
     def _submit(self) -> None:
         """Keep one batch more than there are streams running (one at a time without)."""
         limit = self.runner.streams + 1 if self.runner.is_concurrent else 1
-        while len(self._running) < limit and self._formed:
-            _, _, batch = heapq.heappop(self._formed)
-            live = [i for i, (request, _) in enumerate(batch.owners)
-                    if self._requests.get(request.request_id) is request]
-            if not live:
-                continue  # every row's request was aborted
-            if len(live) < len(batch.rows):
-                batch = _Batch([batch.rows[i] for i in live], [batch.owners[i] for i in live])
+        while len(self._running) < limit:
+            chosen = self._pool.take_batch(self.runner.max_num_batched_tokens,
+                                           self.runner.max_batch_size)
+            if not chosen:
+                return
             now = time.time()
-            for request, _ in batch.owners:
+            for entry in chosen:
+                request, _ = entry.owner
+                request.num_pooled -= 1
                 if request.metrics.first_scheduled_time is None:
                     request.metrics.first_scheduled_time = now
+            rows = [EncodedInput(i, e.encoded.token_ids, e.encoded.is_truncated)
+                    for i, e in enumerate(chosen)]
             self._note_busy()
-            self._running.append((self.runner.submit(batch.rows), batch))
+            self._running.append((self.runner.submit(rows),
+                                  _Batch(rows, [e.owner for e in chosen])))
 
     def _collect(self, future: Future[torch.Tensor],
                  batch: _Batch) -> list[EmbeddingRequestOutput]:
