@@ -104,6 +104,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--service", action="store_true",
                         help="also run the texts as a batch through `batchinfer up`")
+    parser.add_argument("--worker-max-inflight", type=int, default=None,
+                        help="jobs the embedding worker holds at once "
+                             "(BATCHINFER_EMBEDDING_WORKER_MAX_INFLIGHT; its default if unset)")
     parser.add_argument("--skip-st", action="store_true",
                         help="leave sentence-transformers out (to compare the service with "
                              "the runner alone in less time)")
@@ -136,7 +139,7 @@ def main() -> None:
         cpu_start = time.process_time()
         runner.embed(texts)
         print(cpu_line("runner", {"this process": time.process_time() - cpu_start}, len(texts)))
-        seconds, spent = service_run(args.model, texts)
+        seconds, spent = service_run(args.model, texts, args.worker_max_inflight)
         service = Timing("service", seconds, len(texts), num_tokens)
         print(service.line())
         print(cpu_line("service", spent, len(texts)))
@@ -159,7 +162,8 @@ def compare_with_st(st: Any, runner: EmbeddingRunner, texts: list[str], ours: Ti
     print(f"lowest cosine between the two: {cosine:.6f}")
 
 
-def service_run(model: str, texts: list[str]) -> tuple[float, dict[str, float]]:
+def service_run(model: str, texts: list[str],
+                max_inflight: int | None = None) -> tuple[float, dict[str, float]]:
     """Seconds from creating a batch of `texts` (one line each) to its completion, on a
     `batchinfer up` started (and stopped) here with one worker for `model`, and the CPU
     seconds each of its processes spent meanwhile."""
@@ -172,7 +176,9 @@ def service_run(model: str, texts: list[str]) -> tuple[float, dict[str, float]]:
     with tempfile.TemporaryDirectory(prefix="bench-embeddings-") as tmp:
         up = start_up(Path(tmp) / "data", free_port(), num_workers=1,
                       log_path=Path(tmp) / "up.log",
-                      args=["--model", model, "--served-model-name", "emb"])
+                      args=["--model", model, "--served-model-name", "emb"],
+                      extra_env={} if max_inflight is None else {
+                          "BATCHINFER_EMBEDDING_WORKER_MAX_INFLIGHT": str(max_inflight)})
         try:
             lines = [json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/embeddings",
                                  "body": {"model": "emb", "input": text}})
