@@ -49,6 +49,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Open the shared resources for the app's lifetime; close them at shutdown."""
         resources = Resources.open(app_settings)
         app.state.resources = resources
+        resources.done_hub.start()
         # Tokenizers for the context checks load now, not on the first request's time.
         model_contexts(app_settings.models_dir).warm_up(
             [m for m in app_settings.served_models if m not in app_settings.embedding_models])

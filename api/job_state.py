@@ -1,10 +1,15 @@
 """A job's state as routes need it: read it now, wait for it to finish, cancel it.
 
 Each read uses a session of its own that ends at once, so a long wait never holds a
-database transaction (which on SQLite would also pin an old snapshot of the row).
+database transaction (which on SQLite would also pin an old snapshot of the row). A wait
+registers with the process's JobDoneHub (storage.job_done_hub) and costs no Redis round
+trip; while the hub is not listening it subscribes on its own.
 """
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import redis
 from sqlalchemy.orm import Session
@@ -12,7 +17,12 @@ from starlette.concurrency import run_in_threadpool
 
 from api.resources import Resources
 from api.schemas import JobPublic
-from storage.events import publish_cancel, publish_job_done, wait_job_done
+from storage.events import (
+    poll_until_done,
+    publish_cancel,
+    publish_job_done,
+    wait_job_done,
+)
 from storage.jobs import cancel_job, get_job
 from storage.models import Job, JobStatus
 from storage.webhook_events import enqueue_job_event
@@ -29,20 +39,46 @@ async def wait_for_job(
     resources: Resources, *, job_id: str, tenant_id: str, timeout: float
 ) -> JobPublic | None:
     """The job once it finishes, or as it is when `timeout` seconds have passed."""
+    hub = resources.done_hub
+    if timeout <= 0 or not hub.is_listening:
+        return await _wait_alone(resources, job_id=job_id, tenant_id=tenant_id,
+                                 timeout=timeout)
+    deadline = time.monotonic() + timeout
+    # Registered before the read: a completion committed after it wakes this wait.
+    woken = hub.register(job_id)
+    try:
+        view = await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+        if view is None or view.status.is_terminal:
+            return view
+        try:
+            heard = await asyncio.wait_for(woken, timeout)
+        except TimeoutError:
+            heard = True  # the wait is over: read the job as it is
+        if not heard:  # the hub lost Redis meanwhile: poll for what is left of the wait
+            await poll_until_done(lambda: _is_done(resources, job_id, tenant_id),
+                                  deadline - time.monotonic())
+        return await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+    finally:
+        hub.unregister(job_id, woken)
+
+
+async def _wait_alone(
+    resources: Resources, *, job_id: str, tenant_id: str, timeout: float
+) -> JobPublic | None:
+    """`wait_for_job` with a subscription of its own (while the hub is not listening)."""
     view = await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
     if view is None or view.status.is_terminal or timeout <= 0:
         return view
-
-    async def is_done() -> bool:
-        """Whether the database shows the job finished (or gone)."""
-        # Runs once the subscription is confirmed: a completion committed after this
-        # read is published after it, so it wakes the wait (no lost wakeup).
-        fresh = await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
-        return fresh is None or fresh.status.is_terminal
-
     await wait_job_done(resources.aredis, prefix=resources.settings.topic_prefix,
-                        job_id=job_id, timeout=timeout, is_done=is_done)
+                        job_id=job_id, timeout=timeout,
+                        is_done=lambda: _is_done(resources, job_id, tenant_id))
     return await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+
+
+async def _is_done(resources: Resources, job_id: str, tenant_id: str) -> bool:
+    """Whether the database shows the job finished (or gone)."""
+    fresh = await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+    return fresh is None or fresh.status.is_terminal
 
 
 def cancel_and_announce(

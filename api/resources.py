@@ -34,6 +34,7 @@ from api.rate_limit import TokenBucketLimiter
 from core.kafka import ensure_topics, make_producer
 from core.settings import Settings
 from storage.db import create_db_engine, session_factory
+from storage.job_done_hub import JobDoneHub
 from storage.model_cards import CardReader
 
 if TYPE_CHECKING:
@@ -255,6 +256,8 @@ class Resources:
     cards: CardReader
     # Live API keys seen lately (see api.key_cache).
     api_keys: ApiKeyCache[CurrentTenant]
+    # Wakes long-polls when their job finishes (see storage.job_done_hub).
+    done_hub: JobDoneHub
     # Unix time the app started: the `created` of the models it serves.
     started_at: float = field(default_factory=time.time)
 
@@ -282,10 +285,15 @@ class Resources:
             active_jobs=ActiveJobGate(settings.tenant_max_active_jobs),
             cards=CardReader(sync_redis, prefix=settings.topic_prefix),
             api_keys=api_keys,
+            done_hub=JobDoneHub(async_redis, prefix=settings.topic_prefix),
         )
 
     async def aclose(self) -> None:
         """Close in reverse order of use; one failing close does not skip the others."""
+        try:
+            await self.done_hub.aclose()
+        except Exception:
+            logger.exception("closing the long-poll hub failed")
         closers = [
             ("API key cache", self.api_keys.close),
             ("job writer", self.writer.close),

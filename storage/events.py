@@ -166,10 +166,10 @@ async def wait_job_done(
             return await subscription.wait(timeout)
     except redis.RedisError as e:
         logger.warning("job %s: Redis unavailable for long-poll (%s); polling instead", job_id, e)
-        return await _poll(is_done, timeout)
+        return await poll_until_done(is_done, timeout)
 
 
-async def _poll(is_done: DoneCheck | None, timeout: float) -> bool:
+async def poll_until_done(is_done: DoneCheck | None, timeout: float) -> bool:
     """Re-check the database every FALLBACK_POLL_INTERVAL_S until done or the timeout."""
     deadline = time.monotonic() + max(timeout, 0.0)
     while True:

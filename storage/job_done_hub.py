@@ -1,0 +1,127 @@
+"""One subscription per API process to every job's completion, shared by its long-polls.
+
+Why: a long-poll with its own pub/sub connection subscribes, waits for Redis to confirm,
+re-reads the database, then unsubscribes and closes: three Redis round trips, a
+connection and an extra database read per request. At a few hundred long-polls a second
+that was most of the API's CPU per job. The hub pattern-subscribes once to every job's
+done channel (`storage.events.job_done_channel`) and wakes the waiters registered for the
+job id it hears.
+
+Lost wakeups (see storage.events for the general order). A waiter registers with the hub
+(a dict entry, no I/O) before it reads the database. While the hub is listening, its
+subscription is confirmed, so a completion committed after that read is published after
+the registration and wakes it. A waiter checks `is_listening` when it registers: while
+the hub starts, or after it lost Redis and until it has subscribed again, waiters take
+the per-request path instead. When the hub loses its connection it wakes every waiter
+with False: they cannot know what was missed and poll the database for the rest of their
+wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from storage.events import SUBSCRIBE_CONFIRM_TIMEOUT_S, job_done_channel
+
+logger = logging.getLogger(__name__)
+
+# Seconds between attempts to subscribe again after losing Redis (doubling up to the max).
+RESUBSCRIBE_BACKOFF_S = 0.1
+RESUBSCRIBE_BACKOFF_MAX_S = 5.0
+
+
+class JobDoneHub:
+    """Wakes registered waiters when their job's completion is published (module docstring)."""
+
+    def __init__(self, aredis: aioredis.Redis, *, prefix: str) -> None:
+        self._aredis = aredis
+        self._pattern = job_done_channel(prefix, "*")
+        self._channel_start = len(job_done_channel(prefix, ""))
+        self._waiters: dict[str, set[asyncio.Future[bool]]] = {}
+        self._listening = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def is_listening(self) -> bool:
+        """True while the subscription is confirmed and read: registering is then enough."""
+        return self._listening
+
+    def start(self) -> None:
+        """Subscribe and listen in a task of the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="job-done-hub")
+
+    async def aclose(self) -> None:
+        """Stop listening; waiters still registered are woken with False."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def register(self, job_id: str) -> asyncio.Future[bool]:
+        """A future that becomes True when the job's completion is heard, or False when the
+        hub loses Redis. Unregister it when done waiting."""
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(job_id, set()).add(future)
+        return future
+
+    def unregister(self, job_id: str, future: asyncio.Future[bool]) -> None:
+        """Forget a waiter (after it woke, timed out or was cancelled)."""
+        waiting = self._waiters.get(job_id)
+        if waiting is not None:
+            waiting.discard(future)
+            if not waiting:
+                del self._waiters[job_id]
+
+    async def _run(self) -> None:
+        backoff = RESUBSCRIBE_BACKOFF_S
+        while True:
+            pubsub = self._aredis.pubsub()
+            try:
+                await pubsub.psubscribe(self._pattern)
+                await self._confirm(pubsub)
+                self._listening, backoff = True, RESUBSCRIBE_BACKOFF_S
+                logger.debug("listening for job completions on %s", self._pattern)
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True,
+                                                       timeout=1.0)
+                    if message is not None and message["type"] == "pmessage":
+                        self._wake(_text(message["channel"])[self._channel_start:], True)
+            except Exception as e:  # Redis lost, or no confirmation: subscribe again
+                logger.warning("long-poll subscription lost (%r); waiters poll the database "
+                               "until it is back", e)
+            finally:
+                self._listening = False
+                for job_id in list(self._waiters):
+                    self._wake(job_id, False)
+                try:
+                    await pubsub.aclose()
+                except (redis.RedisError, OSError):
+                    pass
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RESUBSCRIBE_BACKOFF_MAX_S)
+
+    async def _confirm(self, pubsub: aioredis.client.PubSub) -> None:
+        """Until Redis acknowledges the PSUBSCRIBE, a PUBLISH could be missed."""
+        async with asyncio.timeout(SUBSCRIBE_CONFIRM_TIMEOUT_S):
+            while True:
+                message = await pubsub.get_message(timeout=SUBSCRIBE_CONFIRM_TIMEOUT_S)
+                if message is not None and message["type"] == "psubscribe":
+                    return
+
+    def _wake(self, job_id: str, heard: bool) -> None:
+        for future in self._waiters.pop(job_id, ()):
+            if not future.done():
+                future.set_result(heard)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
