@@ -23,7 +23,7 @@ from storage.events import (
     publish_job_done,
     wait_job_done,
 )
-from storage.jobs import cancel_job, get_job
+from storage.jobs import cancel_job, get_job, job_status
 from storage.models import Job, JobStatus
 from storage.webhook_events import enqueue_job_event
 
@@ -47,9 +47,14 @@ async def wait_for_job(
     # Registered before the read: a completion committed after it wakes this wait.
     woken = hub.register(job_id)
     try:
-        view = await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
-        if view is None or view.status.is_terminal:
-            return view
+        # The status alone: most waits begin before the job finishes, and read it whole
+        # only once it has.
+        status = await run_in_threadpool(_status, resources, job_id, tenant_id)
+        if status is None:
+            return None
+        if status.is_terminal:
+            return await run_in_threadpool(load_job, resources, job_id=job_id,
+                                           tenant_id=tenant_id)
         try:
             heard = await asyncio.wait_for(woken, timeout)
         except TimeoutError:
@@ -73,6 +78,11 @@ async def _wait_alone(
                         job_id=job_id, timeout=timeout,
                         is_done=lambda: _is_done(resources, job_id, tenant_id))
     return await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+
+
+def _status(resources: Resources, job_id: str, tenant_id: str) -> JobStatus | None:
+    with resources.sessions() as session:
+        return job_status(session, job_id=job_id, tenant_id=tenant_id)
 
 
 async def _is_done(resources: Resources, job_id: str, tenant_id: str) -> bool:

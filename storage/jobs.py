@@ -125,6 +125,13 @@ def get_job(session: Session, *, job_id: str, tenant_id: str | None = None) -> J
     return job
 
 
+def job_status(session: Session, *, job_id: str, tenant_id: str) -> JobStatus | None:
+    """The tenant's job's status alone (no row loaded), or None if missing or not theirs."""
+    return session.execute(
+        select(Job.status).where(Job.id == job_id, Job.tenant_id == tenant_id)
+    ).scalar_one_or_none()
+
+
 def list_jobs(
     session: Session,
     *,

@@ -18,6 +18,7 @@ from storage.jobs import (
     create_job,
     find_by_idempotency_key,
     get_job,
+    job_status,
     list_jobs,
     mark_published,
     mark_running,
@@ -247,3 +248,17 @@ def test_count_active_jobs(session: Session, tenant: Tenant, other_tenant: Tenan
     assert count_active_jobs(session, tenant_id=tenant.id) == 2
     assert count_active_jobs(session, tenant_id=other_tenant.id) == 1
     assert count_active_jobs(session, tenant_id="ten_none") == 0
+
+
+def test_job_status_reads_the_status_of_the_tenants_job_only(
+    session: Session, tenant: Tenant, other_tenant: Tenant
+) -> None:
+    """The long-poll's first read: the status alone, None for a missing or foreign job."""
+    job = create_job(session, tenant_id=tenant.id, priority=Priority.NORMAL, model="m",
+                     kind="chat.completion", request=BODY)
+    session.commit()
+    assert job_status(session, job_id=job.id, tenant_id=tenant.id) is JobStatus.QUEUED
+    assert job_status(session, job_id=job.id, tenant_id=other_tenant.id) is None
+    assert job_status(session, job_id="job_missing", tenant_id=tenant.id) is None
+    assert cancel_job(session, job_id=job.id, tenant_id=tenant.id) is not None
+    assert job_status(session, job_id=job.id, tenant_id=tenant.id) is JobStatus.CANCELLED
