@@ -20,9 +20,10 @@ tokens/s, output tokens/s). With --roofline (CUDA) it also times one decode step
 128 against the HBM-bandwidth roofline.
 
 Each line also gives the process's CPU seconds and the load average: on a shared machine
-wall time follows the neighbours' load, and with 2+ threads GNU OpenMP's default spinning
-turns contention into 10x slowdowns (OMP_WAIT_POLICY=PASSIVE avoids that, at ~35% cost
-on an idle machine); --threads 1 gives the steadiest CPU-time comparison.
+wall time follows the neighbours' load. The engine's thread count follows the cores other
+processes leave free (workers/engine/cpu_threads.py), so it no longer needs
+OMP_WAIT_POLICY=PASSIVE to survive contention; the HF contenders still spin-wait on busy
+cores, and --threads 1 gives the steadiest CPU-time comparison.
 
     .venv/bin/python -m bench.engine_throughput                      # CPU, SmolLM2-135M
     .venv/bin/python -m bench.engine_throughput --vllm --hf-batch-sizes --skip-hf-cb \
