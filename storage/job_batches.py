@@ -18,9 +18,8 @@ from typing import Any
 from sqlalchemy import CursorResult, Table, bindparam, func, literal, or_, select, update
 from sqlalchemy.orm import Session
 
-from storage.jobs import UNFINISHED
 from storage.models import Job, JobStatus, UTCDateTime, utcnow
-from storage.states import sources_of
+from storage.states import UNFINISHED, sources_of
 
 
 def load_statuses(
@@ -70,10 +69,12 @@ def complete_jobs(session: Session, completions: list[Completion]) -> set[str] |
     """Store every result with one statement run for each (executemany): the ids finished,
     or None when some job was no longer unfinished.
 
-    Like `jobs.complete_job` for each. One statement cannot say which rows it skipped, only
-    how many it changed; on None the caller rolls the transaction back and stores the
-    results one by one to learn which jobs were finished elsewhere (a rare race: a
-    cancellation, or a redelivered copy that finished first).
+    A queued job passes through running in the same statement (a result-cache hit never
+    claimed), `started_at` filled if it was never set; `jobs.complete_job` is this for one.
+    One statement cannot say which rows it skipped, only how many it changed; on None the
+    caller rolls the transaction back and stores the results one by one to learn which
+    jobs were finished elsewhere (a rare race: a cancellation, or a redelivered copy that
+    finished first).
     """
     if not completions:
         return set()

@@ -14,23 +14,22 @@ import secrets
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, CursorResult, and_, func, literal, or_, select, update
+from sqlalchemy import ColumnElement, CursorResult, and_, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.messages import JobMessage
 from core.topics import PRIORITIES, Priority
-from storage.models import Job, JobStatus, UTCDateTime, utcnow
+from storage.job_batches import Completion, complete_jobs
+from storage.models import Job, JobStatus, utcnow
 from storage.pages import keyset_page
-from storage.states import sources_of
+from storage.states import UNFINISHED, sources_of
 from storage.workers import has_live_owner
 
 logger = logging.getLogger(__name__)
 
 JOB_KINDS = ("chat.completion", "text_completion", "embedding")
 MAX_LIST_LIMIT = 100
-# Statuses a job can still leave; result writes only ever touch these.
-UNFINISHED = (JobStatus.QUEUED, JobStatus.RUNNING)
 
 
 class IdempotencyKeyTaken(ValueError):
@@ -200,24 +199,14 @@ def complete_job(
 
     Accepts queued jobs too (e.g. a result-cache hit never claimed): they pass through
     running in the same statement, and `started_at` is filled if it was never set.
+    The statement is `job_batches.complete_jobs`' for one job.
     """
-    now = utcnow()
-    return _update_status(
-        session,
-        job_id=job_id,
-        new=JobStatus.SUCCEEDED,
-        values={
-            "result": result,
-            "error": None,
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "cached_tokens": cached_tokens,
-            "first_token_at": first_token_at,
-            "started_at": func.coalesce(Job.started_at, literal(now, UTCDateTime())),
-            "finished_at": now,
-        },
-        sources=UNFINISHED,
-    )
+    completion = Completion(job_id, result, prompt_tokens, completion_tokens, cached_tokens,
+                            first_token_at)
+    changed = complete_jobs(session, [completion]) is not None
+    if not changed:
+        logger.debug("job %s not moved to succeeded: missing or already finished", job_id)
+    return changed
 
 
 def fail_job(session: Session, *, job_id: str, error: dict[str, Any]) -> bool:

@@ -18,6 +18,9 @@ from storage.models import JobStatus
 
 _QUEUED, _RUNNING = JobStatus.QUEUED, JobStatus.RUNNING
 
+# Statuses a job can still leave; result writes only ever touch these.
+UNFINISHED = (_QUEUED, _RUNNING)
+
 # old status → the statuses it may move to.
 ALLOWED_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.QUEUED: frozenset({_RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
