@@ -56,7 +56,7 @@ async def wait_for_job(
             return await run_in_threadpool(load_job, resources, job_id=job_id,
                                            tenant_id=tenant_id)
         try:
-            heard = await asyncio.wait_for(woken, timeout)
+            heard = await asyncio.wait_for(woken, max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             heard = True  # the wait is over: read the job as it is
         if not heard:  # the hub lost Redis meanwhile: poll for what is left of the wait
