@@ -13,6 +13,7 @@ from core.kafka import TopicLag
 from core.settings import Settings
 from scheduler.autoscale_loop import AutoscaleLoop, MainThreadScaler
 from scheduler.autoscaler import AutoscalePolicy, Autoscaler
+from tests.utils.clock import ManualClock
 
 WEIGHTS = {"high": 4.0, "normal": 1.0, "low": 0.25}
 TOPICS = {"high": "bi.jobs.high", "normal": "bi.jobs.normal", "low": "bi.jobs.low"}
@@ -27,16 +28,6 @@ def _policy(**overrides: object) -> AutoscalePolicy:
 
 def _normal(lag: int) -> dict[str, int]:
     return {"normal": lag}
-
-
-class Clock:
-    """Seconds that move only when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_workers_follow_ceil_of_weighted_lag_over_threshold() -> None:
@@ -163,7 +154,7 @@ def test_policy_from_settings() -> None:
         Settings(autoscale_min_workers=4, autoscale_max_workers=2)
 
 
-def _loop(read_lag: Callable[[], dict[str, TopicLag]], calls: list[int], clock: Clock,
+def _loop(read_lag: Callable[[], dict[str, TopicLag]], calls: list[int], clock: ManualClock,
           num_workers: int = 1) -> AutoscaleLoop:
     return AutoscaleLoop(Autoscaler(_policy(max_workers=4), num_workers=num_workers),
                          read_lag=read_lag, scale_to=calls.append, job_topics=TOPICS,
@@ -183,7 +174,7 @@ def _sample(name: str, labels: dict[str, str] | None = None) -> float | None:
 
 def test_loop_scales_only_on_change_and_exports_gauges(caplog: pytest.LogCaptureFixture) -> None:
     """Readings map topics to priorities; scale_to runs once per change, logged with why."""
-    clock = Clock()
+    clock = ManualClock()
     readings = [_lag(high=30, normal=50), _lag(high=30, normal=50), _lag(normal=5000)]
     calls: list[int] = []
     loop = _loop(lambda: readings.pop(0), calls, clock)
@@ -204,7 +195,7 @@ def test_loop_scales_only_on_change_and_exports_gauges(caplog: pytest.LogCapture
 
 def test_loop_keeps_the_count_when_kafka_fails(caplog: pytest.LogCaptureFixture) -> None:
     """Errors never call scale_to; the first is a warning, recovery is logged."""
-    clock = Clock()
+    clock = ManualClock()
     outcomes: list[dict[str, TopicLag] | Exception] = [
         _lag(normal=300), ConnectionError("broker gone"), TimeoutError("still gone"),
         _lag(normal=0)]

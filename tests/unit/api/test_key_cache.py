@@ -10,18 +10,11 @@ from storage.models import ApiKey
 from storage.tenants import hash_api_key, revoke_api_key
 from tests.unit.api.conftest import ClientFactory
 from tests.utils.api import TenantKey
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.utils.clock import ManualClock
 
 
 def test_a_live_key_is_remembered_until_it_ages() -> None:
-    clock = _Clock()
+    clock = ManualClock(100.0)
     cache: ApiKeyCache[str] = ApiKeyCache(max_age_s=1.0, clock=clock)
     assert cache.get("h") is None
     cache.put("h", "tenant", read_at=clock.now)
@@ -32,7 +25,7 @@ def test_a_live_key_is_remembered_until_it_ages() -> None:
 
 
 def test_a_key_revoked_here_is_forgotten_and_not_relearned_from_an_older_read() -> None:
-    clock = _Clock()
+    clock = ManualClock(100.0)
     cache: ApiKeyCache[str] = ApiKeyCache(max_age_s=1.0, clock=clock)
     read_at = clock.now
     cache.put("h", "tenant", read_at=read_at)
@@ -48,7 +41,7 @@ def test_a_key_revoked_here_is_forgotten_and_not_relearned_from_an_older_read() 
 
 
 def test_the_cache_stays_bounded() -> None:
-    clock = _Clock()
+    clock = ManualClock(100.0)
     cache: ApiKeyCache[int] = ApiKeyCache(max_keys=10, clock=clock)
     for i in range(25):
         cache.put(f"h{i}", i, read_at=clock.now)
