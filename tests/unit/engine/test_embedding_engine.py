@@ -133,32 +133,42 @@ def test_steps_return_as_batches_complete_and_keep_the_streams_fed(
         assert outputs[f"r{i}"].metrics.first_scheduled_time is not None
 
 
-def test_an_urgent_request_overtakes_a_formed_round(small_batches: EmbeddingEngine) -> None:
-    """Batches already formed from less urgent work wait; the urgent one runs next."""
+def test_an_urgent_request_goes_ahead_of_a_waiting_backlog(
+    small_batches: EmbeddingEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Of a waiting bulk backlog, only the batches already submitted (streams + 1) go
+    before an urgent request: the next batch submitted holds it."""
     engine = small_batches
+    submitted: list[list[list[int]]] = []
+    submit = engine.runner.submit
+
+    def recorded(batch: list[EncodedInput]) -> Future[torch.Tensor]:
+        submitted.append([row.token_ids for row in batch])
+        return submit(batch)
+
+    monkeypatch.setattr(engine.runner, "submit", recorded)
     for i, text in enumerate(texts(64, "bulk")):
         engine.add_request(f"bulk{i}", [text], EmbeddingParams(), priority=5)
-    engine.step()  # the bulk round is formed and its first batches run
-    engine.add_request("urgent", ["answer me first"], EmbeddingParams(), priority=0)
-    finished_before: list[str] = []
-    while True:
-        done = [o.request_id for o in engine.step()]
-        if "urgent" in done:
-            break
-        finished_before.extend(done)
-    # At most the batches that were already submitted (streams + 1) ran ahead of it.
-    assert len(finished_before) <= 3 * 8
-    assert engine.stats().num_running + engine.stats().num_waiting > 0
-    run_all(engine)
+    engine.step()  # the first bulk batches run, the rest of the backlog waits
+    urgent_text = "answer me first"
+    engine.add_request("urgent", [urgent_text], EmbeddingParams(), priority=0)
+    (urgent_ids,) = engine.runner.encode([urgent_text])
+    already = len(submitted)
+    outputs = run_all(engine)
+    assert len(submitted) > already + 1 and "urgent" in {o.request_id for o in outputs}
+    assert urgent_ids.token_ids in submitted[already]
+    assert all(urgent_ids.token_ids not in batch for batch in submitted[:already])
 
 
 def test_aborting_a_running_request_drops_its_rows(small_batches: EmbeddingEngine) -> None:
     """A request aborted while its batch runs never comes back; the others do, whole."""
     engine = small_batches
+    # Oldest first, so its rows anchor the first batches; 40 rows cannot all finish in
+    # the first step (it collects at most the streams + 1 batches of 8 first submitted).
+    engine.add_request("dropped", texts(40, "dropped"), EmbeddingParams())
     engine.add_request("kept", texts(20, "kept"), EmbeddingParams())
-    engine.add_request("dropped", texts(20, "dropped"), EmbeddingParams())
     outputs = engine.step()
-    assert engine.stats().num_running == 2  # both have rows in batches by now
+    assert "dropped" not in {o.request_id for o in outputs}
     engine.abort("dropped")
     outputs += run_all(engine)
     assert [o.request_id for o in outputs] == ["kept"]
