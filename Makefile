@@ -44,6 +44,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet -e '.[dev]' torch==$(TORCH_VERSION)
+	@# The engine's C++ CPU kernels, built for this CPU now rather than at the first start;
+	@# without a compiler the engine runs its torch path instead (same output, slower).
+	-$(BIN)/python -m workers.engine.cpu_kernels
 	touch $@
 
 # vLLM's CPU build, the engine benchmark's peer (`bench.engine_throughput --vllm`), in its own

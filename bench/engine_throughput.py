@@ -376,7 +376,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"]
+        "--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton", "flash"]
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--max-num-seqs", type=int, default=256)

@@ -250,8 +250,19 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Store k/v, then attend decodes in groups and longer chunks one by one."""
         assert isinstance(metadata, TorchAttentionMetadata)
-        meta = metadata
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return self.attend(q, k, v, k_cache, v_cache, metadata)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TorchAttentionMetadata,
+    ) -> torch.Tensor:
+        """Attention alone, once this step's K/V are in the pool; rows as in `meta`."""
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
         k_buf, v_buf = self._workspaces(k_cache, meta.max_part_blocks)

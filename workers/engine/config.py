@@ -24,7 +24,7 @@ class EngineConfig:
     models_dir: Path = DEFAULT_MODELS_DIR
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    attention_backend: str = "auto"  # auto | torch | triton | flash
+    attention_backend: str = "auto"  # auto | cpu | torch | triton | flash
     block_size: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -51,9 +51,9 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
-        if self.attention_backend not in {"auto", "torch", "triton", "flash"}:
+        if self.attention_backend not in {"auto", "cpu", "torch", "triton", "flash"}:
             raise ValueError(
-                "attention_backend must be auto, torch, triton or flash, "
+                "attention_backend must be auto, cpu, torch, triton or flash, "
                 f"got {self.attention_backend!r}"
             )
         if self.block_size is not None and self.block_size < 1:

@@ -2,8 +2,9 @@
 
 On CUDA the attention backend is flash-attn where it is installed and can run (sm80+,
 fp16/bf16), else this project's Triton kernels (Triton ships with torch's CUDA wheels);
-the torch path on CUDA is a last resort, announced with a WARNING. The CPU runs the torch
-path; Triton there only under its interpreter, for tests.
+the torch path on CUDA is a last resort, announced with a WARNING. The CPU runs this
+project's C++ decode kernel (built on first use, cpu_kernels.py), else the torch path;
+Triton there only under its interpreter, for tests.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import os
 import torch
 from transformers import PretrainedConfig
 
+from workers.engine import cpu_kernels
 from workers.engine.attention import AttentionBackend, TorchAttentionBackend
+from workers.engine.cpu_attention import CpuAttentionBackend
 from workers.engine.flash_attention import (
     HAS_FLASH_ATTN,
     MIN_FLASH_CAPABILITY,
@@ -65,11 +68,21 @@ def should_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
 def pick_backend(
     name: str, device: torch.device, dtype: torch.dtype, hf_config: PretrainedConfig
 ) -> AttentionBackend:
-    """auto: on CUDA flash-attn (fp16/bf16, sm80+) when installed, else Triton; CPU: torch."""
+    """auto: on CUDA flash-attn (fp16/bf16, sm80+) when installed, else Triton; on the CPU
+    the C++ kernel when it builds, else torch."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = head_dim_of(hf_config)
     if name == "torch":
+        return TorchAttentionBackend(heads, kv_heads, head_dim)
+    if name == "cpu" or name == "auto" and device.type == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}")
+        error = cpu_kernels.load()
+        if error is None:
+            return CpuAttentionBackend(heads, kv_heads, head_dim)
+        if name == "cpu":
+            raise ValueError(f"attention_backend 'cpu' cannot run here: {error}")
         return TorchAttentionBackend(heads, kv_heads, head_dim)
     if name == "flash" or name == "auto" and device.type == "cuda":
         reason = _flash_unusable(device, dtype)

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig
 
 from tests.unit.engine.checkpoints import TINY, make_seq, place, save_llama
-from workers.engine import placement
+from workers.engine import cpu_kernels, placement
 from workers.engine.attention import (
     AttentionBackend,
     BatchLayout,
@@ -20,6 +20,7 @@ from workers.engine.attention import (
     write_kv,
 )
 from workers.engine.config import EngineConfig
+from workers.engine.cpu_attention import CpuAttentionBackend
 from workers.engine.flash_attention import HAS_FLASH_ATTN, FlashAttentionBackend
 from workers.engine.model_runner import ModelRunner
 from workers.engine.placement import pick_backend
@@ -35,14 +36,15 @@ def dense_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int
 ) -> torch.Tensor:
     """q (n, H, D) over k/v (L, Hkv, D), query j at position num_cached + j; float64."""
-    group = HEADS // KV_HEADS
+    heads, head_dim = q.shape[1], q.shape[2]
+    group = heads // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)  # (L, H, D)
     v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * HEAD_DIM**-0.5
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * head_dim**-0.5
     n, length = q.shape[0], k.shape[0]
     allowed = torch.arange(length)[None, :] <= (num_cached + torch.arange(n))[:, None]
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v).reshape(n, HEADS * HEAD_DIM)
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v).reshape(n, heads * head_dim)
 
 
 def run_backend(
@@ -54,6 +56,7 @@ def run_backend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One paged step over (cached, new) step_shapes; returns (output, float64 reference)."""
     gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim = backend.num_heads, backend.num_kv_heads, backend.head_dim
     # Rows ordered as the runner orders them: single queries first, shortest first.
     shapes = sorted((s for s in step_shapes if s[1] == 1), key=lambda s: s[0])
     shapes += [s for s in step_shapes if s[1] != 1]
@@ -66,14 +69,14 @@ def run_backend(
         tables.append(ids[:n])
         ids = ids[n:]
     num_blocks = sum(needed) + 1
-    k_cache = torch.zeros(num_blocks, block_size, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
     qs, ks, vs, slots, refs = [], [], [], [], []
     for (c, n), table in zip(shapes, tables, strict=True):
         length = c + n
-        q = torch.randn(n, HEADS, HEAD_DIM, generator=gen)
-        k = torch.randn(length, KV_HEADS, HEAD_DIM, generator=gen)
-        v = torch.randn(length, KV_HEADS, HEAD_DIM, generator=gen)
+        q = torch.randn(n, heads, head_dim, generator=gen)
+        k = torch.randn(length, kv_heads, head_dim, generator=gen)
+        v = torch.randn(length, kv_heads, head_dim, generator=gen)
         seq_slots = [table[p // block_size] * block_size + p % block_size for p in range(length)]
         # The cached prefix is already in the pool; the new tokens go through forward().
         cached = torch.tensor(seq_slots[:c], dtype=torch.int64, device=device)
@@ -110,6 +113,47 @@ def test_torch_backend_matches_dense_attention(block_size: int) -> None:
     backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM)
     out, ref = run_backend(backend, block_size, torch.device("cpu"), torch.float32)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+# (heads, KV heads, head size): the kernel's generic walk (head size 16), and its compiled
+# cases (SmolLM2's 9/3/64; one KV head per query head at 128).
+CPU_SHAPES = [(HEADS, KV_HEADS, HEAD_DIM), (9, 3, 64), (4, 4, 128)]
+# Decodes longer than the kernel's 32-token tile, at and around block edges.
+LONG_DECODES = [(0, 1), (31, 1), (32, 1), (63, 1), (200, 1), (517, 1), (20, 7)]
+
+
+@pytest.mark.parametrize("dims", CPU_SHAPES)
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_matches_dense_attention(
+    dims: tuple[int, int, int], block_size: int, dtype: torch.dtype
+) -> None:
+    """The C++ decode kernel (and the torch chunks beside it) against the float64 reference:
+    the reference sees the same rounded inputs, so bf16 differs only by the output's
+    rounding and float32 accumulation."""
+    if cpu_kernels.load() is not None:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.load()}")
+    backend = CpuAttentionBackend(*dims)
+    for shapes in (SHAPES, LONG_DECODES):
+        out, ref = run_backend(backend, block_size, torch.device("cpu"), dtype, shapes)
+        atol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out, ref, atol=atol, rtol=0 if atol == 1e-5 else 1e-2)
+
+
+def test_cpu_kernel_refuses_bad_arguments() -> None:
+    """Wrong dtypes or a length past the block table are errors, never reads out of bounds."""
+    if cpu_kernels.load() is not None:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.load()}")
+    op = torch.ops.batchinfer_cpu.paged_decode_attention
+    cache = torch.zeros(4, 16, 2, 16)
+    q, out = torch.zeros(1, 4, 16), torch.zeros(1, 64)
+    table, lens = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([33], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        op(out, q, cache, cache, table, lens, 0.25)
+    with pytest.raises(RuntimeError, match="int32"):
+        op(out, q, cache, cache, table.long(), lens.clamp(max=32), 0.25)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        op(out, q.bfloat16(), cache, cache, table, lens.clamp(max=32), 0.25)
 
 
 def test_write_kv_fills_exactly_the_given_slots() -> None:
@@ -207,12 +251,19 @@ def _tiny_config() -> LlamaConfig:
     return LlamaConfig(**options)
 
 
-def test_cpu_gets_the_torch_backend() -> None:
-    """auto on the CPU is the torch path; Triton there only under its interpreter."""
+def test_cpu_gets_the_cpu_kernel_else_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto on the CPU is the C++ kernel when it builds, else the torch path; Triton there
+    only under its interpreter."""
     cpu = torch.device("cpu")
-    assert pick_backend("auto", cpu, torch.float32, _tiny_config()).name == "torch"
+    expected = "cpu" if cpu_kernels.load() is None else "torch"
+    assert pick_backend("auto", cpu, torch.float32, _tiny_config()).name == expected
+    assert pick_backend("torch", cpu, torch.float32, _tiny_config()).name == "torch"
     with pytest.raises(ValueError, match="attention_backend 'triton'"):
         pick_backend("triton", cpu, torch.float32, _tiny_config())
+    monkeypatch.setattr(cpu_kernels, "load", lambda: "no compiler")
+    assert pick_backend("auto", cpu, torch.float32, _tiny_config()).name == "torch"
+    with pytest.raises(ValueError, match="'cpu' cannot run here: no compiler"):
+        pick_backend("cpu", cpu, torch.float32, _tiny_config())
 
 
 def test_cuda_prefers_flash_on_sm80_then_triton(monkeypatch: pytest.MonkeyPatch) -> None:
