@@ -456,7 +456,8 @@ def main() -> None:
         pull_model(model, settings.models_dir)
     print(f"model {model}; {args.num_prompts} chat jobs x {args.max_tokens} output tokens, "
           f"greedy, ignore_eos; engine max_num_seqs {settings.engine_max_num_seqs}, "
-          f"max_num_batched_tokens {settings.engine_max_num_batched_tokens}; {machine()}")
+          f"max_num_batched_tokens {settings.engine_max_num_batched_tokens or 'device default'}; "
+          f"{machine()}")
     rounds: list[tuple[Throughput, Throughput]] = []
     api = None
     with tempfile.TemporaryDirectory(prefix="bench-service-") as tmp:

@@ -63,7 +63,8 @@ class Settings(BaseSettings):
     # between steps, and more jobs at hand sort into fuller batches.
     embedding_worker_max_inflight: int = Field(default=1024, ge=1)
     engine_max_num_seqs: int = Field(default=64, ge=1)
-    engine_max_num_batched_tokens: int = Field(default=4096, ge=1)
+    # None: the engine's default for its device (workers/engine/config.py).
+    engine_max_num_batched_tokens: int | None = Field(default=None, ge=1)
     engine_kv_cache_memory_bytes: int | None = None
     engine_dtype: str = "auto"
     engine_device: str = "auto"

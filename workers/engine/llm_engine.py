@@ -70,7 +70,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             block_manager,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=self.runner.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=set(self.runner.eos_token_ids),
             enable_chunked_prefill=config.enable_chunked_prefill,

@@ -17,7 +17,7 @@ import torch
 from transformers import PretrainedConfig
 
 from workers.engine.attention import BatchLayout, to_device
-from workers.engine.config import EngineConfig
+from workers.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from workers.engine.cpu_threads import CpuThreadGovernor
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.loader import load_hf_config, load_model, read_eos_token_ids
@@ -96,6 +96,8 @@ class ModelRunner:
             config.attention_backend, self.device, self.dtype, self.hf_config
         )
         self.block_size = config.block_size or self.backend.default_block_size
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda" if self.device.type == "cuda" else "cpu"])
         self.backend.check_block_size(self.block_size)
         self.max_model_len = min(
             config.max_model_len or self.hf_config.max_position_embeddings,
@@ -315,7 +317,7 @@ class ModelRunner:
         free, _ = torch.cuda.mem_get_info(self.device)
         itemsize = torch.tensor([], dtype=self.dtype).element_size()
         masks = self.backend.mask_bytes(
-            self.config.max_num_batched_tokens, self.max_model_len, itemsize
+            self.max_num_batched_tokens, self.max_model_len, itemsize
         )
         budget = int(free * self.config.gpu_memory_utilization) - peak - masks
         ratio = self.backend.pool_workspace_ratio(self.hf_config.num_hidden_layers)
@@ -330,7 +332,7 @@ class ModelRunner:
 
     def _profile_step(self) -> None:
         """Run the largest prefill step once on a throwaway pool to measure activations."""
-        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len * 64)
+        num_tokens = min(self.max_num_batched_tokens, self.max_model_len * 64)
         lengths: list[int] = []
         while num_tokens > 0 and len(lengths) < self.config.max_num_seqs:
             lengths.append(min(num_tokens, self.max_model_len))

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.unit.engine.checkpoints import hf_logits, make_seq, place, save_llama
-from workers.engine.config import EngineConfig
+from workers.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.loader import convert_gguf, load_hf_config, read_eos_token_ids
 from workers.engine.model_runner import ModelRunner
 from workers.engine.registry import list_models, pull_model, resolve_model
@@ -107,6 +108,19 @@ def test_pool_size_and_max_model_len_follow_the_config(tmp_path: Path) -> None:
     assert ModelRunner(
         EngineConfig(model=str(tmp_path), device="cpu", max_num_seqs=1, max_model_len=300)
     ).num_kv_blocks == -(-300 // 16)
+
+
+def test_step_token_budget_defaults_by_device(tmp_path: Path) -> None:
+    """Unset, a CPU engine's steps take 2,048 tokens (a GPU's 8,192); a set budget wins and
+    reaches the scheduler."""
+    save_llama(tmp_path)
+    assert DEFAULT_MAX_NUM_BATCHED_TOKENS == {"cpu": 2048, "cuda": 8192}
+    assert cpu_runner(tmp_path).max_num_batched_tokens == 2048
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", num_kv_blocks=32,
+                                    max_num_batched_tokens=96, skip_tokenizer_init=True))
+    assert engine.runner.max_num_batched_tokens == engine.scheduler.max_num_batched_tokens == 96
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1, got 0"):
+        EngineConfig(model="m", max_num_batched_tokens=0)
 
 
 def test_cpu_default_pool_stops_at_one_gib(tmp_path: Path) -> None:
