@@ -65,10 +65,11 @@ class EmbeddingRunner:
         models_dir: Path | None = None,
         device: str = "auto",
         dtype: str = "auto",
-        max_num_batched_tokens: int = 4096,
+        max_num_batched_tokens: int | None = None,  # None: 4,096
         max_batch_size: int = 512,
         streams: int | None = None,
     ) -> None:
+        max_num_batched_tokens = 4096 if max_num_batched_tokens is None else max_num_batched_tokens
         if max_num_batched_tokens < 1 or max_batch_size < 1:
             raise ValueError("max_num_batched_tokens and max_batch_size must be >= 1, got "
                              f"{max_num_batched_tokens} and {max_batch_size}")

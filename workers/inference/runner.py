@@ -53,10 +53,9 @@ def build_engine(settings: Settings) -> LLMEngine:
     same add_request / abort / step surface."""
     model_dir = resolve_model(settings.model, settings.models_dir)
     if model_kind(model_dir, read_config(model_dir)) == "embedding":
-        budget = settings.engine_max_num_batched_tokens
         runner = EmbeddingRunner(model_dir, device=settings.engine_device,
                                  dtype=settings.engine_dtype,
-                                 **({} if budget is None else {"max_num_batched_tokens": budget}))
+                                 max_num_batched_tokens=settings.engine_max_num_batched_tokens)
         return EmbeddingEngine(runner)  # type: ignore[return-value]  # same duck surface
     return LLMEngine(
         EngineConfig(
