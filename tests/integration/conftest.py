@@ -33,6 +33,8 @@ from tests.unit.engine.tiny_models import save_tiny_llama
 from tests.utils.postgres import PostgresCluster, create_database, drop_database, postgres_bin_dir
 from tests.utils.up_process import UpProcess
 from tests.utils.worker_service import Service
+from workers.engine.config import DEFAULT_MODELS_DIR
+from workers.engine.registry import pull_model
 
 SettingsFactory = Callable[..., Settings]
 
@@ -135,6 +137,14 @@ def settings(
 
     yield make
     get_settings.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model, prepared once per machine. A test that runs it in a worker asks
+    for this rather than trusting an earlier test (or `batchinfer up`) to have pulled it:
+    on a fresh machine the worker would exit and the test wait out its timeout."""
+    return Path(pull_model("smollm2-135m-instruct", DEFAULT_MODELS_DIR))
 
 
 @pytest.fixture(scope="session")

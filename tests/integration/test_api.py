@@ -301,12 +301,13 @@ def test_readyz_and_metrics_with_everything_up(service: Service) -> None:
     assert 'batchinfer_jobs_submitted_total{priority="high"}' in metrics
 
 
-def test_official_openai_client_works_unchanged(service: Service, tmp_path: Path) -> None:
+def test_official_openai_client_works_unchanged(service: Service, tmp_path: Path,
+                                               smollm2_dir: Path) -> None:
     """`openai.OpenAI(base_url=.../v1)` against uvicorn + a worker on the real model."""
     worker = WorkerProcess(service.settings, tmp_path / "worker.log")
     try:
         client = openai.OpenAI(base_url=f"{service.url}/v1", api_key=service.acme.key,
-                               max_retries=0, timeout=600)
+                               max_retries=0, timeout=180)
         assert [m.id for m in client.models.list().data] == [MODEL]
 
         raw = client.chat.completions.with_raw_response.create(

@@ -54,7 +54,7 @@ def _text_of(result: dict[str, Any]) -> str:
 
 
 @pytest.fixture
-def service(settings, tmp_path: Path):
+def service(settings, tmp_path: Path, smollm2_dir: Path):
     """Migrated PostgreSQL, topics, a tenant key, the API and one worker."""
     s: Settings = settings(topic_partitions=3)
     upgrade(s.database_url)

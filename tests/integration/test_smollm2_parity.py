@@ -17,8 +17,6 @@ import torch
 
 from tests.unit.engine.tiny_models import hf_greedy_steps
 from workers.engine import LLM, SamplingParams
-from workers.engine.config import DEFAULT_MODELS_DIR
-from workers.engine.registry import pull_model
 
 CONVERSATIONS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -39,12 +37,6 @@ CONVERSATIONS: list[list[dict[str, str]]] = [
 ]
 MAX_TOKENS = [24, 32, 16, 24, 32, 24, 32, 24]
 TIE_MARGIN = 1e-3
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    """The prepared model directory, fetched and converted once per machine."""
-    return Path(pull_model("smollm2-135m-instruct", DEFAULT_MODELS_DIR))
 
 
 @pytest.fixture(scope="session")
