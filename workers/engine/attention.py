@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from workers.engine.pointwise import TORCH_POINTWISE, TorchPointwise
+
 logger = logging.getLogger(__name__)
 
 # A new decode group starts when a sequence needs more than this many times the blocks of
@@ -53,6 +55,8 @@ class AttentionBackend(ABC):
     name: str
     default_block_size: int
     supports_cuda_graphs: bool = False
+    # The model's pointwise steps on this backend's device (workers/engine/pointwise.py).
+    pointwise: TorchPointwise = TORCH_POINTWISE
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         if num_heads % num_kv_heads:

@@ -22,6 +22,7 @@ from workers.engine.attention import (
     to_device,
     write_kv,
 )
+from workers.engine.pointwise import CPU_POINTWISE
 
 
 @dataclass(slots=True)
@@ -38,6 +39,7 @@ class CpuAttentionBackend(AttentionBackend):
 
     name = "cpu"
     default_block_size = 16
+    pointwise = CPU_POINTWISE  # the same kernel library: SwiGLU, rotary, add + RMSNorm
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)

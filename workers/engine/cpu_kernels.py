@@ -1,6 +1,8 @@
 """The engine's C++ CPU kernels: built on this machine at first use, then loaded from cache.
 
-`kernels/cpu_paged_attention.cpp` registers `torch.ops.batchinfer_cpu.*`. It is compiled
+`kernels/cpu_paged_attention.cpp` (decode attention over the paged pool) and
+`kernels/cpu_pointwise.cpp` (SwiGLU, rotary, residual add + RMSNorm) register
+`torch.ops.batchinfer_cpu.*`, built as one library. It is compiled
 for the CPU it runs on (`-march=native`: AVX-512 where there is some), so the build lives in
 a folder named after torch's version and this CPU's instruction-set flags, and a machine
 with another CPU (a shared home folder) builds its own. The first build takes about 10 s on
@@ -23,7 +25,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "kernels" / "cpu_paged_attention.cpp"
+_SOURCES = [Path(__file__).parent / "kernels" / name
+            for name in ("cpu_paged_attention.cpp", "cpu_pointwise.cpp")]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 # torch's wheel ships libgomp.so.1 and loads it first, so the extension's OpenMP calls land
 # in the same runtime and thread pool as torch's own ops (one team, one wait policy).
@@ -71,9 +74,7 @@ def load() -> str | None:
 def _build_and_load() -> str | None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"):
         return f"no build recipe for {platform.system()} {platform.machine()}"
-    if hasattr(torch.ops, "batchinfer_cpu") and hasattr(
-        torch.ops.batchinfer_cpu, "paged_decode_attention"
-    ):
+    if hasattr(torch.ops, "batchinfer_cpu") and hasattr(torch.ops.batchinfer_cpu, "add_rms_norm"):
         return None
     from torch.utils.cpp_extension import load as load_extension
 
@@ -86,7 +87,7 @@ def _build_and_load() -> str | None:
         target.mkdir(parents=True, exist_ok=True)
         load_extension(
             name="batchinfer_cpu_kernels",
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=flags,
             extra_ldflags=_LDFLAGS,
             build_directory=str(target),
@@ -95,7 +96,7 @@ def _build_and_load() -> str | None:
         )
     except Exception as exc:  # no compiler, no headers, a full disk: all mean "fall back"
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-        return f"building {_SOURCE.name} in {target} failed: {first_line}"
+        return f"building the CPU kernels in {target} failed: {first_line}"
     return None
 
 

@@ -4,7 +4,9 @@ Tokens of every sequence in a step are packed along one axis (no padding): the m
 `input_ids (N,)` and `positions (N,)`, and attention finds each token's sequence through
 the backend metadata. Projections are fused (q/k/v into `qkv_proj`, gate/up into
 `gate_up_proj`) so a layer runs two large matmuls instead of five; the loader concatenates
-Hugging Face's separate weights into them.
+Hugging Face's separate weights into them. Pointwise steps (SwiGLU, rotary, residual add
+and RMSNorm) come from the backend's `pointwise` (workers/engine/pointwise.py): eager torch,
+or fused kernels on the CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from workers.engine.attention import AttentionBackend
+from workers.engine.pointwise import TorchPointwise
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -162,15 +165,9 @@ class RotaryEmbedding(nn.Module):
         """Recompute the table (after building on the meta device)."""
         self.table = self._table().to(device=device, dtype=dtype)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for positions (N,), each (N, 1, D); once per forward pass."""
-        cos, sin = self.table[positions].unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (N, heads, D) half-split (NeoX) style with RotaryEmbedding's cos/sin."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    def forward(self, positions: torch.Tensor, pointwise: TorchPointwise) -> Any:
+        """What `pointwise.rotate` needs for positions (N,); once per forward pass."""
+        return pointwise.rope(self.table, positions)
 
 
 class Attention(nn.Module):
@@ -195,17 +192,18 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Any,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: object,
     ) -> torch.Tensor:
-        """x (N, hidden) -> (N, hidden); rope is RotaryEmbedding's (cos, sin)."""
+        """x (N, hidden) -> (N, hidden); rope is what RotaryEmbedding made of the positions."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # (N, (H + 2 Hkv) * D)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # Rotate q and k together: one kernel chain for H + Hkv heads. (N, H + Hkv, D)
-        qk = apply_rotary(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = self.backend.pointwise.rotate(
+            qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, k_cache, v_cache, metadata)  # (N, H * D)
@@ -215,21 +213,25 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) with gate and up fused."""
 
-    def __init__(self, hf_config: PretrainedConfig) -> None:
+    def __init__(self, hf_config: PretrainedConfig, pointwise: TorchPointwise) -> None:
         super().__init__()
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        self.pointwise = pointwise
         bias = bool(getattr(hf_config, "mlp_bias", False))
         self.gate_up_proj = FusedLinear(hidden, [inter, inter], bias)
         self.down_proj = Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, hidden) -> (N, hidden)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.pointwise.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block then pre-norm MLP block, each with a residual."""
+    """Pre-norm attention block then pre-norm MLP block, each with a residual.
+
+    The residual stream is carried beside each block's output (`delta`) and added inside
+    the next norm, so a fused kernel can do add and norm in one pass.
+    """
 
     def __init__(self, hf_config: PretrainedConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -237,19 +239,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
         self.self_attn = Attention(hf_config, backend)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.mlp = MLP(hf_config)
+        self.mlp = MLP(hf_config, backend.pointwise)
+        self.pointwise = backend.pointwise
 
     def forward(
         self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        rope: Any,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: object,
-    ) -> torch.Tensor:
-        """x (N, hidden) -> (N, hidden)."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(previous block's output or None, residual stream) -> the same for the next,
+        each (N, hidden): the input is residual + delta."""
+        h, residual = self.pointwise.add_rms_norm(self.input_layernorm, delta, residual)
+        h = self.self_attn(h, rope, k_cache, v_cache, metadata)
+        h, residual = self.pointwise.add_rms_norm(self.post_attention_layernorm, h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -277,6 +284,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.packed_logits_weight: torch.Tensor | None = None  # set by pack_weights()
+        self.pointwise = backend.pointwise
 
     @property
     def layers(self) -> list[DecoderLayer]:
@@ -294,11 +302,11 @@ class LlamaForCausalLM(nn.Module):
 
         kv_cache is the whole pool, (2, num_layers, num_blocks, block_size, Hkv, D).
         """
-        x = self.model.embed_tokens(input_ids)
-        rope = self.rotary(positions)
+        delta, residual = None, self.model.embed_tokens(input_ids)
+        rope = self.rotary(positions, self.pointwise)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, kv_cache[0, i], kv_cache[1, i], metadata)
-        return self.model.norm(x)
+            delta, residual = layer(delta, residual, rope, kv_cache[0, i], kv_cache[1, i], metadata)
+        return self.pointwise.add_rms_norm(self.model.norm, delta, residual)[0]
 
     def pack_weights(self) -> None:
         """Pre-pack every projection's weight for oneDNN (the CPU placement calls this).
