@@ -141,7 +141,8 @@ def test_cpu_backend_matches_dense_attention(
 
 
 def test_cpu_kernel_refuses_bad_arguments() -> None:
-    """Wrong dtypes or a length past the block table are errors, never reads out of bounds."""
+    """Wrong dtypes, lengths past the block table or inconsistent chunk offsets are errors,
+    never reads out of bounds: decode and prefill kernels alike."""
     if cpu_kernels.load() is not None:
         pytest.skip(f"CPU kernels unavailable: {cpu_kernels.load()}")
     op = torch.ops.batchinfer_cpu.paged_decode_attention
@@ -154,6 +155,20 @@ def test_cpu_kernel_refuses_bad_arguments() -> None:
         op(out, q, cache, cache, table.long(), lens.clamp(max=32), 0.25)
     with pytest.raises(RuntimeError, match="share a dtype"):
         op(out, q.bfloat16(), cache, cache, table, lens.clamp(max=32), 0.25)
+
+    prefill = torch.ops.batchinfer_cpu.paged_prefill_attention
+    cache, q, out = torch.zeros(4, 16, 2, 64), torch.zeros(3, 4, 64), torch.zeros(3, 256)
+    starts = torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        prefill(out, q, cache, cache, table, starts, lens, 0.125)
+    with pytest.raises(RuntimeError, match="has 3 queries and seq_len 2"):
+        prefill(out, q, cache, cache, table, starts, torch.tensor([2], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="query_starts must run from 0"):
+        prefill(out, q, cache, cache, table, torch.tensor([0, 2], dtype=torch.int32),
+                lens.clamp(max=32), 0.125)
+    with pytest.raises(RuntimeError, match="head sizes 64 and 128"):
+        prefill(torch.zeros(3, 64), torch.zeros(3, 4, 16), torch.zeros(4, 16, 2, 16),
+                torch.zeros(4, 16, 2, 16), table, starts, lens.clamp(max=32), 0.25)
 
 
 def test_write_kv_fills_exactly_the_given_slots() -> None:
