@@ -25,8 +25,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "kernels" / name
-            for name in ("cpu_paged_attention.cpp", "cpu_pointwise.cpp")]
+_KERNELS = Path(__file__).parent / "kernels"
+_SOURCES = [_KERNELS / "cpu_paged_attention.cpp", _KERNELS / "cpu_pointwise.cpp"]
+_HEADERS = [_KERNELS / "cpu_math.h"]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 # torch's wheel ships libgomp.so.1 and loads it first, so the extension's OpenMP calls land
 # in the same runtime and thread pool as torch's own ops (one team, one wait policy).
@@ -38,7 +39,8 @@ _state: dict[str, str | None] = {}  # "error": None once loaded, else why not
 
 
 def _cpu_tag() -> str:
-    """torch version and a hash of this CPU's feature flags: the build's identity."""
+    """torch version, a hash of this CPU's feature flags and of the kernel files: the build's
+    identity (torch's own rebuild check sees the sources, not the headers they include)."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -47,8 +49,11 @@ def _cpu_tag() -> str:
                 break
     except OSError:
         flags = platform.processor()
-    digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
-    return f"torch{torch.__version__.replace('+', '-')}-{platform.machine()}-{digest}"
+    digest = hashlib.sha256(flags.encode())
+    for path in _SOURCES + _HEADERS:
+        digest.update(path.read_bytes())
+    version = torch.__version__.replace("+", "-")
+    return f"torch{version}-{platform.machine()}-{digest.hexdigest()[:12]}"
 
 
 def build_dir() -> Path:

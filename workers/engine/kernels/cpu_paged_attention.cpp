@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <array>
 #include <cfloat>
@@ -122,7 +124,7 @@ void attend_one(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
       float block_max = *std::max_element(sg, sg + n);
       const float new_max = std::max(maxes[g], block_max);
       if (new_max > maxes[g]) {
-        const float alpha = std::exp(maxes[g] - new_max);
+        const float alpha = batchinfer::fast_exp(maxes[g] - new_max);
         sums[g] *= alpha;
         float* ag = acc + g * D;
 #pragma omp simd
@@ -132,7 +134,7 @@ void attend_one(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
       float block_sum = 0.f;
 #pragma omp simd reduction(+ : block_sum)
       for (int64_t t = 0; t < n; ++t) {
-        sg[t] = std::exp(sg[t] - new_max);
+        sg[t] = batchinfer::fast_exp(sg[t] - new_max);
         block_sum += sg[t];
       }
       sums[g] += block_sum;
@@ -217,10 +219,10 @@ void attend_fixed(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
       float block_max = -FLT_MAX;
       for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, si[t]);
       const float new_max = std::max(maxes[i], block_max);
-      const float alpha = std::exp(maxes[i] - new_max);
+      const float alpha = batchinfer::fast_exp(maxes[i] - new_max);
       float block_sum = 0.f;
       for (int64_t t = 0; t < n; ++t) {
-        si[t] = std::exp(si[t] - new_max);
+        si[t] = batchinfer::fast_exp(si[t] - new_max);
         block_sum += si[t];
       }
       sums[i] = sums[i] * alpha + block_sum;
@@ -443,27 +445,33 @@ void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T
     for (int64_t t = nk; t < kKTile; ++t) {
       for (int d = 0; d < D; ++d) kt[d * kKTile + t] = 0.f;
     }
-    auto softmax_update = [&](const float* srow, int64_t r) {
+    // Masked keys score -1e30 (not -inf: -ffast-math assumes no infinities), so the exp
+    // loop runs unconditionally over the tile and vectorises; their weights come out 0.
+    auto softmax_update = [&](float* srow, int64_t r) {
       // Causal: query (r / G) at position first_pos + r / G sees keys up to that position.
       const int64_t visible = std::min(nk, first_pos + r / G - j0 + 1);
       float* dst = sc + r * kKTile;
-      float block_max = -FLT_MAX;
-      for (int64_t t = 0; t < visible; ++t) block_max = std::max(block_max, srow[t]);
       if (visible <= 0) {  // the whole tile lies after this query
         for (int64_t t = 0; t < kKTile; ++t) dst[t] = 0.f;
         return;
       }
+      for (int64_t t = visible; t < kKTile; ++t) srow[t] = -1e30f;
+      float block_max = -FLT_MAX;
+#pragma omp simd reduction(max : block_max)
+      for (int64_t t = 0; t < kKTile; ++t) block_max = std::max(block_max, srow[t]);
       const float new_max = std::max(maxes[r], block_max);
-      const float alpha = std::exp(maxes[r] - new_max);
+      const float alpha = batchinfer::fast_exp(maxes[r] - new_max);
       float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
       for (int64_t t = 0; t < kKTile; ++t) {
-        const float e = t < visible ? std::exp(srow[t] - new_max) : 0.f;
+        const float e = batchinfer::fast_exp(srow[t] - new_max);
         dst[t] = e;
         block_sum += e;
       }
       sums[r] = sums[r] * alpha + block_sum;
       maxes[r] = new_max;
       float* ar = acc + r * D;
+#pragma omp simd
       for (int d = 0; d < D; ++d) ar[d] *= alpha;
     };
     // Scores, four rows at a time: eight independent vector accumulators keep the FMA
@@ -489,10 +497,13 @@ void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T
       for (int64_t x = 0; x < nr; ++x) softmax_update(srow[x], r0 + x);
     }
     // P x V, two rows at a time (2 D / 16 independent accumulators), then an odd last row.
+    // The sums live in local arrays over the key loop: through pointers into `work` the
+    // compiler must assume they alias the value tile and store them every key.
     int64_t r0 = 0;
     for (; r0 + 1 < rows; r0 += 2) {
-      float* a0 = acc + r0 * D;
-      float* a1 = a0 + D;
+      alignas(64) float x0[D], x1[D];
+      std::memcpy(x0, acc + r0 * D, sizeof x0);
+      std::memcpy(x1, acc + (r0 + 1) * D, sizeof x1);
       const float* p0 = sc + r0 * kKTile;
       const float* p1 = p0 + kKTile;
       for (int64_t t = 0; t < nk; ++t) {
@@ -500,20 +511,24 @@ void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T
         const float* vt = vf + t * D;
 #pragma omp simd
         for (int d = 0; d < D; ++d) {
-          a0[d] += w0 * vt[d];
-          a1[d] += w1 * vt[d];
+          x0[d] += w0 * vt[d];
+          x1[d] += w1 * vt[d];
         }
       }
+      std::memcpy(acc + r0 * D, x0, sizeof x0);
+      std::memcpy(acc + (r0 + 1) * D, x1, sizeof x1);
     }
     if (r0 < rows) {
-      float* a0 = acc + r0 * D;
+      alignas(64) float x0[D];
+      std::memcpy(x0, acc + r0 * D, sizeof x0);
       const float* p0 = sc + r0 * kKTile;
       for (int64_t t = 0; t < nk; ++t) {
         const float w0 = p0[t];
         const float* vt = vf + t * D;
 #pragma omp simd
-        for (int d = 0; d < D; ++d) a0[d] += w0 * vt[d];
+        for (int d = 0; d < D; ++d) x0[d] += w0 * vt[d];
       }
+      std::memcpy(acc + r0 * D, x0, sizeof x0);
     }
   }
   for (int64_t i = 0; i < nq; ++i) {

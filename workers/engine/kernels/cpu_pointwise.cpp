@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -75,7 +77,7 @@ void silu_and_mul_impl(const at::Tensor& out, const at::Tensor& x) {
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i) {
         const float g = f32(gate[i]);
-        const float s = round_to<T>(g / (1.f + std::exp(-g)));
+        const float s = round_to<T>(g / (1.f + batchinfer::fast_exp(-g)));
         dst[i] = from_f32<T>(s * f32(up[i]));
       }
     }
