@@ -28,6 +28,8 @@ cores, and --threads 1 gives the steadiest CPU-time comparison.
     .venv/bin/python -m bench.engine_throughput                      # CPU, SmolLM2-135M
     .venv/bin/python -m bench.engine_throughput --vllm --hf-batch-sizes --skip-hf-cb \
         --dtype bfloat16                                             # vs vLLM only
+    .venv/bin/python -m bench.engine_throughput --hf-batch-sizes --skip-hf-cb \
+        --busy 1                                             # quiet, then beside a busy loop
     .venv/bin/python -m bench.engine_throughput --random-llama-1b --num-prompts 512 \\
         --dtype bfloat16 --roofline                                  # CUDA
 """
@@ -39,8 +41,12 @@ import logging
 import os
 import platform
 import random
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,6 +157,19 @@ def run_engine(model_dir: Path, work: Workload, args: argparse.Namespace) -> Res
     del llm
     return Result("engine", seconds, sum(produced), len(work.prompts), work.num_input_tokens, cpu,
                   token_ids=[list(o.token_ids) for o in outputs])
+
+
+@contextmanager
+def busy_processes(count: int) -> Iterator[None]:
+    """`count` processes spinning in pure Python for the duration: other work on the cores."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        time.sleep(1.0)  # let the engine's thread governor see them
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def run_vllm_contender(model_dir: Path, work: Workload, args: argparse.Namespace) -> Result | None:
@@ -385,6 +404,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peak-bandwidth-gbs", type=float, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="also run the engine beside N busy-looping processes")
     return parser.parse_args()
 
 
@@ -411,6 +432,15 @@ def main() -> None:
         results = [run_engine(model_dir, work, args)]
         flop_fraction(results[0], num_params, dtype, peak)
         print(results[0].line(), flush=True)
+        if args.busy:
+            with busy_processes(args.busy):
+                shared = run_engine(model_dir, work, args)
+            shared.name = f"engine + {args.busy} busy"
+            print(shared.line(), flush=True)
+            quiet, loaded = (r.num_output_tokens / r.cpu_seconds for r in (results[0], shared))
+            print(f"  with {args.busy} busy process(es): {loaded:.1f} output tokens per CPU "
+                  f"second vs {quiet:.1f} quiet ({loaded / quiet:.0%}); wall "
+                  f"{results[0].seconds / shared.seconds:.0%} of the quiet rate")
         if args.vllm:
             vllm = run_vllm_contender(model_dir, work, args)
             if vllm is not None:
