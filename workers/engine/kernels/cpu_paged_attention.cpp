@@ -406,7 +406,8 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at
 // keys at a time, K transposed into the tile so scores are computed key-vectorised (a row
 // of scores is two vector registers), then an online softmax and P x V with the value rows
 // vectorised along D. torch's CPU SDPA reached ~60 GFLOP/s on SmolLM2's 64-wide heads; the
-// tile form runs its inner loops as plain FMAs over L1-resident tiles.
+// tile form runs its inner loops as register-blocked FMAs over tiles that stay in L1/L2
+// (~46 KB for 16 queries x 3 heads x 64).
 constexpr int64_t kQTile = 16;
 constexpr int64_t kKTile = 32;
 
