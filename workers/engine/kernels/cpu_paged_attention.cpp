@@ -93,6 +93,17 @@ inline Vec load_vec(const float* p) {
 }
 inline void store_vec(float* p, const Vec& v) { std::memcpy(p, &v, sizeof v); }
 
+// A pool row as floats: float rows are read where they lie, others widened into `buf`.
+template <typename T>
+inline const float* float_row(const T* row, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    widen(row, buf, n);
+    return buf;
+  }
+}
+
 // Element offset of token `pos` of a sequence in a pool, through its block table.
 inline int64_t table_offset(const Shape& s, const int32_t* table, int64_t pos) {
   return static_cast<int64_t>(table[pos / s.block_size]) * s.pool_block +
@@ -190,10 +201,9 @@ void attend_fixed(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
     maxes[i] = -FLT_MAX;
     sums[i] = 0.f;
   }
-  const int64_t BS = s.block_size;
   const int64_t row_bytes = nh * D * static_cast<int64_t>(sizeof(T));  // one token, nh heads
   for (int64_t pos = 0; pos < std::min(kTile, len); ++pos) {  // the first tile of K and V
-    const int64_t at = table[pos / BS] * s.pool_block + (pos % BS) * s.pool_token + h0 * D;
+    const int64_t at = table_offset(s, table, pos) + h0 * D;
     prefetch(k_pool + at, row_bytes);
     prefetch(v_pool + at, row_bytes);
   }
@@ -201,21 +211,12 @@ void attend_fixed(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
     const int64_t n = std::min(kTile, len - start);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t pos = start + t;
-      const T* k_tok = k_pool + table[pos / BS] * s.pool_block + (pos % BS) * s.pool_token;
+      const T* k_tok = k_pool + table_offset(s, table, pos);
       if (pos + kTile < len) {  // the same token of the next tile, one tile ahead
-        const int64_t ahead = pos + kTile;
-        prefetch(k_pool + table[ahead / BS] * s.pool_block + (ahead % BS) * s.pool_token +
-                     h0 * D, row_bytes);
+        prefetch(k_pool + table_offset(s, table, pos + kTile) + h0 * D, row_bytes);
       }
       for (int64_t h = 0; h < nh; ++h) {
-        const T* k_row = k_tok + (h0 + h) * D;
-        const float* kf;
-        if constexpr (std::is_same_v<T, float>) {
-          kf = k_row;
-        } else {
-          widen(k_row, row, D);
-          kf = row;
-        }
+        const float* kf = float_row(k_tok + (h0 + h) * D, row, D);
         const float* qh = qf + h * G * D;
         for (int g = 0; g < G; ++g) {
           float sum = 0.f;
@@ -241,21 +242,12 @@ void attend_fixed(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
     }
     for (int64_t t = 0; t < n; ++t) {
       const int64_t pos = start + t;
-      const T* v_tok = v_pool + table[pos / BS] * s.pool_block + (pos % BS) * s.pool_token;
+      const T* v_tok = v_pool + table_offset(s, table, pos);
       if (pos + kTile < len) {
-        const int64_t ahead = pos + kTile;
-        prefetch(v_pool + table[ahead / BS] * s.pool_block + (ahead % BS) * s.pool_token +
-                     h0 * D, row_bytes);
+        prefetch(v_pool + table_offset(s, table, pos + kTile) + h0 * D, row_bytes);
       }
       for (int64_t h = 0; h < nh; ++h) {
-        const T* v_row = v_tok + (h0 + h) * D;
-        const float* vf;
-        if constexpr (std::is_same_v<T, float>) {
-          vf = v_row;
-        } else {
-          widen(v_row, row, D);
-          vf = row;
-        }
+        const float* vf = float_row(v_tok + (h0 + h) * D, row, D);
         for (int g = 0; g < G; ++g) {
           const float p = scores[(h * G + g) * kTile + t];
           float* a = acc + (h * G + g) * D;
@@ -419,7 +411,7 @@ struct Chunk {
 template <typename T, int D>
 void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T* q_ptr,
                   const T* k_pool, const T* v_pool, float scale, T* out_ptr, float* work) {
-  const int64_t G = s.group, BS = s.block_size;
+  const int64_t G = s.group;
   const int64_t nq = std::min(kQTile, c.num_q - q0);
   const int64_t rows = nq * G;           // score rows: (query, group head)
   float* qf = work;                      // (rows, D) scaled queries
