@@ -26,8 +26,10 @@ from workers.engine.attention import (
 )
 from workers.engine.pointwise import CPU_POINTWISE
 
-# Head sizes the prefill kernel is compiled for; others run their chunks through torch SDPA.
+# Head sizes the prefill kernel is compiled for, and the most query heads per KV head its
+# tiles hold; other models run their chunks through torch SDPA.
 PREFILL_HEAD_DIMS = (64, 128)
+PREFILL_MAX_GROUP = 48
 
 
 @dataclass(slots=True)
@@ -77,7 +79,9 @@ class CpuAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
         self._torch = TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
-        self._prefill_kernel = head_dim in PREFILL_HEAD_DIMS
+        self._prefill_kernel = (
+            head_dim in PREFILL_HEAD_DIMS and num_heads // num_kv_heads <= PREFILL_MAX_GROUP
+        )
 
     def pool_workspace_ratio(self, num_layers: int) -> float:
         """Nothing is gathered where both kernels run; else chunks gather as torch's do."""

@@ -174,24 +174,62 @@ void attend_one(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
 }
 
 
+// Lane t of the result is the sum of v[t]'s lanes: 16 horizontal sums in four rounds of
+// pairwise shuffles and adds (30 shuffles, 15 adds), where one reduction per vector takes
+// about 8 dependent steps. The rounds leave lane L holding v[bitreverse(L)]'s sum; a last
+// shuffle puts them in order.
+static_assert(kLanes == 16, "lane_sums16 is written for 16 lanes");
+inline Vec lane_sums16(const Vec* v) {
+  Vec w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) {
+    w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10,
+                                   11, 24, 25, 26, 27) +
+           __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13,
+                                   14, 15, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9,
+                                   24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11,
+                                   26, 27, 14, 15, 30, 31);
+  }
+  const Vec z = __builtin_shufflevector(y[0], y[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26,
+                                        12, 28, 14, 30) +
+                __builtin_shufflevector(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27,
+                                        13, 29, 15, 31);
+  return __builtin_shufflevector(z, z, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
 // The same walk with the head size and group fixed at compile time, over KV heads
-// [h0, h0 + nh) of one sequence together: the compiler unrolls every row loop, and with all
-// heads at once a token's K (or V) rows for every head are one contiguous run of the pool,
-// which the hardware prefetcher streams (one head alone reads a third of each run, strided,
-// at a quarter of the bandwidth). Scores of a tile of tokens are computed before one
-// softmax update per tile. `work` holds nh * G * (2 D + kTile + 2) floats.
+// [h0, h0 + nh) of one sequence together: with all heads at once a token's K (or V) rows
+// for every head are one contiguous run of the pool, which the prefetches below fetch a
+// tile ahead. Within a tile each head's queries and output sums stay in registers while
+// its key and value rows stream past: a key row gives each query head a vector of partial
+// products, and 16 tokens' partials are summed across lanes together (lane_sums16). Scores
+// of a tile of tokens are computed before one softmax update per tile. `work` holds
+// nh * G * (2 D + kTile + 2) floats.
 constexpr int64_t kTile = 32;  // tokens scored per softmax update
 
 template <typename T, int D, int G>
 void attend_fixed(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
                   const int32_t* table, int64_t len, float scale, T* out, int64_t h0,
                   int64_t nh, float* work) {
+  static_assert(D % kLanes == 0 && kTile % kLanes == 0, "rows and tiles are whole vectors");
+  constexpr int kVecs = D / kLanes;
+  constexpr int64_t head_bytes = D * static_cast<int64_t>(sizeof(T));
   float* qf = work;                        // (nh, G, D) queries, pre-scaled
   float* acc = qf + nh * G * D;            // (nh, G, D) running weighted sums of V
   float* scores = acc + nh * G * D;        // (nh, G, kTile) a tile's scores, then weights
   float* maxes = scores + nh * G * kTile;  // (nh, G) running maxima
   float* sums = maxes + nh * G;            // (nh, G) running softmax denominators
   alignas(64) float row[D];
+  Vec partial[G][kLanes];
   for (int64_t i = 0; i < nh * G; ++i) {
     widen(q + (h0 * G + i) * s.q_head, qf + i * D, D);
     for (int d = 0; d < D; ++d) {
@@ -201,27 +239,52 @@ void attend_fixed(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
     maxes[i] = -FLT_MAX;
     sums[i] = 0.f;
   }
-  const int64_t row_bytes = nh * D * static_cast<int64_t>(sizeof(T));  // one token, nh heads
-  for (int64_t pos = 0; pos < std::min(kTile, len); ++pos) {  // the first tile of K and V
-    const int64_t at = table_offset(s, table, pos) + h0 * D;
-    prefetch(k_pool + at, row_bytes);
-    prefetch(v_pool + at, row_bytes);
+  // Pool offsets of this tile's tokens and the next one's, walked block by block: a
+  // division per token (the block size is a runtime value) cost as much as the scores.
+  int64_t cur[kTile], next[kTile];
+  auto tile_offsets = [&](int64_t start, int64_t* dst) {
+    const int64_t n = std::min(kTile, len - start);
+    int64_t block = start / s.block_size, off = start % s.block_size;
+    for (int64_t t = 0; t < n; ++t) {
+      dst[t] = static_cast<int64_t>(table[block]) * s.pool_block + off * s.pool_token + h0 * D;
+      if (++off == s.block_size) off = 0, ++block;
+    }
+  };
+  tile_offsets(0, next);
+  for (int64_t t = 0; t < std::min(kTile, len); ++t) {  // the first tile of K and V
+    prefetch(k_pool + next[t], nh * head_bytes);
+    prefetch(v_pool + next[t], nh * head_bytes);
   }
   for (int64_t start = 0; start < len; start += kTile) {
     const int64_t n = std::min(kTile, len - start);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = start + t;
-      const T* k_tok = k_pool + table_offset(s, table, pos);
-      if (pos + kTile < len) {  // the same token of the next tile, one tile ahead
-        prefetch(k_pool + table_offset(s, table, pos + kTile) + h0 * D, row_bytes);
+    std::copy(next, next + n, cur);
+    // The next tile's rows are prefetched a head and a token at a time beside this tile's.
+    const int64_t ahead = std::max<int64_t>(0, std::min(kTile, len - start - kTile));
+    if (ahead > 0) tile_offsets(start + kTile, next);
+    for (int64_t h = 0; h < nh; ++h) {
+      Vec qv[G][kVecs];
+      for (int g = 0; g < G; ++g) {
+        for (int v = 0; v < kVecs; ++v) qv[g][v] = load_vec(qf + (h * G + g) * D + v * kLanes);
       }
-      for (int64_t h = 0; h < nh; ++h) {
-        const float* kf = float_row(k_tok + (h0 + h) * D, row, D);
-        const float* qh = qf + h * G * D;
+      for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
+        for (int64_t u = 0; u < kLanes; ++u) {
+          const int64_t t = t0 + u;
+          if (t >= n) {  // past the tile's end: zero partials, scores never read
+            for (int g = 0; g < G; ++g) partial[g][u] = Vec{};
+            continue;
+          }
+          if (t < ahead) prefetch(k_pool + next[t] + h * D, head_bytes);
+          const float* kf = float_row(k_pool + cur[t] + h * D, row, D);
+          Vec kv[kVecs];
+          for (int v = 0; v < kVecs; ++v) kv[v] = load_vec(kf + v * kLanes);
+          for (int g = 0; g < G; ++g) {
+            Vec p = qv[g][0] * kv[0];
+            for (int v = 1; v < kVecs; ++v) p += qv[g][v] * kv[v];
+            partial[g][u] = p;
+          }
+        }
         for (int g = 0; g < G; ++g) {
-          float sum = 0.f;
-          for (int d = 0; d < D; ++d) sum += qh[g * D + d] * kf[d];
-          scores[(h * G + g) * kTile + t] = sum;
+          store_vec(scores + (h * G + g) * kTile + t0, lane_sums16(partial[g]));
         }
       }
     }
@@ -240,19 +303,23 @@ void attend_fixed(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
       maxes[i] = new_max;
       for (int d = 0; d < D; ++d) acc[i * D + d] *= alpha;
     }
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = start + t;
-      const T* v_tok = v_pool + table_offset(s, table, pos);
-      if (pos + kTile < len) {
-        prefetch(v_pool + table_offset(s, table, pos + kTile) + h0 * D, row_bytes);
+    for (int64_t h = 0; h < nh; ++h) {
+      Vec a[G][kVecs];
+      for (int g = 0; g < G; ++g) {
+        for (int v = 0; v < kVecs; ++v) a[g][v] = load_vec(acc + (h * G + g) * D + v * kLanes);
       }
-      for (int64_t h = 0; h < nh; ++h) {
-        const float* vf = float_row(v_tok + (h0 + h) * D, row, D);
+      for (int64_t t = 0; t < n; ++t) {
+        if (t < ahead) prefetch(v_pool + next[t] + h * D, head_bytes);
+        const float* vf = float_row(v_pool + cur[t] + h * D, row, D);
+        Vec vv[kVecs];
+        for (int v = 0; v < kVecs; ++v) vv[v] = load_vec(vf + v * kLanes);
         for (int g = 0; g < G; ++g) {
           const float p = scores[(h * G + g) * kTile + t];
-          float* a = acc + (h * G + g) * D;
-          for (int d = 0; d < D; ++d) a[d] += p * vf[d];
+          for (int v = 0; v < kVecs; ++v) a[g][v] += p * vv[v];
         }
+      }
+      for (int g = 0; g < G; ++g) {
+        for (int v = 0; v < kVecs; ++v) store_vec(acc + (h * G + g) * D + v * kLanes, a[g][v]);
       }
     }
   }
@@ -394,154 +461,163 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at
 
 // Prefill (and chunked prefill): query rows of one sequence against every key up to their
 // own position, keys read from the pool through the block table. Tiled as flash attention
-// is: a tile of kQTile queries (times the `group` heads sharing one KV head) against kKTile
-// keys at a time, K transposed into the tile so scores are computed key-vectorised (a row
-// of scores is two vector registers), then an online softmax and P x V with the value rows
-// vectorised along D. torch's CPU SDPA reached ~60 GFLOP/s on SmolLM2's 64-wide heads; the
-// tile form runs its inner loops as register-blocked FMAs over tiles that stay in L1/L2
-// (~46 KB for 16 queries x 3 heads x 64).
-constexpr int64_t kQTile = 16;
-constexpr int64_t kKTile = 32;
+// is, but transposed: a tile's kTileRows score rows ((query, group head) pairs) lie along
+// the vector lanes. Then
+//  - scores come out of register-blocked FMAs of 8 keys x 3 row vectors, each key element
+//    broadcast from its pool row, so K is read where it lies and never transposed;
+//  - the online softmax is elementwise over row vectors (a row's max over the tile's keys
+//    is a vector max across keys), with no horizontal reductions;
+//  - P x V accumulates the output transposed as well, (D, rows), 8 dims x 3 row vectors
+//    in registers, each value element broadcast from its pool row.
+// The queries are transposed once per tile and the output once at its end, both amortised
+// over every key tile. The previous layout (rows along memory, K transposed into the tile
+// per key tile) spent half its time outside FMAs.
+constexpr int kRowVecs = 3;
+constexpr int64_t kTileRows = kRowVecs * kLanes;  // 48 score rows per tile
+constexpr int64_t kKTile = 32;                    // keys per online-softmax update
+constexpr int kKeyBlock = 8;                      // keys scored in registers together
+constexpr int kDimBlock = 8;                      // output dims accumulated together
+
+// Queries per tile: as many as fit their group heads into the tile's rows.
+inline int64_t tile_queries(int64_t group) { return std::max<int64_t>(1, kTileRows / group); }
 
 struct Chunk {
   int64_t row0, num_q, seq_len;  // first query row in q, query count, keys after this step
   const int32_t* table;
 };
 
+template <int D>
+constexpr int64_t prefill_work_floats() {
+  return 2 * D * kTileRows + kKTile * kTileRows + 2 * kKTile * D;
+}
+
 template <typename T, int D>
 void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T* q_ptr,
                   const T* k_pool, const T* v_pool, float scale, T* out_ptr, float* work) {
+  constexpr int64_t R = kTileRows;
+  static_assert(D % kDimBlock == 0 && kKTile % kKeyBlock == 0, "blocks must tile");
   const int64_t G = s.group;
-  const int64_t nq = std::min(kQTile, c.num_q - q0);
-  const int64_t rows = nq * G;           // score rows: (query, group head)
-  float* qf = work;                      // (rows, D) scaled queries
-  float* acc = qf + kQTile * G * D;      // (rows, D)
-  float* kt = acc + kQTile * G * D;      // (D, kKTile) the key tile, transposed
-  float* vf = kt + D * kKTile;           // (kKTile, D)
-  float* sc = vf + kKTile * D;           // (rows, kKTile)
-  float* maxes = sc + kQTile * G * kKTile;
-  float* sums = maxes + kQTile * G;
+  const int64_t nq = std::min(tile_queries(G), c.num_q - q0);
+  const int64_t rows = nq * G;   // row r: query r / G, head h * G + r % G
+  float* qt = work;              // (D, R) scaled queries, transposed
+  float* acc = qt + D * R;       // (D, R) running weighted sums of V, transposed
+  float* sc = acc + D * R;       // (kKTile, R) a tile's scores, then weights
+  float* kbuf = sc + kKTile * R; // (kKTile, D) widened K rows when T is not float
+  float* vbuf = kbuf + kKTile * D;
+  alignas(64) float maxes[R], sums[R], qpos[R];
   const int64_t first_pos = c.seq_len - c.num_q + q0;  // position of query q0
-  for (int64_t i = 0; i < nq; ++i) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g;
-      widen(q_ptr + (c.row0 + q0 + i) * s.q_row + (h * G + g) * s.q_head, qf + r * D, D);
-      for (int d = 0; d < D; ++d) {
-        qf[r * D + d] *= scale;
-        acc[r * D + d] = 0.f;
-      }
-      maxes[r] = -FLT_MAX;
-      sums[r] = 0.f;
-    }
+  for (int64_t r = 0; r < R; ++r) {
+    // Padding rows see every key; their queries are 0 and their results are dropped.
+    qpos[r] = r < rows ? static_cast<float>(first_pos + r / G) : FLT_MAX;
+    maxes[r] = -FLT_MAX;
+    sums[r] = 0.f;
+  }
+  std::fill(qt, qt + 2 * D * R, 0.f);
+  alignas(64) float row[D];
+  for (int64_t r = 0; r < rows; ++r) {
+    widen(q_ptr + (c.row0 + q0 + r / G) * s.q_row + (h * G + r % G) * s.q_head, row, D);
+    for (int d = 0; d < D; ++d) qt[d * R + r] = row[d] * scale;
   }
   const int64_t num_keys = first_pos + nq;  // the last query sees keys 0..first_pos + nq - 1
+  const float* krow[kKTile];
+  const float* vrow[kKTile];
   for (int64_t j0 = 0; j0 < num_keys; j0 += kKTile) {
     const int64_t nk = std::min(kKTile, num_keys - j0);
     for (int64_t t = 0; t < nk; ++t) {
-      const int64_t pos = j0 + t;
-      const int64_t at = table_offset(s, c.table, pos) + h * D;
-      alignas(64) float row[D];
-      widen(k_pool + at, row, D);
-      for (int d = 0; d < D; ++d) kt[d * kKTile + t] = row[d];
-      widen(v_pool + at, vf + t * D, D);
+      const int64_t at = table_offset(s, c.table, j0 + t) + h * D;
+      krow[t] = float_row(k_pool + at, kbuf + t * D, D);
+      vrow[t] = float_row(v_pool + at, vbuf + t * D, D);
     }
-    for (int64_t t = nk; t < kKTile; ++t) {
-      for (int d = 0; d < D; ++d) kt[d * kKTile + t] = 0.f;
-    }
-    // Masked keys score -1e30 (not -inf: -ffast-math assumes no infinities), so the exp
-    // loop runs unconditionally over the tile and vectorises; their weights come out 0.
-    auto softmax_update = [&](float* srow, int64_t r) {
-      // Causal: query (r / G) at position first_pos + r / G sees keys up to that position.
-      const int64_t visible = std::min(nk, first_pos + r / G - j0 + 1);
-      float* dst = sc + r * kKTile;
-      if (visible <= 0) {  // the whole tile lies after this query
-        for (int64_t t = 0; t < kKTile; ++t) dst[t] = 0.f;
-        return;
-      }
-      for (int64_t t = visible; t < kKTile; ++t) srow[t] = -1e30f;
-      float block_max = -FLT_MAX;
-#pragma omp simd reduction(max : block_max)
-      for (int64_t t = 0; t < kKTile; ++t) block_max = std::max(block_max, srow[t]);
-      const float new_max = std::max(maxes[r], block_max);
-      const float alpha = batchinfer::fast_exp(maxes[r] - new_max);
-      float block_sum = 0.f;
-#pragma omp simd reduction(+ : block_sum)
-      for (int64_t t = 0; t < kKTile; ++t) {
-        const float e = batchinfer::fast_exp(srow[t] - new_max);
-        dst[t] = e;
-        block_sum += e;
-      }
-      sums[r] = sums[r] * alpha + block_sum;
-      maxes[r] = new_max;
-      float* ar = acc + r * D;
-#pragma omp simd
-      for (int d = 0; d < D; ++d) ar[d] *= alpha;
-    };
-    // Scores, four rows at a time, and P x V, two rows at a time: the sums are vector
-    // values (GCC vector extensions), so they stay in registers across the d or key loop.
-    // As float arrays the compiler kept them in memory, a load and a store around every
-    // FMA, and the loops ran at under half the FMA rate.
-    static_assert(kKTile == 2 * kLanes, "a score row is two vectors");
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const int64_t nr = std::min<int64_t>(4, rows - r0);
-      const float* q0 = qf + r0 * D;
-      const float* q1 = qf + std::min(r0 + 1, rows - 1) * D;
-      const float* q2 = qf + std::min(r0 + 2, rows - 1) * D;
-      const float* q3 = qf + std::min(r0 + 3, rows - 1) * D;
-      Vec s00{}, s01{}, s10{}, s11{}, s20{}, s21{}, s30{}, s31{};
+    for (int64_t t = nk; t < kKTile; ++t) krow[t] = krow[nk - 1];  // scored, then masked
+    for (int64_t t0 = 0; t0 < nk; t0 += kKeyBlock) {
+      Vec acc_s[kKeyBlock][kRowVecs] = {};
       for (int d = 0; d < D; ++d) {
-        const Vec k0 = load_vec(kt + d * kKTile), k1 = load_vec(kt + d * kKTile + kLanes);
-        s00 += q0[d] * k0;
-        s01 += q0[d] * k1;
-        s10 += q1[d] * k0;
-        s11 += q1[d] * k1;
-        s20 += q2[d] * k0;
-        s21 += q2[d] * k1;
-        s30 += q3[d] * k0;
-        s31 += q3[d] * k1;
-      }
-      alignas(64) float srow[4][kKTile];
-      store_vec(srow[0], s00), store_vec(srow[0] + kLanes, s01);
-      store_vec(srow[1], s10), store_vec(srow[1] + kLanes, s11);
-      store_vec(srow[2], s20), store_vec(srow[2] + kLanes, s21);
-      store_vec(srow[3], s30), store_vec(srow[3] + kLanes, s31);
-      for (int64_t x = 0; x < nr; ++x) softmax_update(srow[x], r0 + x);
-    }
-    constexpr int kVecs = D / kLanes;
-    for (int64_t r0 = 0; r0 < rows; r0 += 2) {
-      const int64_t r1 = std::min(r0 + 1, rows - 1);  // an odd last row pairs with itself
-      Vec x0[kVecs], x1[kVecs];
+        Vec qv[kRowVecs];
+#pragma GCC unroll 4
+        for (int v = 0; v < kRowVecs; ++v) qv[v] = load_vec(qt + d * R + v * kLanes);
 #pragma GCC unroll 8
-      for (int v = 0; v < kVecs; ++v) {
-        x0[v] = load_vec(acc + r0 * D + v * kLanes);
-        x1[v] = load_vec(acc + r1 * D + v * kLanes);
-      }
-      const float* p0 = sc + r0 * kKTile;
-      const float* p1 = sc + r1 * kKTile;
-      for (int64_t t = 0; t < nk; ++t) {
-        const float w0 = p0[t], w1 = p1[t];
-#pragma GCC unroll 8
-        for (int v = 0; v < kVecs; ++v) {
-          const Vec vt = load_vec(vf + t * D + v * kLanes);
-          x0[v] += w0 * vt;
-          x1[v] += w1 * vt;
+        for (int k = 0; k < kKeyBlock; ++k) {
+          const float kd = krow[t0 + k][d];
+#pragma GCC unroll 4
+          for (int v = 0; v < kRowVecs; ++v) acc_s[k][v] += kd * qv[v];
         }
       }
 #pragma GCC unroll 8
-      for (int v = 0; v < kVecs; ++v) {
-        store_vec(acc + r1 * D + v * kLanes, x1[v]);  // r1 == r0 for an odd last row: r0 wins
-        store_vec(acc + r0 * D + v * kLanes, x0[v]);
+      for (int k = 0; k < kKeyBlock; ++k) {
+#pragma GCC unroll 4
+        for (int v = 0; v < kRowVecs; ++v) store_vec(sc + (t0 + k) * R + v * kLanes, acc_s[k][v]);
+      }
+    }
+    // Masked keys score -1e30 (not -inf: -ffast-math assumes no infinities), so their
+    // weights come out 0. Only a tile that reaches past the first query needs a mask; keys
+    // past nk lie after every query.
+    if (j0 + kKTile - 1 > first_pos) {
+      for (int64_t t = 0; t < kKTile; ++t) {
+        const float pos = static_cast<float>(j0 + t);
+        float* st = sc + t * R;
+#pragma omp simd
+        for (int64_t r = 0; r < R; ++r) st[r] = pos > qpos[r] ? -1e30f : st[r];
+      }
+    }
+    alignas(64) float new_max[R], alpha[R], tile_sum[R];
+#pragma omp simd
+    for (int64_t r = 0; r < R; ++r) new_max[r] = maxes[r];
+    for (int64_t t = 0; t < nk; ++t) {
+      const float* st = sc + t * R;
+#pragma omp simd
+      for (int64_t r = 0; r < R; ++r) new_max[r] = std::max(new_max[r], st[r]);
+    }
+#pragma omp simd
+    for (int64_t r = 0; r < R; ++r) {
+      alpha[r] = batchinfer::fast_exp(maxes[r] - new_max[r]);
+      maxes[r] = new_max[r];
+      tile_sum[r] = 0.f;
+    }
+    for (int64_t t = 0; t < nk; ++t) {
+      float* st = sc + t * R;
+#pragma omp simd
+      for (int64_t r = 0; r < R; ++r) {
+        const float e = batchinfer::fast_exp(st[r] - new_max[r]);
+        st[r] = e;
+        tile_sum[r] += e;
+      }
+    }
+#pragma omp simd
+    for (int64_t r = 0; r < R; ++r) sums[r] = sums[r] * alpha[r] + tile_sum[r];
+    Vec al[kRowVecs];
+    for (int v = 0; v < kRowVecs; ++v) al[v] = load_vec(alpha + v * kLanes);
+    for (int d0 = 0; d0 < D; d0 += kDimBlock) {
+      Vec x[kDimBlock][kRowVecs];
+#pragma GCC unroll 8
+      for (int dd = 0; dd < kDimBlock; ++dd) {
+#pragma GCC unroll 4
+        for (int v = 0; v < kRowVecs; ++v) {
+          x[dd][v] = load_vec(acc + (d0 + dd) * R + v * kLanes) * al[v];
+        }
+      }
+      for (int64_t t = 0; t < nk; ++t) {
+        Vec p[kRowVecs];
+#pragma GCC unroll 4
+        for (int v = 0; v < kRowVecs; ++v) p[v] = load_vec(sc + t * R + v * kLanes);
+        const float* vr = vrow[t] + d0;
+#pragma GCC unroll 8
+        for (int dd = 0; dd < kDimBlock; ++dd) {
+          const float vd = vr[dd];
+#pragma GCC unroll 4
+          for (int v = 0; v < kRowVecs; ++v) x[dd][v] += vd * p[v];
+        }
+      }
+#pragma GCC unroll 8
+      for (int dd = 0; dd < kDimBlock; ++dd) {
+#pragma GCC unroll 4
+        for (int v = 0; v < kRowVecs; ++v) store_vec(acc + (d0 + dd) * R + v * kLanes, x[dd][v]);
       }
     }
   }
-  for (int64_t i = 0; i < nq; ++i) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g;
-      const float inv = 1.f / sums[r];
-      float* ar = acc + r * D;
-      for (int d = 0; d < D; ++d) ar[d] *= inv;
-      narrow(ar, out_ptr + (c.row0 + q0 + i) * s.out_row + (h * G + g) * D, D);
-    }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / sums[r];
+    for (int d = 0; d < D; ++d) row[d] = acc[d * R + r] * inv;
+    narrow(row, out_ptr + (c.row0 + q0 + r / G) * s.out_row + (h * G + r % G) * D, D);
   }
 }
 
@@ -552,17 +628,16 @@ void run_prefill(const Shape& s, const at::Tensor& out, const at::Tensor& q,
   // Items: (chunk, KV head, query tile), dealt round-robin so every thread gets early
   // (short) and late (long) tiles alike.
   std::vector<std::array<int64_t, 3>> items;
+  const int64_t per_tile = tile_queries(s.group);
   for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c) {
-    for (int64_t q0 = 0; q0 < chunks[c].num_q; q0 += kQTile) {
+    for (int64_t q0 = 0; q0 < chunks[c].num_q; q0 += per_tile) {
       for (int64_t h = 0; h < s.num_kv_heads; ++h) items.push_back({c, h, q0});
     }
   }
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  const int64_t work_floats =
-      2 * kQTile * s.group * D + 2 * D * kKTile + kQTile * s.group * (kKTile + 2);
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work(work_floats);
+    std::vector<float> work(prefill_work_floats<D>());
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t i = w; i < n; i += workers) {
         const auto& [c, h, q0] = items[i];
@@ -590,6 +665,8 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
               "seq_lens must be contiguous int32 (C,)");
   const int64_t head_dim = q.size(2);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "prefill supports head sizes 64 and 128");
+  TORCH_CHECK(q.size(1) / k_cache.size(2) <= kTileRows,
+              "prefill supports up to ", kTileRows, " query heads per KV head");
   const Shape s = make_shape(q, k_cache, block_tables);
   const int32_t* starts = query_starts.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
