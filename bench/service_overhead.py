@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -256,6 +257,9 @@ def main() -> None:
         url, key, model, tag, num_jobs, in_flight = args.client
         print(asyncio.run(_client(url, key, model, tag, int(num_jobs), int(in_flight))))
         return
+    if "api" in args.phases and shutil.which("wrk") is None:
+        sys.exit("the api phase needs wrk on PATH (Debian: apt-get install wrk); "
+                 "or leave it out: --phases engine e2e batch")
     root = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     model_dir = root / "tiny-llama"
     save_tiny_llama(model_dir)

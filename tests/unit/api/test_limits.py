@@ -33,6 +33,36 @@ def test_bucket_admits_a_burst_then_refuses_then_refills(redis_url: str) -> None
     asyncio.run(scenario())
 
 
+def test_concurrent_submissions_share_calls_and_never_exceed_the_bucket(redis_url: str) -> None:
+    """rate=5/s, 40 at once: exactly 5 admitted, in arrival order, in far fewer script calls;
+    a waiter whose request went away does not hold up the others."""
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        limiter = TokenBucketLimiter(client, prefix="rl-test-2", rate_per_s=5)
+        script = limiter._script
+        calls: list[int] = []
+
+        async def counted(*, keys: list[str], args: list[Any]) -> Any:
+            calls.append(args[2])
+            return await script(keys=keys, args=args)
+
+        limiter._script = counted  # type: ignore[assignment]
+        tasks = [asyncio.ensure_future(limiter.retry_after_s("t")) for _ in range(40)]
+        await asyncio.sleep(0)  # all 40 arrived: the first one's call is in flight
+        tasks[1].cancel()  # its client went away while it waited
+        verdicts = await asyncio.gather(*(tasks[:1] + tasks[2:]))
+        # Arrival order: the first, the cancelled second (its token is spent), then three.
+        assert verdicts[:4] == [None] * 4
+        assert all(v is not None and 0 < v <= 0.2 + 1e-6 for v in verdicts[4:])
+        assert sum(calls) == 40 and len(calls) <= 3, calls
+        assert limiter._waiting == {} and not limiter._tasks
+        assert await limiter.retry_after_s("other-tenant") is None
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_without_redis_submissions_are_admitted_and_long_polls_poll(
     make_client: ClientFactory, acme: TenantKey
 ) -> None:
