@@ -15,7 +15,7 @@ def main() -> None:
     settings = get_settings()
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port,
+    uvicorn.run(create_app(settings, serving=True), host=settings.api_host, port=settings.api_port,
                 log_level=settings.log_level.lower())
 
 

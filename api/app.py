@@ -30,6 +30,7 @@ from api.routes import (
     metrics,
     models,
 )
+from core.gc_policy import settle_heap
 from core.model_context import model_contexts
 from core.settings import Settings, get_settings
 
@@ -40,8 +41,12 @@ logger = logging.getLogger(__name__)
 MULTIPART_OVERHEAD_BYTES = 1 << 20
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """A new API app on `settings` (default: the process's `get_settings()`)."""
+def create_app(settings: Settings | None = None, *, serving: bool = False) -> FastAPI:
+    """A new API app on `settings` (default: the process's `get_settings()`).
+
+    `serving`: the app is what this process runs (not a test's client), so once started it
+    settles the process's garbage collector (`core.gc_policy`).
+    """
     app_settings = settings or get_settings()
 
     @asynccontextmanager
@@ -57,6 +62,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     resources.engine.url.render_as_string(hide_password=True),
                     app_settings.kafka_bootstrap_servers, app_settings.redis_url,
                     ", ".join(app_settings.served_models))
+        if serving:
+            settle_heap()
         try:
             yield
         finally:

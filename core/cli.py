@@ -73,7 +73,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     from core.settings import get_settings
 
     settings = get_settings()
-    uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port,
+    uvicorn.run(create_app(settings, serving=True), host=settings.api_host, port=settings.api_port,
                 log_level=settings.log_level.lower())
     return 0
 

@@ -144,7 +144,7 @@ def _start_api(host: str, port: int, stack: ExitStack) -> Callable[[], None]:
     from core.settings import get_settings
 
     settings = get_settings()
-    app = create_app(settings)
+    app = create_app(settings, serving=True)
     config = uvicorn.Config(app, host=host, port=port,
                             log_level=settings.log_level.lower(), lifespan="on")
     server = uvicorn.Server(config)

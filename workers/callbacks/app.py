@@ -21,6 +21,7 @@ import socket
 from celery import Celery
 from prometheus_client import start_http_server
 
+from core.gc_policy import settle_heap
 from core.settings import Settings
 from workers.callbacks.runner import DeliveryRunner
 
@@ -110,6 +111,7 @@ def run_callbacks(settings: Settings) -> None:
         start_http_server(settings.webhook_metrics_port)
         logger.info("callbacks metrics on :%d/metrics", settings.webhook_metrics_port)
     logger.info("callbacks worker on %s, queue %s", settings.redis_url, queue_name(settings))
+    settle_heap()
     try:
         app.worker_main(worker_argv(settings))
     finally:

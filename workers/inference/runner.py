@@ -20,6 +20,7 @@ from types import FrameType
 import redis
 from prometheus_client import start_http_server
 
+from core.gc_policy import settle_heap
 from core.kafka import ensure_topics, make_consumer
 from core.settings import Settings, get_settings
 from storage.db import create_db_engine, session_factory
@@ -124,6 +125,7 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
             redis_client, prefix=settings.topic_prefix, worker_id=worker_id, model=card.name,
             interval_s=settings.cache_stats_interval_s, kv_tier=kv_tier,
             semantic_backend=semantic_cache.backend))
+        settle_heap()  # the engine, model and clients are loaded: what is left is per job
         engine_loop = EngineLoop(engine)
         engine_loop.start()
         stack.callback(engine_loop.stop, ENGINE_STOP_TIMEOUT_S)

@@ -1,0 +1,33 @@
+"""The service processes' garbage-collector settings: applied where a process serves,
+never in a process that only builds an app (a test's client)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+
+from core.gc_policy import OLDER_THRESHOLD, YOUNG_THRESHOLD
+from tests.unit.api.conftest import ClientFactory
+
+
+def test_settle_heap_freezes_the_start_up_heap_and_raises_the_young_threshold() -> None:
+    code = (
+        "import gc, json; from core.gc_policy import settle_heap; "
+        "before = gc.get_threshold(); settle_heap(); "
+        "print(json.dumps([before, gc.get_threshold(), gc.get_freeze_count()]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    before, after, frozen = json.loads(out)
+    assert before[0] == 700  # CPython's default, so the change below is ours
+    assert after == [YOUNG_THRESHOLD, OLDER_THRESHOLD, OLDER_THRESHOLD]
+    assert frozen > 1_000  # every object the interpreter and its imports hold
+
+
+def test_an_app_built_for_a_test_leaves_the_collector_alone(make_client: ClientFactory) -> None:
+    threshold, frozen = gc.get_threshold(), gc.get_freeze_count()
+    client = make_client()  # started: its lifespan ran
+    assert client.get("/healthz").status_code == 200
+    assert gc.get_threshold() == threshold and gc.get_freeze_count() == frozen
