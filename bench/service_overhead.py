@@ -8,8 +8,11 @@ see it. Phases, one at a time (they share the 2 cores):
   engine   `LLM.generate` on the same prompts: the ceiling the service is compared with
   api      `batchinfer up --workers 0`; wrk (C, 2 threads, 32 connections, distinct
            bodies from a Lua script) POSTs /v1/jobs for a fixed time: accepted/s, p50/p99
-  e2e      `batchinfer up --workers 1`; client processes keep 32 jobs in flight, each
-           POSTed then long-polled (`?wait=`) until it succeeded: jobs/s
+  e2e      `batchinfer up --workers 1`; wrk keeps 32 jobs in flight for a fixed time,
+           each POSTed then long-polled (`?wait=`) until it succeeded: jobs/s
+  e2e-python  the same with two Python client processes (httpx) and a fixed job count,
+           which read every result back in full; they cost as much CPU as the API, on
+           the same cores, so `e2e` is the figure for the service
   batch    a JSONL batch of 1-token requests uploaded, run and its output downloaded:
            seconds, and the API process's memory before and after
 
@@ -17,7 +20,7 @@ Each phase prints the CPU seconds per job of every process (API + scheduler, wor
 broker, Redis, the load generator), so the next bottleneck is visible. The tenant's rate
 limit is lifted for the run (BATCHINFER_TENANT_RATE_LIMIT_PER_S), and said so.
 
-    .venv/bin/python -m bench.service_overhead [--api-seconds 10 --e2e-jobs 5000 \
+    .venv/bin/python -m bench.service_overhead [--api-seconds 10 --e2e-seconds 20 \
         --batch-lines 50000 --phases engine api e2e batch]
 """
 
@@ -47,31 +50,69 @@ from tests.utils.up_process import UpProcess, start_up
 
 IN_FLIGHT = 32
 CLIENT_PROCESSES = 2
-WRK_SCRIPT = """
-local counter = 0
-local tid = 0
+# Lua shared by both wrk phases: each thread numbers its own bodies (`tid`, set by setup in
+# the thread's own Lua state), so no two submissions carry the same prompt and no job can be
+# answered from the result cache.
+WRK_COMMON = """
+local threads = {}
 function setup(thread)
-  counter = counter + 1
-  thread:set("tid", counter)
+  table.insert(threads, thread)
+  thread:set("tid", #threads)
 end
-function init(args)
-  wrk.method = "POST"
-  wrk.headers["Content-Type"] = "application/json"
-  wrk.headers["Authorization"] = "Bearer " .. os.getenv("BI_KEY")
-end
-local n = 0
-function request()
-  n = n + 1
+function job_request()
+  submitted = submitted + 1
   local body = string.format(
     '{"model": %q, "prompt": "%s %d %d 4 8 15 16 23 42 7 9 11 13", "max_tokens": 1, '
-    .. '"temperature": 0}', os.getenv("BI_MODEL"), os.getenv("BI_TAG"), tid, n)
-  return wrk.format(nil, "/v1/jobs", nil, body)
+    .. '"temperature": 0}', os.getenv("BI_MODEL"), os.getenv("BI_TAG"), tid, submitted)
+  return wrk.format("POST", "/v1/jobs", {["Content-Type"] = "application/json",
+                                         ["Authorization"] = auth}, body)
 end
+function init(args)
+  auth = "Bearer " .. os.getenv("BI_KEY")
+  submitted, succeeded, failed, cached, polls = 0, 0, 0, 0, 0
+  waiting = {}
+end
+function total(name)
+  local sum = 0
+  for _, thread in ipairs(threads) do sum = sum + thread:get(name) end
+  return sum
+end
+"""
+# api: submissions only.
+WRK_SUBMIT = WRK_COMMON + """
+request = job_request
 function done(summary, latency, requests)
   local e = summary.errors
   local refused = e.status + e.connect + e.read + e.write + e.timeout
   io.write(string.format("WRK %d %d %f %f %f\\n", summary.requests, refused,
     summary.duration / 1e6, latency:percentile(50) / 1e3, latency:percentile(99) / 1e3))
+end
+"""
+# e2e: a connection whose job was accepted (or whose long-poll ended before the job did)
+# long-polls a waiting job next; with none waiting it submits a new one. Jobs in flight =
+# connections, and a job counts once its read-back says succeeded.
+WRK_E2E = WRK_COMMON + """
+function request()
+  local id = table.remove(waiting)
+  if id == nil then return job_request() end
+  polls = polls + 1
+  return wrk.format("GET", "/v1/jobs/" .. id .. "?wait=30", {["Authorization"] = auth})
+end
+function response(status, headers, body)
+  local state = body:match('"status"%s*:%s*"(%a+)"')
+  if state == "queued" or state == "running" then
+    table.insert(waiting, body:match('"id"%s*:%s*"([^"]+)"'))
+  elseif state == "succeeded" then
+    succeeded = succeeded + 1
+    if not body:find('"cached"%s*:%s*null') then cached = cached + 1 end
+  else
+    failed = failed + 1
+  end
+end
+function done(summary, latency, requests)
+  io.write(string.format("WRK-E2E %d %d %d %d %d %f\\n", total("submitted"),
+    total("succeeded"), total("failed"), total("cached"), total("polls"),
+    summary.duration / 1e6))
 end
 """
 
@@ -123,14 +164,15 @@ def print_cpu(title: str, spent: dict[str, float], num_jobs: int) -> None:
     print(f"  {title} CPU ms per job: {parts} (total {1e3 * total / num_jobs:.2f})")
 
 
-def api_phase(up: UpProcess, model: str, seconds: float) -> None:
-    """wrk against POST /v1/jobs with no worker running."""
-    script = Path(tempfile.mkdtemp()) / "submit.lua"
-    script.write_text(WRK_SCRIPT)
-    env = dict(os.environ, BI_KEY=up.api_key, BI_MODEL=model, BI_TAG="api")
-    before = cpu_seconds_by_pid(up)
-    wrk = subprocess.Popen(["wrk", "-t2", f"-c{IN_FLIGHT}", f"-d{seconds:.0f}s", "-s",
-                            str(script), up.url], stdout=subprocess.PIPE, text=True, env=env)
+def run_wrk(up: UpProcess, model: str, script_text: str, tag: str,
+            seconds: float) -> tuple[str, float]:
+    """wrk (2 threads, IN_FLIGHT connections) with a Lua script: its output, its CPU s."""
+    script = Path(tempfile.mkdtemp()) / f"{tag}.lua"
+    script.write_text(script_text)
+    env = dict(os.environ, BI_KEY=up.api_key, BI_MODEL=model, BI_TAG=tag)
+    wrk = subprocess.Popen(["wrk", "-t2", f"-c{IN_FLIGHT}", f"-d{seconds:.0f}s",
+                            "--timeout", "60s", "-s", str(script), up.url],
+                           stdout=subprocess.PIPE, text=True, env=env)
     ps = psutil.Process(wrk.pid)
     wrk_cpu = 0.0
     while wrk.poll() is None:
@@ -140,19 +182,50 @@ def api_phase(up: UpProcess, model: str, seconds: float) -> None:
         except psutil.NoSuchProcess:
             break
         time.sleep(0.2)
-    out = wrk.communicate()[0]
-    spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
-    line = next((line for line in out.splitlines() if line.startswith("WRK ")), None)
+    return wrk.communicate()[0], wrk_cpu
+
+
+def wrk_summary(out: str, marker: str) -> list[str] | None:
+    """The fields of wrk's summary line, or None (said) when it printed none."""
+    line = next((line for line in out.splitlines() if line.startswith(marker + " ")), None)
     if line is None:
-        print(f"  api: wrk printed no summary:\n{out}")
+        print(f"  wrk printed no summary:\n{out}")
+        return None
+    return line.split()[1:]
+
+
+def api_phase(up: UpProcess, model: str, seconds: float) -> None:
+    """wrk against POST /v1/jobs with no worker running."""
+    before = cpu_seconds_by_pid(up)
+    out, wrk_cpu = run_wrk(up, model, WRK_SUBMIT, "api", seconds)
+    spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
+    fields = wrk_summary(out, "WRK")
+    if fields is None:
         return
-    requests, refused, duration, p50, p99 = line.split()[1:]
+    requests, refused, duration, p50, p99 = fields
     accepted = int(requests) - int(refused)
     spent["load generator (wrk)"] = wrk_cpu
     print(f"api      {accepted / float(duration):8.0f} accepted submissions/s "
           f"({accepted} in {float(duration):.1f} s, {refused} refused), p50 {float(p50):.1f} ms, "
           f"p99 {float(p99):.1f} ms, {IN_FLIGHT} in flight")
     print_cpu("api", spent, max(1, accepted))
+
+
+def e2e_phase(up: UpProcess, model: str, seconds: float) -> None:
+    """wrk keeps IN_FLIGHT jobs in flight, each submitted, then long-polled until done."""
+    before = cpu_seconds_by_pid(up)
+    out, wrk_cpu = run_wrk(up, model, WRK_E2E, "e2e", seconds)
+    spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
+    fields = wrk_summary(out, "WRK-E2E")
+    if fields is None:
+        return
+    submitted, succeeded, failed, cached, polls = (int(f) for f in fields[:5])
+    duration = float(fields[5])
+    spent["load generator (wrk)"] = wrk_cpu
+    print(f"e2e      {succeeded / duration:8.0f} jobs/s ({succeeded} succeeded in {duration:.1f} "
+          f"s; {submitted} submitted, {failed} failed, {cached} answered from a cache, "
+          f"{polls} long-polls; over HTTP with wrk, {IN_FLIGHT} in flight)")
+    print_cpu("e2e", spent, max(1, succeeded))
 
 
 async def _client(url: str, key: str, model: str, tag: str, num_jobs: int,
@@ -185,8 +258,9 @@ async def _client(url: str, key: str, model: str, tag: str, num_jobs: int,
     return done
 
 
-def e2e_phase(up: UpProcess, model: str, num_jobs: int) -> None:
-    """Client processes keep IN_FLIGHT jobs in flight, each submitted and long-polled."""
+def e2e_python_phase(up: UpProcess, model: str, num_jobs: int) -> None:
+    """Python client processes keep IN_FLIGHT jobs in flight, each submitted and long-polled
+    and its result read back in full (they cost about as much CPU as the API does)."""
     per_process = num_jobs // CLIENT_PROCESSES
     before = cpu_seconds_by_pid(up)
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -208,9 +282,9 @@ def e2e_phase(up: UpProcess, model: str, num_jobs: int) -> None:
                   - children_before.ru_utime - children_before.ru_stime)
     spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
     spent["load generator (python)"] = client_cpu
-    print(f"e2e      {finished / seconds:8.0f} jobs/s ({finished} of {num_jobs} succeeded in "
+    print(f"e2e-python {finished / seconds:6.0f} jobs/s ({finished} of {num_jobs} succeeded in "
           f"{seconds:.1f} s; submitted over HTTP, read back by long-poll, {IN_FLIGHT} in flight)")
-    print_cpu("e2e", spent, max(1, finished))
+    print_cpu("e2e-python", spent, max(1, finished))
 
 
 def batch_phase(up: UpProcess, model: str, num_lines: int) -> None:
@@ -247,19 +321,21 @@ def main() -> None:
     """Run the phases and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--api-seconds", type=float, default=10.0)
-    parser.add_argument("--e2e-jobs", type=int, default=5000)
+    parser.add_argument("--e2e-seconds", type=float, default=20.0)
+    parser.add_argument("--e2e-jobs", type=int, default=5000, help="for e2e-python")
     parser.add_argument("--batch-lines", type=int, default=50_000)
     parser.add_argument("--phases", nargs="+", default=["engine", "api", "e2e", "batch"],
-                        choices=["engine", "api", "e2e", "batch"], help="which phases to run")
+                        choices=["engine", "api", "e2e", "e2e-python", "batch"],
+                        help="which phases to run")
     parser.add_argument("--client", nargs=6, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
         url, key, model, tag, num_jobs, in_flight = args.client
         print(asyncio.run(_client(url, key, model, tag, int(num_jobs), int(in_flight))))
         return
-    if "api" in args.phases and shutil.which("wrk") is None:
-        sys.exit("the api phase needs wrk on PATH (Debian: apt-get install wrk); "
-                 "or leave it out: --phases engine e2e batch")
+    if {"api", "e2e"} & set(args.phases) and shutil.which("wrk") is None:
+        sys.exit("the api and e2e phases need wrk on PATH (Debian: apt-get install wrk); "
+                 "or leave them out: --phases engine e2e-python batch")
     root = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     model_dir = root / "tiny-llama"
     save_tiny_llama(model_dir)
@@ -270,7 +346,9 @@ def main() -> None:
         print(f"engine   {engine_phase(model_dir, 2000):8.0f} jobs/s (LLM.generate, "
               "1 token each)")
     for name, workers, phase in (("api", 0, lambda up: api_phase(up, model, args.api_seconds)),
-                                 ("e2e", 1, lambda up: e2e_phase(up, model, args.e2e_jobs)),
+                                 ("e2e", 1, lambda up: e2e_phase(up, model, args.e2e_seconds)),
+                                 ("e2e-python", 1,
+                                  lambda up: e2e_python_phase(up, model, args.e2e_jobs)),
                                  ("batch", 1, lambda up: batch_phase(up, model,
                                                                      args.batch_lines))):
         if name not in args.phases:
