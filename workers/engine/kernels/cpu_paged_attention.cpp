@@ -481,6 +481,32 @@ constexpr int kDimBlock = 8;                      // output dims accumulated tog
 // Queries per tile: as many as fit their group heads into the tile's rows.
 inline int64_t tile_queries(int64_t group) { return std::max<int64_t>(1, kTileRows / group); }
 
+// One step of a register block: acc[i] += s[i] * x for N scalars against a tile's row
+// vectors (the keys' scores, and the output dims' sums, both grow this way).
+template <int N>
+inline void outer_fma(Vec (&acc)[N][kRowVecs], const float (&s)[N], const Vec (&x)[kRowVecs]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < N; ++i) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kRowVecs; ++v) acc[i][v] += s[i] * x[v];
+  }
+}
+
+// The block's N rows of row vectors to dst, `stride` floats apart (and back).
+template <int N>
+inline void store_block(float* dst, int64_t stride, const Vec (&acc)[N][kRowVecs]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < N; ++i) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kRowVecs; ++v) store_vec(dst + i * stride + v * kLanes, acc[i][v]);
+  }
+}
+
+inline void load_row(const float* src, Vec (&x)[kRowVecs]) {
+#pragma GCC unroll 4
+  for (int v = 0; v < kRowVecs; ++v) x[v] = load_vec(src + v * kLanes);
+}
+
 struct Chunk {
   int64_t row0, num_q, seq_len;  // first query row in q, query count, keys after this step
   const int32_t* table;
@@ -533,20 +559,13 @@ void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T
       Vec acc_s[kKeyBlock][kRowVecs] = {};
       for (int d = 0; d < D; ++d) {
         Vec qv[kRowVecs];
-#pragma GCC unroll 4
-        for (int v = 0; v < kRowVecs; ++v) qv[v] = load_vec(qt + d * R + v * kLanes);
+        load_row(qt + d * R, qv);
+        float kd[kKeyBlock];
 #pragma GCC unroll 8
-        for (int k = 0; k < kKeyBlock; ++k) {
-          const float kd = krow[t0 + k][d];
-#pragma GCC unroll 4
-          for (int v = 0; v < kRowVecs; ++v) acc_s[k][v] += kd * qv[v];
-        }
+        for (int k = 0; k < kKeyBlock; ++k) kd[k] = krow[t0 + k][d];
+        outer_fma(acc_s, kd, qv);
       }
-#pragma GCC unroll 8
-      for (int k = 0; k < kKeyBlock; ++k) {
-#pragma GCC unroll 4
-        for (int v = 0; v < kRowVecs; ++v) store_vec(sc + (t0 + k) * R + v * kLanes, acc_s[k][v]);
-      }
+      store_block(sc + t0 * R, R, acc_s);
     }
     // Masked keys score -1e30 (not -inf: -ffast-math assumes no infinities), so their
     // weights come out 0. Only a tile that reaches past the first query needs a mask; keys
@@ -585,33 +604,23 @@ void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T
 #pragma omp simd
     for (int64_t r = 0; r < R; ++r) sums[r] = sums[r] * alpha[r] + tile_sum[r];
     Vec al[kRowVecs];
-    for (int v = 0; v < kRowVecs; ++v) al[v] = load_vec(alpha + v * kLanes);
+    load_row(alpha, al);
     for (int d0 = 0; d0 < D; d0 += kDimBlock) {
       Vec x[kDimBlock][kRowVecs];
 #pragma GCC unroll 8
       for (int dd = 0; dd < kDimBlock; ++dd) {
+        load_row(acc + (d0 + dd) * R, x[dd]);
 #pragma GCC unroll 4
-        for (int v = 0; v < kRowVecs; ++v) {
-          x[dd][v] = load_vec(acc + (d0 + dd) * R + v * kLanes) * al[v];
-        }
+        for (int v = 0; v < kRowVecs; ++v) x[dd][v] *= al[v];
       }
       for (int64_t t = 0; t < nk; ++t) {
         Vec p[kRowVecs];
-#pragma GCC unroll 4
-        for (int v = 0; v < kRowVecs; ++v) p[v] = load_vec(sc + t * R + v * kLanes);
-        const float* vr = vrow[t] + d0;
-#pragma GCC unroll 8
-        for (int dd = 0; dd < kDimBlock; ++dd) {
-          const float vd = vr[dd];
-#pragma GCC unroll 4
-          for (int v = 0; v < kRowVecs; ++v) x[dd][v] += vd * p[v];
-        }
+        load_row(sc + t * R, p);
+        float vd[kDimBlock];
+        std::memcpy(vd, vrow[t] + d0, sizeof vd);
+        outer_fma(x, vd, p);
       }
-#pragma GCC unroll 8
-      for (int dd = 0; dd < kDimBlock; ++dd) {
-#pragma GCC unroll 4
-        for (int v = 0; v < kRowVecs; ++v) store_vec(acc + (d0 + dd) * R + v * kLanes, x[dd][v]);
-      }
+      store_block(acc + d0 * R, R, x);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
