@@ -134,14 +134,15 @@ def engine_phase(model_dir: Path, num_jobs: int) -> float:
     return num_jobs / (time.perf_counter() - started)
 
 
-def started(root: Path, name: str, model_dir: Path, num_workers: int) -> UpProcess:
+def started(root: Path, name: str, model_dir: Path, num_workers: int,
+            api_processes: int = 1) -> UpProcess:
     """`batchinfer up` serving the tiny model with the tenant rate limit lifted, warmed up.
 
     One job is submitted (and, with a worker, awaited) first: the first submission loads
     the tokenizer and connects the producer, the first job waits for the worker to join.
     """
     env = {"BATCHINFER_MODEL": str(model_dir), "BATCHINFER_TENANT_RATE_LIMIT_PER_S": "1e9",
-           "BATCHINFER_LOG_LEVEL": "WARNING"}
+           "BATCHINFER_LOG_LEVEL": "WARNING", "BATCHINFER_API_PROCESSES": str(api_processes)}
     up = start_up(root / name, free_port(), num_workers=num_workers,
                   log_path=root / f"{name}.log", extra_env=env)
     with httpx.Client(base_url=up.url, headers=up.headers, timeout=300) as client:
@@ -185,26 +186,28 @@ def run_wrk(up: UpProcess, model: str, script_text: str, tag: str,
     return wrk.communicate()[0], wrk_cpu
 
 
-def wrk_summary(out: str, marker: str) -> list[str] | None:
-    """The fields of wrk's summary line, or None (said) when it printed none."""
+def wrk_phase(up: UpProcess, model: str, script_text: str, tag: str, seconds: float,
+              marker: str) -> tuple[list[str], dict[str, float]] | None:
+    """Run wrk with a script: the fields of its summary line and the CPU seconds by role
+    (wrk's own included), or None (said) when it printed no summary."""
+    before = cpu_seconds_by_pid(up)
+    out, wrk_cpu = run_wrk(up, model, script_text, tag, seconds)
+    spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
+    spent["load generator (wrk)"] = wrk_cpu
     line = next((line for line in out.splitlines() if line.startswith(marker + " ")), None)
     if line is None:
         print(f"  wrk printed no summary:\n{out}")
         return None
-    return line.split()[1:]
+    return line.split()[1:], spent
 
 
 def api_phase(up: UpProcess, model: str, seconds: float) -> None:
     """wrk against POST /v1/jobs with no worker running."""
-    before = cpu_seconds_by_pid(up)
-    out, wrk_cpu = run_wrk(up, model, WRK_SUBMIT, "api", seconds)
-    spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
-    fields = wrk_summary(out, "WRK")
-    if fields is None:
+    ran = wrk_phase(up, model, WRK_SUBMIT, "api", seconds, "WRK")
+    if ran is None:
         return
-    requests, refused, duration, p50, p99 = fields
+    (requests, refused, duration, p50, p99), spent = ran
     accepted = int(requests) - int(refused)
-    spent["load generator (wrk)"] = wrk_cpu
     print(f"api      {accepted / float(duration):8.0f} accepted submissions/s "
           f"({accepted} in {float(duration):.1f} s, {refused} refused), p50 {float(p50):.1f} ms, "
           f"p99 {float(p99):.1f} ms, {IN_FLIGHT} in flight")
@@ -213,15 +216,12 @@ def api_phase(up: UpProcess, model: str, seconds: float) -> None:
 
 def e2e_phase(up: UpProcess, model: str, seconds: float) -> None:
     """wrk keeps IN_FLIGHT jobs in flight, each submitted, then long-polled until done."""
-    before = cpu_seconds_by_pid(up)
-    out, wrk_cpu = run_wrk(up, model, WRK_E2E, "e2e", seconds)
-    spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
-    fields = wrk_summary(out, "WRK-E2E")
-    if fields is None:
+    ran = wrk_phase(up, model, WRK_E2E, "e2e", seconds, "WRK-E2E")
+    if ran is None:
         return
+    fields, spent = ran
     submitted, succeeded, failed, cached, polls = (int(f) for f in fields[:5])
     duration = float(fields[5])
-    spent["load generator (wrk)"] = wrk_cpu
     print(f"e2e      {succeeded / duration:8.0f} jobs/s ({succeeded} succeeded in {duration:.1f} "
           f"s; {submitted} submitted, {failed} failed, {cached} answered from a cache, "
           f"{polls} long-polls; over HTTP with wrk, {IN_FLIGHT} in flight)")
@@ -322,6 +322,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--api-seconds", type=float, default=10.0)
     parser.add_argument("--e2e-seconds", type=float, default=20.0)
+    parser.add_argument("--api-processes", type=int, default=1,
+                        help="API processes `up` serves the port with")
     parser.add_argument("--e2e-jobs", type=int, default=5000, help="for e2e-python")
     parser.add_argument("--batch-lines", type=int, default=50_000)
     parser.add_argument("--phases", nargs="+", default=["engine", "api", "e2e", "batch"],
@@ -353,7 +355,7 @@ def main() -> None:
                                                                      args.batch_lines))):
         if name not in args.phases:
             continue
-        up = started(root, name, model_dir, workers)
+        up = started(root, name, model_dir, workers, args.api_processes)
         try:
             phase(up)
         finally:

@@ -70,7 +70,7 @@ WARMUP_JOBS = 2
 LONG_POLL_S = 30.0
 # Which role a process of the `batchinfer up` tree plays, by a piece of its command line.
 ROLES = {"workers.inference": "worker", "core.cli": "api+scheduler", "tansu": "broker",
-         "redis": "redis", "workers.callbacks": "callbacks"}
+         "redis": "redis", "workers.callbacks": "callbacks", "-m api": "more api processes"}
 
 
 @dataclass(slots=True)
