@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import logging
 
-import uvicorn
-
-from api.app import create_app
+from api.serve import serve
 from core.settings import get_settings
 
 
@@ -15,8 +13,7 @@ def main() -> None:
     settings = get_settings()
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings, serving=True), host=settings.api_host, port=settings.api_port,
-                log_level=settings.log_level.lower())
+    serve(settings)
 
 
 if __name__ == "__main__":

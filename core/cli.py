@@ -57,7 +57,7 @@ def served_models_of(models: list[str] | None, names: list[str] | None) -> list[
 def cmd_up(args: argparse.Namespace) -> int:
     """Run the whole service on this machine (embedded default)."""
     served = served_models_of(args.model, args.served_model_name)
-    _override_env(api_port=args.port, data_dir=args.data_dir)
+    _override_env(api_port=args.port, data_dir=args.data_dir, api_processes=args.api_processes)
     from scheduler.embedded import run_embedded
 
     return run_embedded(num_workers=args.workers, max_workers=args.max_workers, host=args.host,
@@ -67,14 +67,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     """Serve the HTTP API with uvicorn."""
     _override_env(api_host=args.host, api_port=args.port)
-    import uvicorn
-
-    from api.app import create_app
+    from api.serve import serve
     from core.settings import get_settings
 
-    settings = get_settings()
-    uvicorn.run(create_app(settings, serving=True), host=settings.api_host, port=settings.api_port,
-                log_level=settings.log_level.lower())
+    serve(get_settings())
     return 0
 
 
@@ -189,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-workers", type=int, default=None,
                     help="scale workers between --workers and this by Kafka lag "
                          "(default: a fixed --workers)")
+    up.add_argument("--api-processes", type=int, default=None, metavar="N",
+                    help="API processes sharing the port (default 1; one process serves at "
+                         "most about one core)")
     up.add_argument("--data-dir", default=None, help="SQLite, Redis dump, files (default .data)")
     up.add_argument("--model", action="append", default=None, metavar="PATH|NAME",
                     help="model to serve: a Hugging Face directory, a .gguf file, or a known "

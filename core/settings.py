@@ -37,6 +37,12 @@ class Settings(BaseSettings):
 
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=1, le=65535)
+    # API processes `batchinfer up` serves the port with (one interpreter tops out at about
+    # one core); above 1 they share it through SO_REUSEPORT.
+    api_processes: int = Field(default=1, ge=1, le=64)
+    # Bind the API's port with SO_REUSEPORT so several API processes share it (Linux
+    # spreads connections among them); `up` sets it for its own API processes.
+    api_reuse_port: bool = False
     # Largest accepted request body, bytes (413 above it).
     max_request_bytes: int = Field(default=1_048_576, ge=1024)
     # Jobs a tenant may have queued or running at once (429 above it).

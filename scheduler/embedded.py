@@ -46,12 +46,15 @@ from scheduler.service_keeper import ServiceKeeper
 if TYPE_CHECKING:
     from scheduler.model_fleet import ModelFleet
     from scheduler.role import SchedulerRole
+    from scheduler.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
 DEV_KEY_FILE = "dev-api-key"
 # Seconds the API gets to bind its port before start-up is declared failed.
 API_START_TIMEOUT_S = 60.0
+# Seconds an extra API process gets to finish its requests once told to stop.
+API_DRAIN_TIMEOUT_S = 30.0
 # Seconds the autoscaler thread gets to finish a lag reading at shutdown.
 AUTOSCALER_JOIN_TIMEOUT_S = 10.0
 # Seconds a restarted broker has to take the topics and the re-published jobs; after that
@@ -132,44 +135,55 @@ def dev_webhook_secret(database_url: str) -> str:
     return secret
 
 
-def _start_api(host: str, port: int, stack: ExitStack) -> Callable[[], None]:
-    """Serve the API on a thread; registers its shutdown on stack.
+def _start_api(host: str, port: int, stack: ExitStack) -> tuple[Callable[[], None], Supervisor]:
+    """Serve the API on a thread, and on `api_processes - 1` supervised processes beside it
+    sharing the port; registers their shutdown on stack.
 
-    Returns the hook that makes it refuse new jobs at once (503), called as soon as a stop
-    is asked for: the API itself keeps serving reads until the workers have drained.
+    Returns the hook that makes the API refuse new jobs at once (503), called as soon as a
+    stop is asked for (the extra processes stop listening and finish what they are serving;
+    this process's API keeps serving reads until the workers have drained), and the extra
+    processes' supervisor, for the main loop to poll.
     """
-    import uvicorn
+    import sys
 
     from api.app import create_app
+    from api.serve import api_server
     from core.settings import get_settings
+    from scheduler.supervisor import Supervisor
 
     settings = get_settings()
     app = create_app(settings, serving=True)
-    config = uvicorn.Config(app, host=host, port=port,
-                            log_level=settings.log_level.lower(), lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="api", daemon=True)
+    server, sock = api_server(app, settings)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="api",
+                              daemon=True)
     thread.start()
 
     def stop_api() -> None:
         server.should_exit = True
         thread.join(timeout=30)
+        sock.close()
 
     stack.callback(stop_api)
     deadline = time.monotonic() + API_START_TIMEOUT_S
     while not server.started:
         if not thread.is_alive():
-            raise RuntimeError(f"the API did not start on {host}:{port}; is the port in use?")
+            raise RuntimeError(f"the API did not start on {host}:{port}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"the API did not start on {host}:{port} in "
                                f"{API_START_TIMEOUT_S:.0f}s")
         time.sleep(0.05)
+    extra = Supervisor([sys.executable, "-m", "api"], num_workers=settings.api_processes - 1,
+                       name="api", log_dir=settings.data_dir / "logs",
+                       drain_timeout_s=API_DRAIN_TIMEOUT_S)
+    stack.callback(extra.stop)
+    extra.start()
 
     def refuse_new_work() -> None:
         # The lifespan put the resources there before the server counted as started.
         app.state.resources.producer.refuse("the service is shutting down")
+        extra.stop()  # SIGTERM: they close their listeners and finish their requests
 
-    return refuse_new_work
+    return refuse_new_work, extra
 
 
 def _refuse_on_stop(stop: threading.Event, refuse_new_work: Callable[[], None]) -> None:
@@ -288,9 +302,10 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
     data_dir = settings.data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     _check_port_free(host, settings.api_port)
-    # Children (workers) read the same settings from the environment.
+    # Children (workers, extra API processes) read the same settings from the environment.
     _set_env(data_dir=data_dir, database_url=settings.database_url,
-             models_dir=settings.models_dir.resolve())
+             models_dir=settings.models_dir.resolve(), api_host=host,
+             api_reuse_port=settings.api_processes > 1)
 
     stop = threading.Event()
     restore_signals = _install_stop_handlers(stop)
@@ -315,7 +330,8 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
             api_key = dev_api_key(data_dir, settings.database_url)
             webhook_secret = dev_webhook_secret(settings.database_url)
             role, num_republished = _start_scheduler(stop, stack)
-            _refuse_on_stop(stop, _start_api(host, settings.api_port, stack))
+            refuse_new_work, api_processes = _start_api(host, settings.api_port, stack)
+            _refuse_on_stop(stop, refuse_new_work)
             callbacks = Supervisor([sys.executable, "-m", "workers.callbacks"], num_workers=1,
                                    name="callbacks", log_dir=data_dir / "logs")
             stack.callback(callbacks.stop)
@@ -343,6 +359,7 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
             workers.apply_scaling()
             workers.poll()
             callbacks.poll()
+            api_processes.poll()
             for keeper in keepers:
                 keeper.poll()
         print("stopping...", flush=True)

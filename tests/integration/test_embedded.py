@@ -50,6 +50,60 @@ def test_up_serves_a_job_and_stops_cleanly(tmp_path: Path, up_runs: list[UpProce
     _stop_and_check_no_orphans(run)
 
 
+def _api_processes(run: UpProcess) -> list[psutil.Process]:
+    """The tree's processes listening on the API port: up itself and its extra APIs."""
+    found = []
+    for proc in [psutil.Process(run.process.pid), *run.descendants()]:
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == run.port
+                   for c in proc.net_connections(kind="tcp")):
+                found.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _listeners_become(run: UpProcess, count: int, timeout: float = 120.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while len(found := _api_processes(run)) != count:
+        assert time.monotonic() < deadline, f"{len(found)} API listeners, not {count}"
+        time.sleep(0.2)
+    return found
+
+
+def test_up_serves_its_port_from_several_api_processes(tmp_path: Path,
+                                                       up_runs: list[UpProcess]) -> None:
+    """--api-processes 3: two supervised API processes share up's port; submissions on
+    fresh connections all land; one killed is restarted; SIGTERM stops every one."""
+    run = start_up(tmp_path / "data", free_port(), num_workers=0, log_path=tmp_path / "up.log",
+                   args=["--api-processes", "3"])
+    up_runs.append(run)
+    listeners = _listeners_become(run, 3)
+    extra = [p for p in listeners if p.pid != run.process.pid]
+    assert all("-m api" in " ".join(p.cmdline()) for p in extra)
+
+    def submit_on_fresh_connections(n: int) -> list[str]:
+        ids = []
+        for _ in range(n):
+            with run.client() as client:  # a new connection: the kernel picks a listener
+                response = client.post("/v1/jobs", json=CHAT_JOB)
+                assert response.status_code == 202, response.text
+                ids.append(response.json()["id"])
+        return ids
+
+    accepted = submit_on_fresh_connections(30)
+    extra[0].kill()
+    extra[0].wait(10)  # its listener is gone once it is
+    accepted += submit_on_fresh_connections(10)  # the others serve meanwhile
+    restarted = _listeners_become(run, 3)
+    assert extra[0].pid not in {p.pid for p in restarted}
+    accepted += submit_on_fresh_connections(10)
+    with run.client() as client:
+        listed = client.get("/v1/jobs", params={"limit": 100}).json()
+    assert {job["id"] for job in listed["data"]} >= set(accepted)
+    _stop_and_check_no_orphans(run)
+
+
 def test_second_start_republishes_a_job_left_queued(tmp_path: Path,
                                                     up_runs: list[UpProcess]) -> None:
     """With no workers the job stays queued; the next start re-publishes and runs it."""
