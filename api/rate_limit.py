@@ -89,19 +89,25 @@ class TokenBucketLimiter:
 
     async def _serve_waiting(self, tenant_id: str) -> None:
         """Answer whoever arrived during the last call, in calls of all that wait."""
-        while batch := self._waiting.get(tenant_id):
-            self._waiting[tenant_id] = []
-            try:
-                verdicts = await self._take(tenant_id, len(batch))
-            except BaseException as e:  # cancelled at shutdown: nobody is left unanswered
-                for future in batch:
-                    if not future.done():
-                        future.set_exception(e)
-                raise
-            for future, verdict in zip(batch, verdicts, strict=True):
-                if not future.done():  # its request may have gone (client disconnect)
-                    future.set_result(verdict)
-        self._waiting.pop(tenant_id, None)
+        failure: BaseException | None = None
+        try:
+            while batch := self._waiting.get(tenant_id):
+                self._waiting[tenant_id] = []
+                try:
+                    verdicts = await self._take(tenant_id, len(batch))
+                except BaseException as e:
+                    failure = e
+                    self._waiting[tenant_id] = batch + self._waiting[tenant_id]
+                    raise
+                for future, verdict in zip(batch, verdicts, strict=True):
+                    if not future.done():  # its request may have gone (client disconnect)
+                        future.set_result(verdict)
+        finally:
+            # Whoever still waits hears the failure (cancelled at shutdown, or a bug) rather
+            # than waiting forever; the next submission starts afresh.
+            for future in self._waiting.pop(tenant_id, None) or []:
+                if not future.done():
+                    future.set_exception(failure or RuntimeError("rate limiter stopped"))
 
     async def _take(self, tenant_id: str, wanted: int) -> list[float | None]:
         """One script call for `wanted` tokens: a verdict per token, in order."""

@@ -63,6 +63,37 @@ def test_concurrent_submissions_share_calls_and_never_exceed_the_bucket(redis_ur
     asyncio.run(scenario())
 
 
+def test_a_failed_shared_call_fails_its_waiters_and_the_next_call_starts_afresh(
+    redis_url: str,
+) -> None:
+    """An unexpected error in a shared call reaches every request of it; none hangs, and
+    the tenant's next submission is served normally."""
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        limiter = TokenBucketLimiter(client, prefix="rl-test-3", rate_per_s=100)
+        script = limiter._script
+        calls = 0
+
+        async def second_call_fails(*, keys: list[str], args: list[Any]) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise ValueError("boom")
+            return await script(keys=keys, args=args)
+
+        limiter._script = second_call_fails  # type: ignore[assignment]
+        results = await asyncio.wait_for(asyncio.gather(
+            *(limiter.retry_after_s("t") for _ in range(5)), return_exceptions=True), 5)
+        assert results[0] is None
+        assert all(isinstance(r, ValueError) for r in results[1:]), results
+        assert limiter._waiting == {}
+        assert await asyncio.wait_for(limiter.retry_after_s("t"), 5) is None
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_without_redis_submissions_are_admitted_and_long_polls_poll(
     make_client: ClientFactory, acme: TenantKey
 ) -> None:
