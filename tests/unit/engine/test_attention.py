@@ -169,6 +169,13 @@ def test_cpu_kernel_refuses_bad_arguments() -> None:
     with pytest.raises(RuntimeError, match="head sizes 64 and 128"):
         prefill(torch.zeros(3, 64), torch.zeros(3, 4, 16), torch.zeros(4, 16, 2, 16),
                 torch.zeros(4, 16, 2, 16), table, starts, lens.clamp(max=32), 0.25)
+    wide = torch.zeros(4, 16, 1, 64)  # 64 query heads on one KV head: over a tile's rows
+    with pytest.raises(RuntimeError, match="up to 48 query heads per KV head"):
+        prefill(torch.zeros(3, 64 * 64), torch.zeros(3, 64, 64), wide, wide, table, starts,
+                lens.clamp(max=32), 0.125)
+    # ... so the backend gives such a model's chunks to the torch path.
+    assert CpuAttentionBackend(64, 1, 64).pool_workspace_ratio(2) > 0
+    assert CpuAttentionBackend(48, 1, 64).pool_workspace_ratio(2) == 0
 
 
 def test_write_kv_fills_exactly_the_given_slots() -> None:
