@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     worker_max_inflight: int = Field(default=128, ge=1)
     # The same for a worker of an embedding model: an encoder keeps nothing per job
     # between steps, and more jobs at hand sort into fuller batches.
-    embedding_worker_max_inflight: int = Field(default=1024, ge=1)
+    embedding_worker_max_inflight: int = Field(default=4096, ge=1)
     engine_max_num_seqs: int = Field(default=64, ge=1)
     # None: the engine's default for its device (workers/engine/config.py).
     engine_max_num_batched_tokens: int | None = Field(default=None, ge=1)

@@ -1,11 +1,12 @@
-"""How many jobs a worker holds at once depends on the engine it runs."""
+"""How many jobs a worker holds at once depends on the engine it runs, and how long its
+loop waits on them on how many it holds."""
 
 from __future__ import annotations
 
 from core.settings import Settings
 from workers.engine.embedding_engine import EmbeddingEngine
 from workers.engine.embedding_runner import EmbeddingRunner
-from workers.inference.worker import max_inflight
+from workers.inference.worker import BUSY_WAIT_S, POLL_TIMEOUT_MS, finished_wait_s, max_inflight
 
 
 def test_an_embedding_worker_holds_more_jobs_than_a_generating_one() -> None:
@@ -14,3 +15,12 @@ def test_an_embedding_worker_holds_more_jobs_than_a_generating_one() -> None:
     assert max_inflight(settings, encoder) == 512
     assert max_inflight(settings, object()) == 16
     assert Settings().embedding_worker_max_inflight > Settings().worker_max_inflight
+
+
+def test_a_worker_waits_for_finished_jobs_longest_when_nothing_new_could_start() -> None:
+    # Idle: the broker's poll does the waiting.
+    assert finished_wait_s(0, 8) == 0.0
+    # Room left: a short wait, so fetched records start soon.
+    assert finished_wait_s(3, 8) == BUSY_WAIT_S
+    # Full: only a finished job can change anything, and it wakes the loop anyway.
+    assert finished_wait_s(8, 8) == POLL_TIMEOUT_MS / 1000 > BUSY_WAIT_S
