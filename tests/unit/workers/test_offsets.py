@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from kafka import TopicPartition
 
 from workers.inference.offsets import OffsetTracker, PartitionOffsets
@@ -108,3 +110,22 @@ def test_unknown_acks_are_ignored() -> None:
     tracker.track(TP, 1)
     tracker.ack(TP, 99)
     assert tracker.committable() == {TP: 1}
+
+
+def test_commit_point_is_the_lowest_pending_offset_through_any_order_of_tracks_and_acks() -> None:
+    # Against the definition (min of the pending set), over random interleavings that
+    # include acks out of order, repeated acks and offsets tracked again after their ack.
+    rng = random.Random(7)
+    for _ in range(50):
+        offsets, pending = PartitionOffsets(), set()
+        for _ in range(300):
+            offset = rng.randrange(200)
+            if rng.random() < 0.5:
+                offsets.track(offset)
+                pending.add(offset)
+            else:
+                offsets.ack(offset)
+                pending.discard(offset)
+            expected = min(pending) if pending else (
+                None if offsets.highest_seen is None else offsets.highest_seen + 1)
+            assert offsets.commit_point == expected
