@@ -264,7 +264,7 @@ class Resources:
     @classmethod
     def open(cls, settings: Settings) -> Resources:
         """Create every client; none of them connects before first use."""
-        engine = create_db_engine(settings.database_url)
+        engine = create_db_engine(settings.database_url, pool_size=settings.db_pool_size)
         sync_redis = redis.Redis.from_url(settings.redis_url, **_redis_options(Retry))
         async_redis = aioredis.Redis.from_url(settings.redis_url, **_redis_options(AsyncRetry))
         sessions = session_factory(engine)

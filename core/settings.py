@@ -26,6 +26,12 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".data")
     # Empty: sqlite under data_dir. Production: postgresql+psycopg://user:pw@host/db
     database_url: str = ""
+    # Database connections an API process keeps open: as many as its thread pool runs
+    # database calls at once (anyio's 40). Beyond the pool a connection is opened and
+    # closed per use; with SQLAlchemy's default of 5, 32 concurrent long-polls spent a
+    # third of the API's time opening SQLite connections and queueing for them. With
+    # PostgreSQL keep api_processes x this (+ 10 overflow each) under max_connections.
+    db_pool_size: int = Field(default=40, ge=1)
     kafka_bootstrap_servers: str = "127.0.0.1:9092"
     topic_prefix: str = "batchinfer"
     topic_partitions: int = Field(default=3, ge=1)

@@ -50,8 +50,9 @@ def _loads(text: str | bytes) -> Any:
 JSON_CODEC: dict[str, Any] = {"json_serializer": _dumps, "json_deserializer": _loads}
 
 
-def create_db_engine(url: str) -> sqlalchemy.Engine:
-    """An engine for `url`; SQLite gets WAL, foreign keys and a busy timeout."""
+def create_db_engine(url: str, *, pool_size: int | None = None) -> sqlalchemy.Engine:
+    """An engine for `url`; SQLite gets WAL, foreign keys and a busy timeout. `pool_size`:
+    connections kept open (SQLAlchemy's default, 5, if None)."""
     try:
         parsed = make_url(url)
     except ArgumentError as e:
@@ -59,8 +60,9 @@ def create_db_engine(url: str) -> sqlalchemy.Engine:
             f"invalid database URL {url!r}: use sqlite:///path/to/file.db "
             "or postgresql+psycopg://user:password@host:5432/dbname"
         ) from e
+    pool: dict[str, Any] = {} if pool_size is None else {"pool_size": pool_size}
     if parsed.get_backend_name() != "sqlite":
-        return sqlalchemy.create_engine(parsed, pool_pre_ping=True, **JSON_CODEC)
+        return sqlalchemy.create_engine(parsed, pool_pre_ping=True, **pool, **JSON_CODEC)
 
     database = parsed.database or ""
     in_memory = database in ("", ":memory:") or database.startswith("file::memory:")
@@ -73,6 +75,7 @@ def create_db_engine(url: str) -> sqlalchemy.Engine:
         kwargs["poolclass"] = StaticPool
     else:
         Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+        kwargs.update(pool)
     engine = sqlalchemy.create_engine(parsed, **kwargs)
     event.listen(engine, "connect", _configure_sqlite_connection)
     logger.debug("sqlite engine for %s", database or ":memory:")

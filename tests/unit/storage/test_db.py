@@ -11,6 +11,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError, StatementError
 from sqlalchemy.orm import Session
 
+from core.settings import Settings
 from storage.db import create_db_engine, session_factory
 from storage.models import ApiKey, Base, Tenant
 
@@ -97,3 +98,24 @@ def test_json_columns_keep_floats_non_ascii_and_lone_surrogates(
                            {"id": job_id}).scalar_one() for job_id in ids]
     assert "日本語" in raw[0]  # written as UTF-8 by orjson
     assert "\\ud800" in raw[1]  # escaped by the standard library, which can
+
+
+def _connects_over_two_rounds(engine: sqlalchemy.Engine, concurrent: int) -> int:
+    """New database connections opened by two rounds of `concurrent` checkouts at once."""
+    opened = []
+    sqlalchemy.event.listen(engine, "connect", lambda *_: opened.append(1))
+    for _ in range(2):
+        held = [engine.connect() for _ in range(concurrent)]
+        for connection in held:
+            connection.close()
+    engine.dispose()
+    return len(opened)
+
+
+def test_a_pool_as_large_as_the_concurrency_reuses_its_connections(tmp_path: Path) -> None:
+    # The API's thread pool queries from many threads at once: connections beyond the
+    # pool are opened (pragmas and all) and closed again per use.
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    assert _connects_over_two_rounds(create_db_engine(url, pool_size=12), 12) == 12
+    assert _connects_over_two_rounds(create_db_engine(url), 12) > 12  # SQLAlchemy's 5
+    assert Settings().db_pool_size >= 32  # the API's concurrency in the benchmarks
