@@ -114,14 +114,69 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
             tenant = tenant_by_name(session, name=args.tenant)
             if tenant is None:
                 tenant = create_tenant(session, name=args.tenant)
-            _, key = create_api_key(session, tenant_id=tenant.id)
+            api_key, key = create_api_key(session, tenant_id=tenant.id)
             webhook_secret = ensure_webhook_secret(session, tenant_id=tenant.id).secret
             session.commit()
     finally:
         engine.dispose()
     print(f"tenant: {tenant.name} ({tenant.id})", file=sys.stderr)
+    print(f"key id: {api_key.id} (revoke with `batchinfer keys revoke {api_key.id}`)",
+          file=sys.stderr)
     print(f"Webhook secret: {webhook_secret}", file=sys.stderr)
     print(key)
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    """Print every key's id, prefix, tenant, creation and revocation (never the key)."""
+    from core.settings import get_settings
+    from storage.db import create_db_engine, session_factory
+    from storage.tenants import list_api_keys, tenant_by_name
+
+    engine = create_db_engine(get_settings().database_url)
+    try:
+        with session_factory(engine)() as session:
+            tenant_id = None
+            if args.tenant is not None:
+                tenant = tenant_by_name(session, name=args.tenant)
+                if tenant is None:
+                    raise ValueError(f"no tenant named {args.tenant!r}")
+                tenant_id = tenant.id
+            rows = [(k.id, f"{k.prefix}...", t.name, k.created_at.isoformat(timespec="seconds"),
+                     "live" if k.revoked_at is None
+                     else f"revoked {k.revoked_at.isoformat(timespec='seconds')}")
+                    for k, t in list_api_keys(session, tenant_id=tenant_id)]
+    finally:
+        engine.dispose()
+    header = ("ID", "PREFIX", "TENANT", "CREATED", "STATE")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
+              .rstrip())
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    """Revoke a key named by id, prefix or the key itself."""
+    from api.key_cache import MAX_AGE_S
+    from core.settings import get_settings
+    from storage.db import create_db_engine, session_factory
+    from storage.tenants import find_api_key, revoke_api_key
+
+    engine = create_db_engine(get_settings().database_url)
+    try:
+        with session_factory(engine)() as session:
+            api_key = find_api_key(session, ref=args.key)
+            newly = revoke_api_key(session, key_id=api_key.id)
+            session.commit()
+            name, revoked_at = f"{api_key.id} ({api_key.prefix}...)", api_key.revoked_at
+    finally:
+        engine.dispose()
+    assert revoked_at is not None
+    if newly:  # API processes trust a live key they saw for up to MAX_AGE_S
+        print(f"revoked {name}; every API process refuses it within {MAX_AGE_S:g} s")
+    else:
+        print(f"{name} was already revoked at {revoked_at.isoformat(timespec='seconds')}")
     return 0
 
 
@@ -224,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
     create = keys_sub.add_parser("create", help="create a key for a tenant; prints it once")
     create.add_argument("--tenant", required=True, help="tenant name (created when new)")
     create.set_defaults(func=cmd_keys_create)
+    listing = keys_sub.add_parser("list", help="list keys: id, prefix, tenant, state")
+    listing.add_argument("--tenant", default=None, help="only this tenant's keys")
+    listing.set_defaults(func=cmd_keys_list)
+    revoke = keys_sub.add_parser(
+        "revoke", help="revoke a key; every API process refuses it within about a second")
+    revoke.add_argument("key", help="its id (key_...), its prefix as listed, or the key")
+    revoke.set_defaults(func=cmd_keys_revoke)
 
     models = sub.add_parser("models", help="models")
     models_sub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")

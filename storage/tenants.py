@@ -88,6 +88,38 @@ def revoke_api_key(session: Session, *, key_id: str) -> bool:
     return True
 
 
+def list_api_keys(session: Session, *, tenant_id: str | None = None
+                  ) -> list[tuple[ApiKey, Tenant]]:
+    """Every key (live and revoked) with its tenant, oldest first; one tenant's with `tenant_id`."""
+    query = (select(ApiKey, Tenant).join(Tenant, ApiKey.tenant_id == Tenant.id)
+             .order_by(ApiKey.created_at, ApiKey.id))
+    if tenant_id is not None:
+        query = query.where(ApiKey.tenant_id == tenant_id)
+    return [(api_key, tenant) for api_key, tenant in session.execute(query)]
+
+
+def find_api_key(session: Session, *, ref: str) -> ApiKey:
+    """The key an operator names by its id (`key_...`), its listed prefix (`bi_` + 9
+    characters) or the key itself; ValueError when none matches, or several share a prefix."""
+    ref = ref.strip()
+    if ref.startswith("key_"):
+        found = session.get(ApiKey, ref)
+        matches = [] if found is None else [found]
+    elif ref.startswith(API_KEY_PREFIX) and len(ref) > NUM_KEY_PREFIX_CHARS:
+        matches = list(session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_api_key(ref))))
+    elif ref.startswith(API_KEY_PREFIX) and len(ref) == NUM_KEY_PREFIX_CHARS:
+        matches = list(session.scalars(select(ApiKey).where(ApiKey.prefix == ref)))
+    else:
+        raise ValueError(f"{ref!r} names no key: give its id (key_...), its prefix as "
+                         f"`keys list` shows it ({API_KEY_PREFIX} + 9 characters) or the key")
+    if not matches:
+        raise ValueError(f"no API key matches {ref!r}")
+    if len(matches) > 1:
+        raise ValueError(f"{len(matches)} keys share the prefix {ref!r}; name one by its id: "
+                         + ", ".join(m.id for m in matches))
+    return matches[0]
+
+
 def tenant_for_api_key(session: Session, *, key: str) -> Tenant | None:
     """The tenant owning a live key; None when the key is unknown or revoked."""
     if not key.startswith(API_KEY_PREFIX):

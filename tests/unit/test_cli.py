@@ -78,3 +78,43 @@ def test_user_errors_exit_2_with_a_message(sqlite_env: str,
     assert main(["db", "upgrade"]) == 0
     assert main(["keys", "create", "--tenant", "  "]) == 2
     assert "tenant name must not be empty" in capsys.readouterr().err
+
+
+def test_keys_list_and_revoke_by_id_prefix_or_key(sqlite_env: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Keys are listed without their secret and revoked by any of the three names an
+    operator has; a revoked key authenticates no more, the others still do."""
+    from storage.db import create_db_engine, session_factory
+    from storage.tenants import tenant_for_api_key
+
+    assert main(["db", "upgrade"]) == 0
+    keys = []
+    for tenant in ("acme", "acme", "acme", "globex"):
+        assert main(["keys", "create", "--tenant", tenant]) == 0
+        captured = capsys.readouterr()
+        key_id = captured.err.split("key id: ")[1].split()[0]
+        keys.append((key_id, captured.out.strip().splitlines()[-1]))
+    assert main(["keys", "list", "--tenant", "acme"]) == 0
+    listed = capsys.readouterr().out
+    assert all(key_id in listed for key_id, _ in keys[:3]) and keys[3][0] not in listed
+    assert not any(key in listed for _, key in keys)  # never the secret
+    assert listed.count(" live") == 3
+
+    (by_id, _), (_, by_key), (_, third), (_, other) = keys
+    for ref in (by_id, by_key, third[:12]):
+        assert main(["keys", "revoke", ref]) == 0
+        assert "revoked key_" in capsys.readouterr().out
+    assert main(["keys", "revoke", by_id]) == 0  # again: says so, changes nothing
+    assert "already revoked" in capsys.readouterr().out
+    assert main(["keys", "revoke", "key_nope"]) == 2
+    assert "no API key matches 'key_nope'" in capsys.readouterr().err
+    assert main(["keys", "revoke", "acme"]) == 2
+    assert "names no key" in capsys.readouterr().err
+
+    engine = create_db_engine(sqlite_env)
+    with session_factory(engine)() as session:
+        assert [tenant_for_api_key(session, key=k) is None for _, k in keys] == [
+            True, True, True, False]
+    engine.dispose()
+    assert main(["keys", "list"]) == 0
+    assert capsys.readouterr().out.count("revoked 20") == 3
