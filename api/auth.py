@@ -10,6 +10,7 @@ transaction open.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Annotated
@@ -54,13 +55,37 @@ async def authenticate(
     key_hash = hash_api_key(credentials.credentials)
     tenant = resources.api_keys.get(key_hash)
     if tenant is None:
-        tenant = await run_in_threadpool(look_up_key, resources, credentials.credentials)
+        tenant = await look_up_key_shared(resources, credentials.credentials, key_hash)
     if tenant is None:
         raise Unauthorized(
             "Incorrect API key provided: it is unknown or has been revoked.",
             headers={"WWW-Authenticate": f'Bearer realm="{REALM}", error="invalid_token"'},
         )
     return tenant
+
+
+async def look_up_key_shared(resources: Resources, key: str, key_hash: str
+                             ) -> CurrentTenant | None:
+    """`look_up_key` once for every request of a key that misses the cache meanwhile.
+
+    Each cached key expires every MAX_AGE_S, and then all of its requests in flight (32
+    under load) missed together and each ran its own SELECT on the thread pool. The
+    answer they share was read after the first of them arrived, as fresh as a cache hit.
+    """
+    pending = resources.key_lookups.get(key_hash)
+    if pending is None:
+        pending = asyncio.ensure_future(run_in_threadpool(look_up_key, resources, key))
+        resources.key_lookups[key_hash] = pending
+
+        def settled(done: asyncio.Future[CurrentTenant | None]) -> None:
+            if resources.key_lookups.get(key_hash) is done:
+                del resources.key_lookups[key_hash]
+            if not done.cancelled():
+                done.exception()  # retrieved here too, in case every waiter left
+
+        pending.add_done_callback(settled)
+    # Shielded: a client that leaves cancels its own wait, not the others' lookup.
+    return await asyncio.shield(pending)
 
 
 def look_up_key(resources: Resources, key: str) -> CurrentTenant | None:

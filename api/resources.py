@@ -260,6 +260,8 @@ class Resources:
     done_hub: JobDoneHub
     # Unix time the app started: the `created` of the models it serves.
     started_at: float = field(default_factory=time.time)
+    # Key lookups under way, by key hash, shared by the requests that wait on them.
+    key_lookups: dict[str, asyncio.Future[CurrentTenant | None]] = field(default_factory=dict)
 
     @classmethod
     def open(cls, settings: Settings) -> Resources:
