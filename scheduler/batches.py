@@ -77,6 +77,9 @@ class BatchRunner:
         """One pass over every unfinished batch; returns how many were looked at."""
         with self.sessions() as session:
             batch_ids = active_batch_ids(session, limit=1000)
+        # Batches another scheduler finished: their refresh times go.
+        active = set(batch_ids)
+        self._usage_summed_at = {b: t for b, t in self._usage_summed_at.items() if b in active}
         for batch_id in batch_ids:
             try:
                 self.advance(batch_id)

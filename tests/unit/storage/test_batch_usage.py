@@ -52,3 +52,18 @@ def test_usage_follows_every_pass_once_the_interval_has_passed(
         _succeed(session, job_id)
         runner.advance(batch.id)
         assert _reread(session, batch.id).input_tokens == done
+
+
+def test_a_batch_finished_elsewhere_leaves_no_refresh_time_behind(
+    sessions: sessionmaker[Session], session: Session, tenant: Tenant, tmp_path: Path,
+) -> None:
+    runner, _ = _runner(sessions, tmp_path)
+    other, _ = _runner(sessions, tmp_path)  # a second scheduler
+    batch, job_ids = _running_batch(session, tenant, 1)
+    runner.step()
+    assert batch.id in runner._usage_summed_at
+    _succeed(session, job_ids[0])
+    other.step()  # finishes it
+    assert _reread(session, batch.id).status == BatchStatus.COMPLETED
+    runner.step()
+    assert runner._usage_summed_at == {}
