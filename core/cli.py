@@ -7,11 +7,16 @@ and a worker never loads FastAPI.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 
@@ -101,24 +106,32 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_keys_create(args: argparse.Namespace) -> int:
-    """Create an API key for a tenant (and the tenant, when new); print the key."""
+@contextlib.contextmanager
+def _operator_session() -> Iterator[Session]:
+    """A session on the configured database for one operator command; the engine goes after."""
     from core.settings import get_settings
     from storage.db import create_db_engine, session_factory
-    from storage.tenants import create_api_key, create_tenant, tenant_by_name
-    from storage.webhook_secrets import ensure_webhook_secret
 
     engine = create_db_engine(get_settings().database_url)
     try:
         with session_factory(engine)() as session:
-            tenant = tenant_by_name(session, name=args.tenant)
-            if tenant is None:
-                tenant = create_tenant(session, name=args.tenant)
-            api_key, key = create_api_key(session, tenant_id=tenant.id)
-            webhook_secret = ensure_webhook_secret(session, tenant_id=tenant.id).secret
-            session.commit()
+            yield session
     finally:
         engine.dispose()
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    """Create an API key for a tenant (and the tenant, when new); print the key."""
+    from storage.tenants import create_api_key, create_tenant, tenant_by_name
+    from storage.webhook_secrets import ensure_webhook_secret
+
+    with _operator_session() as session:
+        tenant = tenant_by_name(session, name=args.tenant)
+        if tenant is None:
+            tenant = create_tenant(session, name=args.tenant)
+        api_key, key = create_api_key(session, tenant_id=tenant.id)
+        webhook_secret = ensure_webhook_secret(session, tenant_id=tenant.id).secret
+        session.commit()
     print(f"tenant: {tenant.name} ({tenant.id})", file=sys.stderr)
     print(f"key id: {api_key.id} (revoke with `batchinfer keys revoke {api_key.id}`)",
           file=sys.stderr)
@@ -129,25 +142,19 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
     """Print every key's id, prefix, tenant, creation and revocation (never the key)."""
-    from core.settings import get_settings
-    from storage.db import create_db_engine, session_factory
     from storage.tenants import list_api_keys, tenant_by_name
 
-    engine = create_db_engine(get_settings().database_url)
-    try:
-        with session_factory(engine)() as session:
-            tenant_id = None
-            if args.tenant is not None:
-                tenant = tenant_by_name(session, name=args.tenant)
-                if tenant is None:
-                    raise ValueError(f"no tenant named {args.tenant!r}")
-                tenant_id = tenant.id
-            rows = [(k.id, f"{k.prefix}...", t.name, k.created_at.isoformat(timespec="seconds"),
-                     "live" if k.revoked_at is None
-                     else f"revoked {k.revoked_at.isoformat(timespec='seconds')}")
-                    for k, t in list_api_keys(session, tenant_id=tenant_id)]
-    finally:
-        engine.dispose()
+    with _operator_session() as session:
+        tenant_id = None
+        if args.tenant is not None:
+            tenant = tenant_by_name(session, name=args.tenant)
+            if tenant is None:
+                raise ValueError(f"no tenant named {args.tenant!r}")
+            tenant_id = tenant.id
+        rows = [(k.id, f"{k.prefix}...", t.name, k.created_at.isoformat(timespec="seconds"),
+                 "live" if k.revoked_at is None
+                 else f"revoked {k.revoked_at.isoformat(timespec='seconds')}")
+                for k, t in list_api_keys(session, tenant_id=tenant_id)]
     header = ("ID", "PREFIX", "TENANT", "CREATED", "STATE")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
@@ -159,19 +166,13 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
     """Revoke a key named by id, prefix or the key itself."""
     from api.key_cache import MAX_AGE_S
-    from core.settings import get_settings
-    from storage.db import create_db_engine, session_factory
     from storage.tenants import find_api_key, revoke_api_key
 
-    engine = create_db_engine(get_settings().database_url)
-    try:
-        with session_factory(engine)() as session:
-            api_key = find_api_key(session, ref=args.key)
-            newly = revoke_api_key(session, key_id=api_key.id)
-            session.commit()
-            name, revoked_at = f"{api_key.id} ({api_key.prefix}...)", api_key.revoked_at
-    finally:
-        engine.dispose()
+    with _operator_session() as session:
+        api_key = find_api_key(session, ref=args.key)
+        newly = revoke_api_key(session, key_id=api_key.id)
+        session.commit()
+        name, revoked_at = f"{api_key.id} ({api_key.prefix}...)", api_key.revoked_at
     assert revoked_at is not None
     if newly:  # API processes trust a live key they saw for up to MAX_AGE_S
         print(f"revoked {name}; every API process refuses it within {MAX_AGE_S:g} s")
