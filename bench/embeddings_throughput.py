@@ -110,6 +110,8 @@ def main() -> None:
     parser.add_argument("--skip-st", action="store_true",
                         help="leave sentence-transformers out (to compare the service with "
                              "the runner alone in less time)")
+    parser.add_argument("--texts-per-line", type=int, default=1,
+                        help="texts in each batch line's `input` list (the service run)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -139,7 +141,8 @@ def main() -> None:
         cpu_start = time.process_time()
         runner.embed(texts)
         print(cpu_line("runner", {"this process": time.process_time() - cpu_start}, len(texts)))
-        seconds, spent = service_run(args.model, texts, args.worker_max_inflight)
+        seconds, spent = service_run(args.model, texts, args.worker_max_inflight,
+                                      args.texts_per_line)
         service = Timing("service", seconds, len(texts), num_tokens)
         print(service.line())
         print(cpu_line("service", spent, len(texts)))
@@ -162,11 +165,11 @@ def compare_with_st(st: Any, runner: EmbeddingRunner, texts: list[str], ours: Ti
     print(f"lowest cosine between the two: {cosine:.6f}")
 
 
-def service_run(model: str, texts: list[str],
-                max_inflight: int | None = None) -> tuple[float, dict[str, float]]:
-    """Seconds from creating a batch of `texts` (one line each) to its completion, on a
-    `batchinfer up` started (and stopped) here with one worker for `model`, and the CPU
-    seconds each of its processes spent meanwhile."""
+def service_run(model: str, texts: list[str], max_inflight: int | None = None,
+                texts_per_line: int = 1) -> tuple[float, dict[str, float]]:
+    """Seconds from creating a batch of `texts` (`texts_per_line` to a line) to its
+    completion, on a `batchinfer up` started (and stopped) here with one worker for
+    `model`, and the CPU seconds each of its processes spent meanwhile."""
     import httpx
 
     from bench.service_throughput import cpu_seconds_by_pid, cpu_seconds_by_role, stop_service
@@ -181,8 +184,8 @@ def service_run(model: str, texts: list[str],
                           "BATCHINFER_EMBEDDING_WORKER_MAX_INFLIGHT": str(max_inflight)})
         try:
             lines = [json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/embeddings",
-                                 "body": {"model": "emb", "input": text}})
-                     for i, text in enumerate(texts)]
+                                 "body": {"model": "emb", "input": group}})
+                     for i, group in enumerate(_lines_of(texts, texts_per_line))]
             with httpx.Client(base_url=up.url, timeout=120, headers=up.headers) as client:
                 uploaded = client.post("/v1/files", data={"purpose": "batch"}, files={
                     "file": ("in.jsonl", ("\n".join(lines) + "\n").encode(),
@@ -211,6 +214,13 @@ def service_run(model: str, texts: list[str],
                 return seconds, spent
         finally:
             stop_service(up)
+
+
+def _lines_of(texts: list[str], texts_per_line: int) -> list[str | list[str]]:
+    """Each line's `input`: a lone text, or a list of up to `texts_per_line` texts."""
+    if texts_per_line == 1:
+        return list(texts)
+    return [texts[i:i + texts_per_line] for i in range(0, len(texts), texts_per_line)]
 
 
 def cpu_line(title: str, spent: dict[str, float], num_texts: int) -> str:

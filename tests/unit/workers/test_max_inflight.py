@@ -24,3 +24,12 @@ def test_a_worker_waits_for_finished_jobs_longest_when_nothing_new_could_start()
     assert finished_wait_s(3, 8) == BUSY_WAIT_S
     # Full: only a finished job can change anything, and it wakes the loop anyway.
     assert finished_wait_s(8, 8) == POLL_TIMEOUT_MS / 1000 > BUSY_WAIT_S
+
+
+def test_a_worker_with_room_backs_off_while_the_broker_brings_nothing() -> None:
+    waits = [finished_wait_s(3, 8, num_empty_polls=n) for n in range(8)]
+    assert waits[0] == BUSY_WAIT_S
+    assert waits[1] == 2 * BUSY_WAIT_S
+    assert waits == sorted(waits)
+    assert waits[-1] == POLL_TIMEOUT_MS / 1000
+    assert finished_wait_s(3, 8, num_empty_polls=10_000) == POLL_TIMEOUT_MS / 1000
