@@ -16,6 +16,12 @@ It belongs with the reconciler (scheduler/): like it, it reads the database as t
 of truth and writes to Kafka, it consumes no queue, and every step is idempotent — a pass
 that dies half-way is simply done again by the next one. Slow work (reading files) runs
 without holding the batch row's lock; each status change re-locks and re-checks the row.
+
+Pace: passes come every `batch_poll_interval_s`, and sooner when there is work — the API
+announces new and cancelled batches (`batches_wake_channel`), and a batch whose jobs are
+finishing fast enough to end before the next pass asks for a pass when they should be
+done. Validation and the first fan-out share a pass. At GPU rates a small batch runs in
+well under a second, so an interval's wait at each end was most of its time.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from scheduler.batch_fanout import fan_out
 from scheduler.batch_input import validate_input
 from scheduler.batch_output import BATCH_CANCELLED, BATCH_EXPIRED, REQUEST_CANCELLED
 from scheduler.batch_results import add_result_file_rows, write_result_files
+from scheduler.periodic import Wakeup
 from storage.batch_jobs import (
     count_batch_jobs,
     has_jobs_stopped_since,
@@ -54,6 +61,8 @@ FANOUT_BUDGET_S = 5.0
 # scheduler's time there, beside the worker it shares the cores with. The final figure is
 # summed when the batch ends.
 USAGE_REFRESH_S = 10.0
+# Shortest gap a batch's expected end may put between two passes.
+MIN_PASS_GAP_S = 0.05
 
 
 def batch_done_channel(prefix: str, batch_id: str) -> str:
@@ -65,21 +74,26 @@ class BatchRunner:
     """Advances batches: validate, fan out, count, finalize, cancel, expire."""
 
     def __init__(self, settings: Settings, sessions: sessionmaker[Session],
-                 producer: KafkaProducer, redis_client: redis.Redis, store: FileStore) -> None:
+                 producer: KafkaProducer, redis_client: redis.Redis, store: FileStore,
+                 wakeup: Wakeup | None = None) -> None:
         self.settings = settings
         self.sessions = sessions
         self.producer = producer
         self.redis = redis_client
         self.store = store
+        self.wakeup = wakeup or Wakeup()
         self._usage_summed_at: dict[str, float] = {}  # batch id -> monotonic time
+        # batch id -> (monotonic time, jobs finished) at its last count
+        self._last_count: dict[str, tuple[float, int]] = {}
 
     def step(self) -> int:
         """One pass over every unfinished batch; returns how many were looked at."""
         with self.sessions() as session:
             batch_ids = active_batch_ids(session, limit=1000)
-        # Batches another scheduler finished: their refresh times go.
+        # Batches another scheduler finished: what was kept about them goes.
         active = set(batch_ids)
         self._usage_summed_at = {b: t for b, t in self._usage_summed_at.items() if b in active}
+        self._last_count = {b: c for b, c in self._last_count.items() if b in active}
         for batch_id in batch_ids:
             try:
                 self.advance(batch_id)
@@ -98,7 +112,8 @@ class BatchRunner:
             if is_past_window:
                 self._stop_and_finish(batch_id, BatchStatus.EXPIRED)
                 return
-            self._validate(batch_id)
+            if self._validate(batch_id):
+                self._run(batch_id, is_past_window=False)
         elif status == BatchStatus.IN_PROGRESS:
             self._run(batch_id, is_past_window=is_past_window)
         elif status == BatchStatus.FINALIZING:
@@ -106,7 +121,8 @@ class BatchRunner:
         elif status == BatchStatus.CANCELLING:
             self._stop_and_finish(batch_id, BatchStatus.CANCELLED)
 
-    def _validate(self, batch_id: str) -> None:
+    def _validate(self, batch_id: str) -> bool:
+        """Validate the input file; True if the batch moved on to `in_progress`."""
         with self.sessions() as session:
             batch = session.get(Batch, batch_id)
             assert batch is not None
@@ -132,7 +148,7 @@ class BatchRunner:
         with self.sessions() as session:
             batch = lock_batch(session, batch_id=batch_id)
             if batch is None or batch.status != BatchStatus.VALIDATING:
-                return
+                return False
             batch.num_requests, batch.model = num_requests, model
             if errors:
                 batch.errors = errors
@@ -144,6 +160,7 @@ class BatchRunner:
         self._publish_done(batch)
         logger.info("batch %s: validation %s (%d request(s), %d error(s))", batch_id,
                     "failed" if errors else "passed", num_requests, len(errors))
+        return not errors
 
     def _run(self, batch_id: str, *, is_past_window: bool) -> None:
         with self.sessions() as session:
@@ -172,11 +189,26 @@ class BatchRunner:
                 is_done = False
             if is_done:
                 batch.move_to(BatchStatus.FINALIZING)
+            elif batch.num_enqueued >= batch.num_requests:
+                self._pass_when_done(batch_id, num_finished=counts.num_succeeded
+                                     + counts.num_failed, num_unfinished=counts.num_unfinished)
             session.commit()
         if is_done:
             self._stop_and_finish(batch_id, BatchStatus.COMPLETED)
         elif is_past_window:
             self._stop_and_finish(batch_id, BatchStatus.EXPIRED)
+
+    def _pass_when_done(self, batch_id: str, *, num_finished: int, num_unfinished: int) -> None:
+        """Ask for a pass when, at the pace since the last count, the last job should be
+        done, if that comes before the next pass anyway."""
+        now = time.monotonic()
+        last = self._last_count.get(batch_id)
+        self._last_count[batch_id] = (now, num_finished)
+        if last is None or num_finished <= last[1]:
+            return
+        seconds_left = num_unfinished * (now - last[0]) / (num_finished - last[1])
+        if seconds_left < self.settings.batch_poll_interval_s:
+            self.wakeup.soon(max(seconds_left, MIN_PASS_GAP_S))
 
     def _stop_and_finish(self, batch_id: str, final: BatchStatus) -> None:
         """Stop unfinished jobs, write the result files and move to `final`."""
@@ -206,6 +238,7 @@ class BatchRunner:
             add_result_file_rows(session, batch, files)
             _set_usage(session, batch)
             self._usage_summed_at.pop(batch_id, None)
+            self._last_count.pop(batch_id, None)
             batch.move_to(final)
             self._on_terminal(session, batch)
             session.commit()

@@ -24,14 +24,17 @@ JOIN_TIMEOUT_S = 30.0
 
 
 class SchedulerRole:
-    """Reconciler, batch loop and expired-file reaper threads over shared clients."""
+    """Reconciler, batch loop (and its wake listener) and expired-file reaper threads over
+    shared clients."""
 
     def __init__(self, settings: Settings) -> None:
         import redis
 
         from core.kafka import ensure_topics, make_producer
+        from scheduler.batch_wake import BatchWakeListener
         from scheduler.batches import BatchRunner
         from scheduler.file_expiry import FileReaper
+        from scheduler.periodic import Wakeup
         from scheduler.reconciler import Reconciler
         from storage.db import create_db_engine, session_factory
         from storage.files import FileStore
@@ -50,7 +53,10 @@ class SchedulerRole:
             store = FileStore.from_settings(settings)
             self.reconciler = Reconciler(settings, sessions, producer,
                                          redis_client=redis_client)
-            self.batches = BatchRunner(settings, sessions, producer, redis_client, store)
+            self.batches = BatchRunner(settings, sessions, producer, redis_client, store,
+                                       wakeup=Wakeup())
+            self.batch_wake = BatchWakeListener(redis_client, prefix=settings.topic_prefix,
+                                                wakeup=self.batches.wakeup)
             # Expiry is hour-grained and the API hides expired files at once, so the
             # reconciler's pace is plenty.
             self.file_reaper = FileReaper(sessions, store,
@@ -75,11 +81,13 @@ class SchedulerRole:
         loops = [
             Periodic(self.reconciler.republish_stale, self.reconciler.interval_s,
                      "reconciler", at_once=False),
-            Periodic(self.batches.step, self.settings.batch_poll_interval_s, "batches"),
+            Periodic(self.batches.step, self.settings.batch_poll_interval_s, "batches",
+                     wakeup=self.batches.wakeup),
             Periodic(self.file_reaper.step, self.file_reaper.interval_s, "file-expiry",
                      at_once=False),
         ]  # fmt: skip
         self._threads = [loop.start(stop) for loop in loops]
+        self._threads.append(self.batch_wake.start(stop))
         logger.info("reconciling every %.0fs, batches every %.1fs", self.reconciler.interval_s,
                     self.settings.batch_poll_interval_s)
 

@@ -1,4 +1,5 @@
-"""Redis pub/sub events: "job finished" for long-polls, "job cancelled" for workers.
+"""Redis pub/sub events: "job finished" for long-polls, "job cancelled" for workers,
+"batch waiting" for schedulers.
 
 Responsible for: channel names (under the topic prefix), publishing both events, an async
 wait for one job's completion that cannot miss a wakeup, and a cancel subscription for
@@ -53,6 +54,17 @@ def job_done_channel(prefix: str, job_id: str) -> str:
 def cancel_channel(prefix: str) -> str:
     """The one channel every worker listens on for cancellations."""
     return f"{prefix}:jobs:cancel"
+
+
+def batches_wake_channel(prefix: str) -> str:
+    """The channel that tells schedulers a batch awaits them (created, or to cancel)."""
+    return f"{prefix}:batches:wake"
+
+
+def publish_batches_wake(redis_client: redis.Redis, *, prefix: str, batch_id: str) -> None:
+    """Ask schedulers for a batch pass now (after the batch's row is committed); without
+    it the next pass still comes within `batch_poll_interval_s`."""
+    _publish(redis_client, batches_wake_channel(prefix), json.dumps({"batch_id": batch_id}))
 
 
 def publish_job_done(

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.capabilities import check_model
-from api.deps import SessionDep, SettingsDep, TenantDep
+from api.deps import RedisDep, SessionDep, SettingsDep, TenantDep
 from api.errors import Conflict, InvalidParameter, InvalidRequest, NotFound
 from api.pagination import invalid_cursor, list_page
 from api.schemas import CallbackUrl, ExpiresAfter, Metadata
@@ -31,6 +31,7 @@ from storage.batches import (
     list_batches,
     request_cancel,
 )
+from storage.events import publish_batches_wake
 from storage.files import FilePurpose, get_file
 from storage.models import utcnow
 
@@ -62,7 +63,7 @@ class BatchCreate(BaseModel):
 
 @router.post("/v1/batches")
 def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
-           settings: SettingsDep) -> dict[str, Any]:
+           settings: SettingsDep, redis_client: RedisDep) -> dict[str, Any]:
     """Create a batch from an uploaded `purpose=batch` file."""
     file = get_file(session, file_id=body.input_file_id, tenant_id=tenant.id)
     if file is None:
@@ -94,6 +95,7 @@ def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
                                 if body.output_expires_after else None),
     )
     session.commit()
+    publish_batches_wake(redis_client, prefix=settings.topic_prefix, batch_id=batch.id)
     logger.info("batch %s created from %s for tenant %s", batch.id, file.id, tenant.id)
     return batch_object(batch)
 
@@ -118,7 +120,8 @@ def list_tenant_batches(
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
-def cancel(batch_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
+def cancel(batch_id: str, session: SessionDep, tenant: TenantDep, settings: SettingsDep,
+           redis_client: RedisDep) -> dict[str, Any]:
     """Start cancelling: queued requests never run, running ones are aborted."""
     try:
         batch = request_cancel(session, batch_id=batch_id, tenant_id=tenant.id)
@@ -128,6 +131,7 @@ def cancel(batch_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, A
     if batch is None:
         raise NotFound(f"No such batch: '{batch_id}'.", param="batch_id")
     session.commit()
+    publish_batches_wake(redis_client, prefix=settings.topic_prefix, batch_id=batch.id)
     return batch_object(batch)
 
 

@@ -186,6 +186,32 @@ def test_invalid_files_fail_validation_by_line_and_enqueue_nothing(
         consumer.close()
 
 
+def test_created_and_cancelled_batches_are_taken_up_at_once_not_at_the_next_pass(
+    service: Callable[..., BatchService],
+) -> None:
+    # A minute between regular passes: only the API's announcements can explain speed.
+    svc = service(start_worker=False, batch_poll_interval_s=60.0)
+    deadline = time.monotonic() + 60
+    while "batches every" not in svc.scheduler.log_tail() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # the loop's first pass is behind it
+    client = svc.openai()
+    model = svc.settings.model
+    file = client.files.create(file=("wake.jsonl", jsonl(
+        [chat_line(f"w{i}", model) for i in range(3)])), purpose="batch")
+
+    started = time.monotonic()
+    batch = client.batches.create(input_file_id=file.id, endpoint=CHAT,
+                                  completion_window="24h")
+    # Validated and fanned out in the pass the announcement brought.
+    svc.wait_jobs(batch.id, lambda s: s.get(JobStatus.QUEUED) == 3, timeout=20)
+    assert client.batches.retrieve(batch.id).status == "in_progress"
+    client.batches.cancel(batch.id)
+    done = svc.wait_batch(client, batch.id, lambda b: b.status == "cancelled", timeout=20)
+    assert time.monotonic() - started < 30
+    assert done.request_counts is not None and done.request_counts.failed == 3
+
+
 def test_cancel_mid_run_stops_the_rest_and_keeps_partial_output(
     service: Callable[..., BatchService],
 ) -> None:

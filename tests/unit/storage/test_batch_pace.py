@@ -1,0 +1,63 @@
+"""A running batch asks for its next pass when its jobs should be done, if that is sooner
+than the interval, so a fast batch is not left finished-but-running for most of one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from scheduler.batches import MIN_PASS_GAP_S
+from scheduler.periodic import Wakeup
+from storage.models import Tenant
+from tests.unit.storage.test_batch_expiry import _runner, _running_batch, _succeed
+
+
+class RecordingWakeup(Wakeup):
+    """A real wakeup that also remembers each `soon`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[float] = []
+
+    def soon(self, seconds: float) -> None:
+        self.requests.append(seconds)
+        super().soon(seconds)
+
+
+def test_a_batch_about_to_finish_asks_for_a_pass_when_it_should_be_done(
+    sessions: sessionmaker[Session], session: Session, tenant: Tenant, tmp_path: Path,
+) -> None:
+    runner, _ = _runner(sessions, tmp_path)
+    runner.wakeup = wakeup = RecordingWakeup()
+    batch, job_ids = _running_batch(session, tenant, 10)
+    runner.advance(batch.id)
+    assert wakeup.requests == []  # no pace known yet
+    runner.advance(batch.id)
+    assert wakeup.requests == []  # nothing finished since: no pace
+    for job_id in job_ids[:6]:
+        _succeed(session, job_id)
+    runner.advance(batch.id)
+    # Six finished within a few milliseconds, four to go: well inside the 1 s interval,
+    # and never sooner than the floor.
+    [seconds] = wakeup.requests
+    assert MIN_PASS_GAP_S <= seconds < runner.settings.batch_poll_interval_s
+
+
+def test_a_slow_batch_keeps_the_interval(
+    sessions: sessionmaker[Session], session: Session, tenant: Tenant, tmp_path: Path,
+) -> None:
+    runner, _ = _runner(sessions, tmp_path)
+    runner.settings = runner.settings.model_copy(update={"batch_poll_interval_s": 1e-6})
+    runner.wakeup = wakeup = RecordingWakeup()
+    batch, job_ids = _running_batch(session, tenant, 10)
+    runner.advance(batch.id)
+    _succeed(session, job_ids[0])
+    runner.advance(batch.id)
+    # Nine left at one per pass: far beyond an interval this short.
+    assert wakeup.requests == []
+    assert batch.id in runner._last_count
+    for job_id in job_ids[1:]:
+        _succeed(session, job_id)
+    runner.advance(batch.id)
+    assert runner._last_count == {}  # finished: nothing kept
