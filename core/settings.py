@@ -153,7 +153,8 @@ class Settings(BaseSettings):
     batch_completion_windows: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["24h"]
     )
-    # How often the batch loop validates, fans out, counts and finalizes.
+    # Longest wait between batch passes (validate, fan out, count, finalize); announced
+    # batches and batches about to finish bring a pass sooner.
     batch_poll_interval_s: float = Field(default=1.0, gt=0)
 
     # Webhook callbacks (`batchinfer callbacks`, a Celery worker on redis_url).
