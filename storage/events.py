@@ -221,12 +221,12 @@ class CancelSubscription:
         """Job ids cancelled since the last poll; waits up to `timeout` for the first."""
         job_ids: list[str] = []
         message = self._pubsub.get_message(timeout=timeout)
-        while True:
-            if message is not None and (job_id := _cancelled_job_id(message)) is not None:
+        # A worker polls every loop pass and almost always finds nothing: one read then.
+        while message is not None:
+            if (job_id := _cancelled_job_id(message)) is not None:
                 job_ids.append(job_id)
             message = self._pubsub.get_message(timeout=0.0)
-            if message is None:
-                return job_ids
+        return job_ids
 
     def close(self) -> None:
         """Unsubscribe and release the connection."""
