@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+import orjson
 import pytest
 import torch
 
@@ -18,9 +19,20 @@ from workers.inference.embedding_jobs import (
     build_embedding_result,
     decode_base64_embedding,
     embedding_request_from_body,
+    float32_values,
 )
 
 LONG = "many words here " * 200
+
+
+def test_float_embeddings_carry_the_shortest_digits_of_each_float32() -> None:
+    """Written with float32's digits, not float64's, and read back bit for bit."""
+    values = torch.randn(4096, generator=torch.Generator().manual_seed(0)).numpy()
+    values[:6] = [0.1, -0.0, 1e-40, 3.4e38, 1.0, -2.5e-8]  # decimal, zero, subnormal, huge
+    floats = float32_values(values)
+    assert floats[:2] == [0.1, -0.0] and all(type(v) is float for v in floats)
+    assert torch.equal(torch.tensor(floats, dtype=torch.float32), torch.from_numpy(values))
+    assert len(orjson.dumps(floats)) < 0.65 * len(orjson.dumps(values.tolist()))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +93,8 @@ def test_job_bodies_become_inputs_and_results(engine: EmbeddingEngine) -> None:
     decoded = torch.tensor(decode_base64_embedding(result["data"][0]["embedding"]))
     torch.testing.assert_close(decoded, output.embeddings[0], atol=0, rtol=0)
     floats = build_embedding_result(output, model="emb", body={"input": "one text"})
-    assert floats["data"][0]["embedding"] == output.embeddings[0].tolist()
+    torch.testing.assert_close(torch.tensor(floats["data"][0]["embedding"]),
+                               output.embeddings[0], atol=0, rtol=0)
     cases: list[tuple[dict[str, object], str]] = [
         ({"input": ""}, "input"), ({"input": "x", "dimensions": 10}, "dimensions"),
         ({"input": "x", "encoding_format": "hex"}, "encoding_format")]
