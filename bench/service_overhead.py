@@ -15,13 +15,16 @@ see it. Phases, one at a time (they share the 2 cores):
            the same cores, so `e2e` is the figure for the service
   batch    a JSONL batch of 1-token requests uploaded, run and its output downloaded:
            seconds, and the API process's memory before and after
+  idle     `batchinfer up --workers 1` with nothing to do: the CPU each process burns
+           a second (what a quiet deployment costs, and what a busy one pays beside
+           its engine for polling and timers)
 
 Each phase prints the CPU seconds per job of every process (API + scheduler, worker,
 broker, Redis, the load generator), so the next bottleneck is visible. The tenant's rate
 limit is lifted for the run (BATCHINFER_TENANT_RATE_LIMIT_PER_S), and said so.
 
     .venv/bin/python -m bench.service_overhead [--api-seconds 10 --e2e-seconds 20 \
-        --batch-lines 50000 --phases engine api e2e batch]
+        --batch-lines 50000 --phases engine api e2e batch idle]
 """
 
 from __future__ import annotations
@@ -317,6 +320,18 @@ def batch_phase(up: UpProcess, model: str, num_lines: int) -> None:
           f"{rss_peak / 2**20:.0f} MiB peak")
 
 
+def idle_phase(up: UpProcess, seconds: float) -> None:
+    """CPU milliseconds a second of every process while nothing is asked of the service."""
+    time.sleep(5)  # past the warm-up job's aftermath (commits, cache stats, callbacks)
+    before = cpu_seconds_by_pid(up)
+    time.sleep(seconds)
+    spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
+    parts = ", ".join(f"{role} {1e3 * s / seconds:.1f}"
+                      for role, s in sorted(spent.items(), key=lambda kv: -kv[1]))
+    print(f"idle     {1e3 * sum(spent.values()) / seconds:8.1f} ms of CPU a second over "
+          f"{seconds:.0f} s: {parts}")
+
+
 def main() -> None:
     """Run the phases and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -326,8 +341,9 @@ def main() -> None:
                         help="API processes `up` serves the port with")
     parser.add_argument("--e2e-jobs", type=int, default=5000, help="for e2e-python")
     parser.add_argument("--batch-lines", type=int, default=50_000)
-    parser.add_argument("--phases", nargs="+", default=["engine", "api", "e2e", "batch"],
-                        choices=["engine", "api", "e2e", "e2e-python", "batch"],
+    parser.add_argument("--idle-seconds", type=float, default=20.0)
+    parser.add_argument("--phases", nargs="+", default=["engine", "api", "e2e", "batch", "idle"],
+                        choices=["engine", "api", "e2e", "e2e-python", "batch", "idle"],
                         help="which phases to run")
     parser.add_argument("--client", nargs=6, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -352,7 +368,8 @@ def main() -> None:
                                  ("e2e-python", 1,
                                   lambda up: e2e_python_phase(up, model, args.e2e_jobs)),
                                  ("batch", 1, lambda up: batch_phase(up, model,
-                                                                     args.batch_lines))):
+                                                                     args.batch_lines)),
+                                 ("idle", 1, lambda up: idle_phase(up, args.idle_seconds))):
         if name not in args.phases:
             continue
         up = started(root, name, model_dir, workers, args.api_processes)

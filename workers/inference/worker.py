@@ -52,7 +52,13 @@ from workers.inference.stall_watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
-# How long an idle worker waits in the broker's poll for new records.
+# How long an idle worker (nothing in flight) waits in the broker's poll: a record that
+# arrives ends the wait at once, so this only paces the loop around it. At 50 ms an idle
+# worker looped 20 times a second, and its poll loop, kafka-python's I/O thread and the
+# broker burned ~2.5x the CPU they do at 500 ms (same fetch wait); a stop request now
+# waits up to this long.
+IDLE_POLL_TIMEOUT_MS = 500
+# The longest a busy worker waits on its finished queue between polls (see below).
 POLL_TIMEOUT_MS = 50
 # While jobs run, the worker waits on the engine's finished queue instead, which wakes it
 # the moment a job finishes (a poll cannot be woken), and polls the broker without blocking
@@ -78,6 +84,12 @@ def max_inflight(settings: Settings, engine: object) -> int:
 # a 10,000-line embeddings batch, every record fetched and thousands still in the engine,
 # looped 140 times a second. So each poll that brings nothing doubles the wait, up to
 # POLL_TIMEOUT_MS; a record that comes after a quiet spell waits at most that long.
+
+
+def poll_timeout_ms(num_inflight: int) -> int:
+    """How long the loop's broker poll may wait: while jobs run, the finished queue does
+    the waiting (see `finished_wait_s`), so the poll only takes what has arrived."""
+    return 0 if num_inflight else IDLE_POLL_TIMEOUT_MS
 
 
 def finished_wait_s(num_inflight: int, limit: int, num_empty_polls: int = 0) -> float:
@@ -152,7 +164,7 @@ class Worker:
                 self._consumer, prefetched=self._prefetch.counts(), limit=self._prefetch_limit
             )
             release_parked_records(self._consumer)
-            batches = self._consumer.poll(timeout_ms=0 if self._inflight else POLL_TIMEOUT_MS)
+            batches = self._consumer.poll(timeout_ms=poll_timeout_ms(len(self._inflight)))
             if self._on_new_assignment():
                 batches = {}  # fetched before the restart from committed offsets: refetched
             self._watchdog.on_records(batches)

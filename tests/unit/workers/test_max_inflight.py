@@ -6,7 +6,14 @@ from __future__ import annotations
 from core.settings import Settings
 from workers.engine.embedding_engine import EmbeddingEngine
 from workers.engine.embedding_runner import EmbeddingRunner
-from workers.inference.worker import BUSY_WAIT_S, POLL_TIMEOUT_MS, finished_wait_s, max_inflight
+from workers.inference.worker import (
+    BUSY_WAIT_S,
+    IDLE_POLL_TIMEOUT_MS,
+    POLL_TIMEOUT_MS,
+    finished_wait_s,
+    max_inflight,
+    poll_timeout_ms,
+)
 
 
 def test_an_embedding_worker_holds_more_jobs_than_a_generating_one() -> None:
@@ -18,8 +25,10 @@ def test_an_embedding_worker_holds_more_jobs_than_a_generating_one() -> None:
 
 
 def test_a_worker_waits_for_finished_jobs_longest_when_nothing_new_could_start() -> None:
-    # Idle: the broker's poll does the waiting.
+    # Idle: the broker's poll does the waiting, long, as a record ends it at once.
     assert finished_wait_s(0, 8) == 0.0
+    assert poll_timeout_ms(0) == IDLE_POLL_TIMEOUT_MS >= 10 * POLL_TIMEOUT_MS
+    assert poll_timeout_ms(1) == 0
     # Room left: a short wait, so fetched records start soon.
     assert finished_wait_s(3, 8) == BUSY_WAIT_S
     # Full: only a finished job can change anything, and it wakes the loop anyway.
