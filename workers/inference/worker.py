@@ -52,11 +52,10 @@ from workers.inference.stall_watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
-# How long an idle worker (nothing in flight) waits in the broker's poll: a record that
-# arrives ends the wait at once, so this only paces the loop around it. At 50 ms an idle
-# worker looped 20 times a second, and its poll loop, kafka-python's I/O thread and the
-# broker burned ~2.5x the CPU they do at 500 ms (same fetch wait); a stop request now
-# waits up to this long.
+# How long an idle worker (nothing in flight) waits in the broker's poll. Records end the
+# wait as soon as a fetch brings them (within the consumer's fetch_max_wait_ms), so this
+# only paces the loop around it: at 50 ms an idle worker looped 20 times a second, and it
+# and the broker burned about twice the CPU. A stop request waits up to this long.
 IDLE_POLL_TIMEOUT_MS = 500
 # The longest a busy worker waits on its finished queue between polls (see below).
 POLL_TIMEOUT_MS = 50
