@@ -8,7 +8,8 @@ process, and prints texts/s and tokens/s with the ratio:
   service    with --service: `batchinfer up --model <model>` on this machine, the texts as
              an OpenAI batch file (one line per text, endpoint /v1/embeddings), timed from
              batch creation to `completed` (upload and the worker's start excluded),
-             beside the runner alone
+             beside the runner alone; `--service-rounds N` alternates the two N times
+             and prints the median ratio
 
 The texts are synthetic sentences of mixed length (seeded), from a few words to past the
 model's 256-token limit, the shape of a real corpus. Both contenders are warmed up first,
@@ -18,6 +19,8 @@ shared machine only ever slows a run down). The two outputs are also compared (c
     .venv/bin/python -m bench.embeddings_throughput                   # CPU, 2,000 texts
     .venv/bin/python -m bench.embeddings_throughput --num-texts 20000 --device cuda
     .venv/bin/python -m bench.embeddings_throughput --num-texts 10000 --service
+    .venv/bin/python -m bench.embeddings_throughput --num-texts 10000 --service --skip-st \
+        --repeats 1 --service-rounds 3
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -110,6 +114,10 @@ def main() -> None:
     parser.add_argument("--skip-st", action="store_true",
                         help="leave sentence-transformers out (to compare the service with "
                              "the runner alone in less time)")
+    parser.add_argument("--service-rounds", type=int, default=1,
+                        help="rounds of the runner alone then the service, each ratio "
+                             "printed and their median: this host's speed drifts between "
+                             "minutes, so one pair of runs says little")
     parser.add_argument("--texts-per-line", type=int, default=1,
                         help="texts in each batch line's `input` list (the service run)")
     args = parser.parse_args()
@@ -138,16 +146,34 @@ def main() -> None:
     if st is not None:
         compare_with_st(st, runner, texts, timings[0], args)
     if args.service:
-        cpu_start = time.process_time()
-        runner.embed(texts)
-        print(cpu_line("runner", {"this process": time.process_time() - cpu_start}, len(texts)))
-        seconds, spent = service_run(args.model, texts, args.worker_max_inflight,
-                                      args.texts_per_line)
-        service = Timing("service", seconds, len(texts), num_tokens)
-        print(service.line())
-        print(cpu_line("service", spent, len(texts)))
-        print(f"service / runner: {timings[0].seconds / service.seconds:.2f} of the runner's "
-              "throughput")
+        ratios = [service_round(runner, texts, num_tokens, args,
+                                timings[0] if args.service_rounds == 1 else None)
+                  for _ in range(args.service_rounds)]
+        if len(ratios) > 1:
+            print(f"service / runner over {len(ratios)} rounds: median "
+                  f"{statistics.median(ratios):.2f} (" +
+                  ", ".join(f"{r:.2f}" for r in ratios) + ")")
+
+
+def service_round(runner: EmbeddingRunner, texts: list[str], num_tokens: int,
+                  args: argparse.Namespace, runner_timing: Timing | None) -> float:
+    """One round of the runner alone (timed again unless `runner_timing` is given) and
+    then the service on the same texts; the service's fraction of the runner's speed."""
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
+    runner.embed(texts)
+    if runner_timing is None:
+        runner_timing = Timing("runner", time.perf_counter() - wall_start, len(texts),
+                               num_tokens)
+        print(runner_timing.line())
+    print(cpu_line("runner", {"this process": time.process_time() - cpu_start}, len(texts)))
+    seconds, spent = service_run(args.model, texts, args.worker_max_inflight,
+                                 args.texts_per_line)
+    service = Timing("service", seconds, len(texts), num_tokens)
+    print(service.line())
+    print(cpu_line("service", spent, len(texts)))
+    ratio = runner_timing.seconds / service.seconds
+    print(f"service / runner: {ratio:.2f} of the runner's throughput")
+    return ratio
 
 
 def compare_with_st(st: Any, runner: EmbeddingRunner, texts: list[str], ours: Timing,
