@@ -31,6 +31,12 @@ def _greedy(prompt: str, **cache: Any) -> dict[str, Any]:
     return body
 
 
+def _read_back(counters: dict[str, int]) -> bool:
+    """An answer read from the cache and counted as a hit. Bytes are counted at the read,
+    the hit once the answer is stored: a snapshot published between the two has one."""
+    return counters.get("loaded_bytes", 0) > 0 and counters.get("hits", 0) > 0
+
+
 def _published(svc: Service, kind: str, check: Any) -> dict[str, Any]:
     """The one worker's published stats once `check(its counters of kind)` holds."""
     client = redis.Redis.from_url(svc.settings.redis_url)
@@ -58,7 +64,7 @@ def test_exact_hits_are_marked_free_and_bypassed_when_off(service) -> None:
     # Greedy output is the same whether a cache answered or the engine ran.
     assert off.result["choices"][0]["text"] == first.result["choices"][0]["text"]
     # One entry written (its JSON bytes held), and read back once; nothing evicted yet.
-    worker = _published(svc, "exact", lambda c: c.get("loaded_bytes", 0) > 0)
+    worker = _published(svc, "exact", _read_back)
     exact = worker["caches"]["exact"]
     assert exact["stored_bytes"] == exact["resident_bytes"] == exact["loaded_bytes"] > 0
     assert (exact["hits"], exact["misses"], exact["evictions"]) == (1, 1, 0)
@@ -109,7 +115,7 @@ def test_semantic_hits_at_the_default_threshold_and_the_guard_refusing_blurred_o
     assert negated.result.get("cached") is None
     assert not_opted_in.result.get("cached") is None
     # Five prompts remembered (three asked, then the two refused), one answer read back.
-    worker = _published(svc, "semantic", lambda c: c.get("loaded_bytes", 0) > 0)
+    worker = _published(svc, "semantic", _read_back)
     semantic = worker["caches"]["semantic"]
     assert semantic["stored_bytes"] == semantic["resident_bytes"] > semantic["loaded_bytes"]
     assert (semantic["hits"], semantic["misses"], semantic["evictions"]) == (1, 5, 0)
