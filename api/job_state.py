@@ -1,9 +1,14 @@
 """A job's state as routes need it: read it now, wait for it to finish, cancel it.
 
-Each read uses a session of its own that ends at once, so a long wait never holds a
+Each read uses a connection of its own that ends at once, so a long wait never holds a
 database transaction (which on SQLite would also pin an old snapshot of the row). A wait
 registers with the process's JobDoneHub (storage.job_done_hub) and costs no Redis round
 trip; while the hub is not listening it subscribes on its own.
+
+A wait reads the job's view first, not its status: the view leaves the request out
+(`storage.jobs.JOB_VIEW`), so it costs about what the status alone does, and a job
+that finished before its long-poll arrived (the common case once the engine is fast) is
+answered in one read instead of two.
 """
 
 from __future__ import annotations
@@ -23,16 +28,16 @@ from storage.events import (
     publish_job_done,
     wait_job_done,
 )
-from storage.jobs import cancel_job, get_job, job_status
+from storage.jobs import cancel_job, job_view
 from storage.models import Job, JobStatus
 from storage.webhook_events import enqueue_job_event
 
 
 def load_job(resources: Resources, *, job_id: str, tenant_id: str) -> JobPublic | None:
     """The tenant's job as the database has it now; None if missing or not theirs."""
-    with resources.sessions() as session:
-        job = get_job(session, job_id=job_id, tenant_id=tenant_id)
-        return JobPublic.from_job(job) if job is not None else None
+    with resources.engine.connect() as connection:
+        row = job_view(connection, job_id=job_id, tenant_id=tenant_id)
+    return JobPublic.from_job(row) if row is not None else None
 
 
 async def wait_for_job(
@@ -47,14 +52,9 @@ async def wait_for_job(
     # Registered before the read: a completion committed after it wakes this wait.
     woken = hub.register(job_id)
     try:
-        # The status alone: most waits begin before the job finishes, and read it whole
-        # only once it has.
-        status = await run_in_threadpool(_status, resources, job_id, tenant_id)
-        if status is None:
-            return None
-        if status.is_terminal:
-            return await run_in_threadpool(load_job, resources, job_id=job_id,
-                                           tenant_id=tenant_id)
+        view = await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+        if view is None or view.status.is_terminal:
+            return view
         try:
             heard = await asyncio.wait_for(woken, max(0.0, deadline - time.monotonic()))
         except TimeoutError:
@@ -78,11 +78,6 @@ async def _wait_alone(
                         job_id=job_id, timeout=timeout,
                         is_done=lambda: _is_done(resources, job_id, tenant_id))
     return await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
-
-
-def _status(resources: Resources, job_id: str, tenant_id: str) -> JobStatus | None:
-    with resources.sessions() as session:
-        return job_status(session, job_id=job_id, tenant_id=tenant_id)
 
 
 async def _is_done(resources: Resources, job_id: str, tenant_id: str) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import Row
 
 from core.requests import AnyRequest as AnyRequest
 from core.requests import CallbackUrl as CallbackUrl
@@ -75,8 +76,8 @@ class JobPublic(BaseModel):
     links: JobLinks
 
     @classmethod
-    def from_job(cls, job: Job) -> JobPublic:
-        """The public view of a job row."""
+    def from_job(cls, job: Job | Row[*tuple[Any, ...]]) -> JobPublic:
+        """The public view of a job: its row, or `storage.jobs.job_view`'s columns of it."""
         usage = None
         if job.prompt_tokens is not None and job.completion_tokens is not None:
             usage = Usage(

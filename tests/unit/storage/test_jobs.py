@@ -18,7 +18,7 @@ from storage.jobs import (
     create_job,
     find_by_idempotency_key,
     get_job,
-    job_status,
+    job_view,
     list_jobs,
     mark_published,
     mark_running,
@@ -250,15 +250,25 @@ def test_count_active_jobs(session: Session, tenant: Tenant, other_tenant: Tenan
     assert count_active_jobs(session, tenant_id="ten_none") == 0
 
 
-def test_job_status_reads_the_status_of_the_tenants_job_only(
+def test_job_view_reads_the_tenants_job_only_and_leaves_its_request_out(
     session: Session, tenant: Tenant, other_tenant: Tenant
 ) -> None:
-    """The long-poll's first read: the status alone, None for a missing or foreign job."""
+    """The long-poll's read: the public view's columns, None for a missing or foreign job."""
     job = create_job(session, tenant_id=tenant.id, priority=Priority.NORMAL, model="m",
-                     kind="chat.completion", request=BODY)
+                     kind="chat.completion", request=BODY, metadata={"k": "v"})
     session.commit()
-    assert job_status(session, job_id=job.id, tenant_id=tenant.id) is JobStatus.QUEUED
-    assert job_status(session, job_id=job.id, tenant_id=other_tenant.id) is None
-    assert job_status(session, job_id="job_missing", tenant_id=tenant.id) is None
-    assert cancel_job(session, job_id=job.id, tenant_id=tenant.id) is not None
-    assert job_status(session, job_id=job.id, tenant_id=tenant.id) is JobStatus.CANCELLED
+    connection = session.connection()
+    row = job_view(connection, job_id=job.id, tenant_id=tenant.id)
+    assert row is not None and row.status is JobStatus.QUEUED and row.metadata_ == {"k": "v"}
+    assert "request" not in row._fields
+    assert job_view(connection, job_id=job.id, tenant_id=other_tenant.id) is None
+    assert job_view(connection, job_id="job_missing", tenant_id=tenant.id) is None
+    assert complete_job(session, job_id=job.id, result={"id": "r", "choices": []},
+                        prompt_tokens=3, completion_tokens=1, cached_tokens=2,
+                        first_token_at=None)
+    session.commit()
+    row = job_view(session.connection(), job_id=job.id, tenant_id=tenant.id)
+    assert row is not None
+    assert (row.status, row.result, row.prompt_tokens, row.completion_tokens,
+            row.cached_tokens) == (JobStatus.SUCCEEDED, {"id": "r", "choices": []}, 3, 1, 2)
+    assert row.finished_at is not None and row.finished_at.tzinfo is not None
