@@ -40,6 +40,20 @@ def load_job(resources: Resources, *, job_id: str, tenant_id: str) -> JobPublic 
     return JobPublic.from_job(row) if row is not None else None
 
 
+async def _read_view(resources: Resources, *, job_id: str, tenant_id: str) -> JobPublic | None:
+    """`load_job` from the event loop: on the loop itself where the database is SQLite,
+    on the thread pool where it is a server.
+
+    A read of SQLite in WAL mode never waits for a lock (writers do not block readers) and
+    takes ~40 us from the page cache, while the hop to a pool thread and back cost the API
+    ~0.5 ms of CPU per long-polled job (1.75-1.96 -> 1.24-1.29 ms end to end). A server
+    can be a network round trip away, or stall: that read stays off the loop.
+    """
+    if resources.engine.dialect.name == "sqlite":
+        return load_job(resources, job_id=job_id, tenant_id=tenant_id)
+    return await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+
+
 async def wait_for_job(
     resources: Resources, *, job_id: str, tenant_id: str, timeout: float
 ) -> JobPublic | None:
@@ -52,7 +66,7 @@ async def wait_for_job(
     # Registered before the read: a completion committed after it wakes this wait.
     woken = hub.register(job_id)
     try:
-        view = await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+        view = await _read_view(resources, job_id=job_id, tenant_id=tenant_id)
         if view is None or view.status.is_terminal:
             return view
         try:
@@ -62,7 +76,7 @@ async def wait_for_job(
         if not heard:  # the hub lost Redis meanwhile: poll for what is left of the wait
             await poll_until_done(lambda: _is_done(resources, job_id, tenant_id),
                                   deadline - time.monotonic())
-        return await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+        return await _read_view(resources, job_id=job_id, tenant_id=tenant_id)
     finally:
         hub.unregister(job_id, woken)
 
@@ -71,18 +85,18 @@ async def _wait_alone(
     resources: Resources, *, job_id: str, tenant_id: str, timeout: float
 ) -> JobPublic | None:
     """`wait_for_job` with a subscription of its own (while the hub is not listening)."""
-    view = await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+    view = await _read_view(resources, job_id=job_id, tenant_id=tenant_id)
     if view is None or view.status.is_terminal or timeout <= 0:
         return view
     await wait_job_done(resources.aredis, prefix=resources.settings.topic_prefix,
                         job_id=job_id, timeout=timeout,
                         is_done=lambda: _is_done(resources, job_id, tenant_id))
-    return await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+    return await _read_view(resources, job_id=job_id, tenant_id=tenant_id)
 
 
 async def _is_done(resources: Resources, job_id: str, tenant_id: str) -> bool:
     """Whether the database shows the job finished (or gone)."""
-    fresh = await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
+    fresh = await _read_view(resources, job_id=job_id, tenant_id=tenant_id)
     return fresh is None or fresh.status.is_terminal
 
 

@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Any
 
+import pytest
 import redis
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
@@ -184,6 +185,26 @@ def test_long_poll_returns_when_the_completion_event_arrives(
     thread.join()
     assert response.json()["status"] == "succeeded"
     assert 0.4 < elapsed < 3.0
+
+
+def test_on_sqlite_a_long_poll_reads_the_job_on_the_event_loop(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No thread-pool hop per read (it cost more than the read), and the whole view comes
+    back from the one read a finished job needs."""
+    job_id = client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+    finish(sessions, job_id)
+
+    def no_hop(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the read went to the thread pool")
+
+    monkeypatch.setattr("api.job_state.run_in_threadpool", no_hop)
+    job = client.get(f"/v1/jobs/{job_id}?wait=20", headers=acme.headers).json()
+    assert (job["status"], job["result"], job["usage"]["prompt_tokens_details"]) == (
+        "succeeded", CHAT_RESULT, {"cached_tokens": 1})
+    assert job["finished_at"] >= job["created_at"]
+    assert client.get(f"/v1/jobs/{job_id}", headers=acme.headers).json() == job
 
 
 def test_long_poll_is_capped_and_returns_the_unfinished_job(
