@@ -45,7 +45,11 @@ def make_producer(settings: Settings, **overrides: object) -> KafkaProducer:
         # later send (seen with the embedded broker).
         "enable_idempotence": False,
         "retries": 5,
-        "linger_ms": 5,
+        # No lingering: the callers group records themselves (the API's job writer, the
+        # batch fan-out's chunks), and the embedded broker answered a fetch waiting for
+        # records in 19.5 ms at the median, 55 ms at p90, when they came in 5 ms batches,
+        # against 10.2 and 12.8 ms sent at once (450 records/s, `/tmp` script).
+        "linger_ms": 0,
     }
     config.update(overrides)
     return KafkaProducer(**config)
