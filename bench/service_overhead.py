@@ -51,6 +51,7 @@ from scheduler.embedded_services import free_port
 from tests.unit.engine.tiny_models import save_tiny_llama
 from tests.utils.up_process import UpProcess, start_up
 
+# Connections wrk keeps busy (--in-flight): what the issue's targets are stated at.
 IN_FLIGHT = 32
 CLIENT_PROCESSES = 2
 # Lua shared by both wrk phases: each thread numbers its own bodies (`tid`, set by setup in
@@ -169,12 +170,12 @@ def print_cpu(title: str, spent: dict[str, float], num_jobs: int) -> None:
 
 
 def run_wrk(up: UpProcess, model: str, script_text: str, tag: str,
-            seconds: float) -> tuple[str, float]:
-    """wrk (2 threads, IN_FLIGHT connections) with a Lua script: its output, its CPU s."""
+            seconds: float, in_flight: int) -> tuple[str, float]:
+    """wrk (2 threads, `in_flight` connections) with a Lua script: its output, its CPU s."""
     script = Path(tempfile.mkdtemp()) / f"{tag}.lua"
     script.write_text(script_text)
     env = dict(os.environ, BI_KEY=up.api_key, BI_MODEL=model, BI_TAG=tag)
-    wrk = subprocess.Popen(["wrk", "-t2", f"-c{IN_FLIGHT}", f"-d{seconds:.0f}s",
+    wrk = subprocess.Popen(["wrk", "-t2", f"-c{in_flight}", f"-d{seconds:.0f}s",
                             "--timeout", "60s", "-s", str(script), up.url],
                            stdout=subprocess.PIPE, text=True, env=env)
     ps = psutil.Process(wrk.pid)
@@ -190,11 +191,11 @@ def run_wrk(up: UpProcess, model: str, script_text: str, tag: str,
 
 
 def wrk_phase(up: UpProcess, model: str, script_text: str, tag: str, seconds: float,
-              marker: str) -> tuple[list[str], dict[str, float]] | None:
+              marker: str, in_flight: int) -> tuple[list[str], dict[str, float]] | None:
     """Run wrk with a script: the fields of its summary line and the CPU seconds by role
     (wrk's own included), or None (said) when it printed no summary."""
     before = cpu_seconds_by_pid(up)
-    out, wrk_cpu = run_wrk(up, model, script_text, tag, seconds)
+    out, wrk_cpu = run_wrk(up, model, script_text, tag, seconds, in_flight)
     spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
     spent["load generator (wrk)"] = wrk_cpu
     line = next((line for line in out.splitlines() if line.startswith(marker + " ")), None)
@@ -204,22 +205,24 @@ def wrk_phase(up: UpProcess, model: str, script_text: str, tag: str, seconds: fl
     return line.split()[1:], spent
 
 
-def api_phase(up: UpProcess, model: str, seconds: float) -> None:
+def api_phase(up: UpProcess, model: str, seconds: float,
+              in_flight: int = IN_FLIGHT) -> None:
     """wrk against POST /v1/jobs with no worker running."""
-    ran = wrk_phase(up, model, WRK_SUBMIT, "api", seconds, "WRK")
+    ran = wrk_phase(up, model, WRK_SUBMIT, "api", seconds, "WRK", in_flight)
     if ran is None:
         return
     (requests, refused, duration, p50, p99), spent = ran
     accepted = int(requests) - int(refused)
     print(f"api      {accepted / float(duration):8.0f} accepted submissions/s "
           f"({accepted} in {float(duration):.1f} s, {refused} refused), p50 {float(p50):.1f} ms, "
-          f"p99 {float(p99):.1f} ms, {IN_FLIGHT} in flight")
+          f"p99 {float(p99):.1f} ms, {in_flight} in flight")
     print_cpu("api", spent, max(1, accepted))
 
 
-def e2e_phase(up: UpProcess, model: str, seconds: float) -> None:
-    """wrk keeps IN_FLIGHT jobs in flight, each submitted, then long-polled until done."""
-    ran = wrk_phase(up, model, WRK_E2E, "e2e", seconds, "WRK-E2E")
+def e2e_phase(up: UpProcess, model: str, seconds: float,
+              in_flight: int = IN_FLIGHT) -> None:
+    """wrk keeps `in_flight` jobs in flight, each submitted, then long-polled until done."""
+    ran = wrk_phase(up, model, WRK_E2E, "e2e", seconds, "WRK-E2E", in_flight)
     if ran is None:
         return
     fields, spent = ran
@@ -227,7 +230,7 @@ def e2e_phase(up: UpProcess, model: str, seconds: float) -> None:
     duration = float(fields[5])
     print(f"e2e      {succeeded / duration:8.0f} jobs/s ({succeeded} succeeded in {duration:.1f} "
           f"s; {submitted} submitted, {failed} failed, {cached} answered from a cache, "
-          f"{polls} long-polls; over HTTP with wrk, {IN_FLIGHT} in flight)")
+          f"{polls} long-polls; over HTTP with wrk, {in_flight} in flight)")
     print_cpu("e2e", spent, max(1, succeeded))
 
 
@@ -342,6 +345,10 @@ def main() -> None:
     parser.add_argument("--e2e-jobs", type=int, default=5000, help="for e2e-python")
     parser.add_argument("--batch-lines", type=int, default=50_000)
     parser.add_argument("--idle-seconds", type=float, default=20.0)
+    parser.add_argument("--in-flight", type=int, default=IN_FLIGHT,
+                        help="wrk connections of the api and e2e phases: 32 is what the "
+                        "targets are stated at; more shows what the machine carries once "
+                        "the client's own latency stops setting the pace")
     parser.add_argument("--phases", nargs="+", default=["engine", "api", "e2e", "batch", "idle"],
                         choices=["engine", "api", "e2e", "e2e-python", "batch", "idle"],
                         help="which phases to run")
@@ -363,8 +370,11 @@ def main() -> None:
     if "engine" in args.phases:
         print(f"engine   {engine_phase(model_dir, 2000):8.0f} jobs/s (LLM.generate, "
               "1 token each)")
-    for name, workers, phase in (("api", 0, lambda up: api_phase(up, model, args.api_seconds)),
-                                 ("e2e", 1, lambda up: e2e_phase(up, model, args.e2e_seconds)),
+    in_flight = args.in_flight
+    for name, workers, phase in (("api", 0, lambda up: api_phase(up, model, args.api_seconds,
+                                                                 in_flight)),
+                                 ("e2e", 1, lambda up: e2e_phase(up, model, args.e2e_seconds,
+                                                                 in_flight)),
                                  ("e2e-python", 1,
                                   lambda up: e2e_python_phase(up, model, args.e2e_jobs)),
                                  ("batch", 1, lambda up: batch_phase(up, model,
