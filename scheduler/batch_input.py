@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 from pydantic_core import PydanticCustomError
 
-from core.model_context import model_contexts
+from core.model_context import ModelContext, model_contexts
 from core.request_checks import RequestRefused
 from core.requests import check_key, printable
 from scheduler.batch_line_checks import check_shape, refusal, storable
@@ -284,6 +284,10 @@ def iter_requests(handle: BinaryIO, *, endpoint: str, max_line_bytes: int,
     against the model's context where `models_dir` holds the model.
     """
     contexts = model_contexts(Path(models_dir)) if models_dir is not None else None
+    # Looked up once per model for the whole file: a model with no directory here (an
+    # embedding model carried by its package, one served from a worker's own path) is
+    # never cached by `ModelContexts`, and looking again stat'ed the disk for every line.
+    context_of: dict[str, ModelContext | None] = {}
     index = 0
     for line, raw in iter_lines(handle, max_line_bytes=max_line_bytes):
         if raw is None:
@@ -298,8 +302,11 @@ def iter_requests(handle: BinaryIO, *, endpoint: str, max_line_bytes: int,
             continue
         request = parse_request(raw, line=line, endpoint=endpoint,
                                 model_override=model_override, join_content=False)
+        if request.model not in context_of:
+            context_of[request.model] = (contexts.get(request.model) if contexts is not None
+                                         else None)
         error = refusal(request.body, kind=ENDPOINT_TO_KIND[endpoint],
-                        context=contexts.get(request.model) if contexts is not None else None)
+                        context=context_of[request.model])
         if error is not None:
             yield replace(request, body=storable(request.body), error=error)
         elif ENDPOINT_TO_KIND[endpoint] == "chat.completion":

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+import scheduler.batch_input as batch_input_module
+from core.model_context import ModelContexts
 from scheduler.batch_input import (
     MAX_REPORTED_ERRORS,
     InputReport,
@@ -306,3 +308,21 @@ def test_lines_are_checked_against_the_models_context(tmp_path: Path) -> None:
     assert long is not None
     assert (long["param"], long["code"]) == ("messages", "context_length_exceeded")
     assert refusals(jsonl(*lines)) == [None, None, None]  # the model is not on this machine
+
+
+def test_a_model_not_on_this_machine_is_looked_up_once_per_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A miss is not cached by ModelContexts: without a per-file memo every line of a
+    10,000-line embeddings batch stat'ed the disk again."""
+    lookups: list[str] = []
+    real_find = batch_input_module.model_contexts(tmp_path).get
+
+    def counting_get(name: str, **kwargs: Any) -> Any:
+        lookups.append(name)
+        return real_find(name, **kwargs)
+
+    monkeypatch.setattr(ModelContexts, "get", lambda self, name, **kw: counting_get(name, **kw))
+    lines = [request(f"r{i}") for i in range(50)]
+    assert refusals(jsonl(*lines), models_dir=tmp_path) == [None] * 50
+    assert lookups == [MODEL]

@@ -27,10 +27,6 @@ from workers.engine.embedding_pool import WaitingInputs
 from workers.engine.embedding_runner import EmbeddingInput, EmbeddingRunner, EncodedInput
 from workers.engine.outputs import EngineStats, RequestMetrics
 
-# Inputs sorted into batches together at most: enough for good packing, few enough that a
-# more urgent request arriving later waits for little more than a round's first batches.
-MAX_INPUTS_PER_ROUND = 4096
-
 
 @dataclass(frozen=True, slots=True)
 class EmbeddingParams:
