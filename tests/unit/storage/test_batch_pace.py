@@ -1,5 +1,6 @@
 """A running batch asks for its next pass when its jobs should be done, if that is sooner
-than the interval, so a fast batch is not left finished-but-running for most of one."""
+than the interval, so a fast batch is not left finished-but-running for most of one, and
+looks again every TAIL_PASS_S until done while its jobs keep finishing."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from scheduler.batches import MIN_PASS_GAP_S
+from scheduler.batches import MIN_PASS_GAP_S, TAIL_PASS_S
 from scheduler.periodic import Wakeup
 from storage.models import Tenant
 from tests.unit.storage.test_batch_expiry import _runner, _running_batch, _succeed
@@ -61,3 +62,40 @@ def test_a_slow_batch_keeps_the_interval(
         _succeed(session, job_id)
     runner.advance(batch.id)
     assert runner._last_count == {}  # finished: nothing kept
+
+
+def test_a_batch_in_its_tail_is_looked_at_again_soon_between_bursts(
+    sessions: sessionmaker[Session], session: Session, tenant: Tenant, tmp_path: Path,
+) -> None:
+    runner, _ = _runner(sessions, tmp_path)
+    runner.wakeup = wakeup = RecordingWakeup()
+    batch, job_ids = _running_batch(session, tenant, 10)
+    runner.advance(batch.id)
+    for job_id in job_ids[:6]:
+        _succeed(session, job_id)
+    runner.advance(batch.id)
+    wakeup.requests.clear()
+    # A pass between two bursts (an embeddings step ends ~90 jobs at once) sees nothing
+    # new: the batch is still expected within the interval, so it is looked at again soon.
+    runner.advance(batch.id)
+    assert wakeup.requests == [TAIL_PASS_S]
+
+
+def test_a_stalled_tail_falls_back_to_the_interval(
+    sessions: sessionmaker[Session], session: Session, tenant: Tenant, tmp_path: Path,
+) -> None:
+    runner, _ = _runner(sessions, tmp_path)
+    runner.wakeup = wakeup = RecordingWakeup()
+    batch, job_ids = _running_batch(session, tenant, 10)
+    runner.advance(batch.id)
+    for job_id in job_ids[:6]:
+        _succeed(session, job_id)
+    runner.advance(batch.id)
+    wakeup.requests.clear()
+    # Nothing finished for a whole interval (its worker is gone): no more quick passes.
+    when, count, is_tail = runner._last_count[batch.id]
+    assert is_tail
+    runner._last_count[batch.id] = (when - runner.settings.batch_poll_interval_s, count,
+                                    is_tail)
+    runner.advance(batch.id)
+    assert wakeup.requests == []
