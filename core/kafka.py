@@ -134,10 +134,12 @@ def make_consumer(
         "session_timeout_ms": settings.kafka_session_timeout_ms,
         # Kafka's advice: heartbeat at most a third of the session timeout.
         "heartbeat_interval_ms": max(100, settings.kafka_session_timeout_ms // 3),
-        # How long the broker holds a fetch that finds nothing. A record produced meanwhile
-        # answers it early, but not when the fetch in flight left its partition out (one
-        # still holding fetched records, or paused), so this also bounds a record's wait:
+        # How long the broker holds a fetch that finds nothing. Kafka answers it when a
+        # record arrives; the embedded broker reads its log again only after sleeping half
+        # the wait left; neither answers early for a partition the fetch in flight left out
+        # (one still holding fetched records, or paused). So this bounds a record's wait:
         # at 500 ms, 32 jobs in flight through one worker completed 120 a second, not ~380.
+        # A worker shortens it while records flow (workers.inference.fetch_wait).
         "fetch_max_wait_ms": 100,
         # Bounds every round trip (offset commits, close, committed offsets) so a worker
         # facing a dead broker stops in seconds; kafka-python's 30 s default made one

@@ -40,6 +40,7 @@ from storage.events import CancelSubscription
 from workers.engine import RequestOutput
 from workers.engine.embedding_engine import EmbeddingEngine
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
+from workers.inference.fetch_wait import FetchWait
 from workers.inference.job_starter import Candidate, InFlightJob, JobStarter
 from workers.inference.job_store import JobStore
 from workers.inference.offsets import OffsetTracker
@@ -136,6 +137,7 @@ class Worker:
         self._prefetch_limit = self._max_inflight
         self._listener = RebalanceListener(consumer, self._tracker, self._lock, self._pauser)
         self._watchdog = StallWatchdog(consumer, stall_after_s=settings.worker_stall_after_s)
+        self._fetch_wait = FetchWait(consumer)
         self._starter = JobStarter(settings, store=store, outcomes=self._outcomes,
                                    engine=engine_loop, worker_id=worker_id, ack=self._ack)
 
@@ -167,6 +169,7 @@ class Worker:
             if self._on_new_assignment():
                 batches = {}  # fetched before the restart from committed offsets: refetched
             self._watchdog.on_records(batches)
+            self._fetch_wait.on_poll(batches)
             num_empty_polls = 0 if batches or len(self._prefetch) else num_empty_polls + 1
             if restarted := self._watchdog.check(is_idle=not self._inflight and not batches
                                                  and not len(self._prefetch)):

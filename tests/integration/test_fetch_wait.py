@@ -1,0 +1,86 @@
+"""The consumer's fetch wait on the embedded broker: short while records flow, the
+configured one once they stop (workers/inference/fetch_wait.py).
+
+The embedded broker holds a fetch that finds nothing for its whole wait, reading its log
+again at halving intervals; so the wait a fetch carries is how long it takes to come back
+from an empty partition, which kafka-python's own fetch-latency metric measures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+from kafka.admin import KafkaAdminClient, NewTopic
+
+from core.kafka import make_consumer
+from core.settings import Settings
+from workers.inference.fetch_wait import BUSY_FETCH_MAX_WAIT_MS, FetchWait
+
+
+@pytest.fixture
+def empty_partition(settings, topic_prefix: str) -> Iterator[tuple[Settings, TopicPartition]]:
+    s: Settings = settings()
+    topic = f"{topic_prefix}.fetch-wait"
+    admin = KafkaAdminClient(bootstrap_servers=s.kafka_bootstrap_servers)
+    try:
+        admin.create_topics([NewTopic(topic, 1, 1)])
+    finally:
+        admin.close()
+    yield s, TopicPartition(topic, 0)
+
+
+def _consumer(s: Settings, tp: TopicPartition) -> KafkaConsumer:
+    consumer = make_consumer(s, group_id=f"{tp.topic}.group")
+    consumer.assign([tp])
+    return consumer
+
+
+def _fetch_latency_ms(consumer: KafkaConsumer, seconds: float,
+                      wait: FetchWait | None = None) -> float:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        batches = consumer.poll(timeout_ms=100)
+        assert not batches
+        if wait is not None:
+            wait.on_poll(batches)
+    (latency,) = (value for name, value in consumer.metrics()[
+        "consumer-fetch-manager-metrics"].items() if name == "fetch-latency-avg")
+    return float(latency)
+
+
+def test_a_worker_that_fetched_records_lately_waits_briefly_on_an_empty_partition(
+        empty_partition) -> None:
+    s, tp = empty_partition
+    busy, idle = _consumer(s, tp), _consumer(s, tp)
+    try:
+        wait = FetchWait(busy, window_s=3600)
+        wait.on_poll({tp: ["a record"]})
+        assert (wait.current_ms, wait.idle_ms) == (BUSY_FETCH_MAX_WAIT_MS, 100)
+        busy_ms = _fetch_latency_ms(busy, 2.0, wait)
+        idle_ms = _fetch_latency_ms(idle, 2.0)
+    finally:
+        busy.close()
+        idle.close()
+    # Each empty fetch comes back after the wait it carried.
+    assert busy_ms < 50 and idle_ms > 90, (busy_ms, idle_ms)
+
+
+def test_the_wait_goes_back_to_the_configured_one_a_quiet_second_after_the_last_record(
+        empty_partition) -> None:
+    s, tp = empty_partition
+    consumer = _consumer(s, tp)
+    try:
+        wait = FetchWait(consumer)
+        assert wait.current_ms == 100  # nothing fetched yet
+        wait.on_poll({tp: ["a record"]}, now=10.0)
+        wait.on_poll({}, now=10.9)
+        assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
+        wait.on_poll({}, now=11.0)
+        assert wait.current_ms == 100
+        # What kafka-python puts in its next fetch request.
+        assert consumer._fetcher.config["fetch_max_wait_ms"] == 100
+    finally:
+        consumer.close()
