@@ -5,15 +5,17 @@ It reads its log and, while it finds nothing, sleeps half of the wait left befor
 again (its storage service's `fetch`). So a fetch that reaches it a moment before a record
 holds that record for up to half of `fetch_max_wait_ms`. At 100 ms, with 32 jobs in flight
 through one worker, a record reached the worker 19-29 ms (p50) after it was produced: most
-of a 1-token job's life. A 20 ms wait while records flow took that run from 449-466 to
-521-580 jobs a second (three runs each, in turn).
+of a 1-token job's life. A 40 ms wait while records flow took that run from 449-467 to
+593-618 jobs a second (runs in turn; see BUSY_FETCH_MAX_WAIT_MS).
 
 A short wait costs an answer, mostly empty, every few milliseconds, and kafka-python builds
 and parses every fetch in Python: an idle service at 20 ms burned 175 ms of CPU a second
 instead of 65, the worker and the broker most of it. So the wait is short only while the
-worker has fetched records within the last second, and the configured one otherwise.
-Kafka itself answers a held fetch as soon as records arrive; with it the short wait only
-adds empty answers in the second after the last record.
+worker has fetched records within the last second and would start the next one at once
+(room in the engine, nothing waiting in its prefetch). A full worker, as an embeddings
+batch keeps one for most of its run, gains nothing from a record sooner, and any empty
+answer would be pure cost. Kafka itself answers a held fetch as soon as records arrive;
+with it the short wait only adds empty answers in the second after the last record.
 
 kafka-python has no public way to change the wait of a live consumer. Its fetcher reads
 `fetch_max_wait_ms` from its own config dict each time it builds a request, so that dict
@@ -33,9 +35,10 @@ from kafka import KafkaConsumer
 logger = logging.getLogger(__name__)
 
 # The fetch wait while records flow: a record that lands just after an empty read waits
-# up to half of it (10 ms). 10 ms cost the worker a third more CPU per job than 20 for no
-# more jobs a second.
-BUSY_FETCH_MAX_WAIT_MS = 20
+# up to half of it. With 32 jobs in flight, in the same minutes: 30, 40 and 60 ms all gave
+# 593-618 jobs/s at 0.65-0.79 ms of worker CPU per job; 20 ms gave 544 and 628 at 0.83 and
+# 1.00 (more empty answers); 100 ms throughout, 449 and 467.
+BUSY_FETCH_MAX_WAIT_MS = 40
 # Seconds without a fetched record after which the wait goes back to the configured one.
 BUSY_WINDOW_S = 1.0
 
@@ -61,11 +64,14 @@ class FetchWait:
         """The wait the next fetch request carries."""
         return int(self._config["fetch_max_wait_ms"]) if self._config else self.idle_ms
 
-    def on_poll(self, batches: Mapping[Any, list[Any]], now: float | None = None) -> None:
-        """After each poll: what it returned decides the wait of the fetches that follow."""
+    def on_poll(self, batches: Mapping[Any, list[Any]], *, is_hungry: bool = True,
+                now: float | None = None) -> None:
+        """After each poll: what it returned, and whether the worker would start another
+        record at once (`is_hungry`), decide the wait of the fetches that follow."""
         now = time.monotonic() if now is None else now
         if batches:
             self._last_records_at = now
-        wait_ms = self.busy_ms if now - self._last_records_at < self._window_s else self.idle_ms
+        is_flowing = now - self._last_records_at < self._window_s
+        wait_ms = self.busy_ms if is_flowing and is_hungry else self.idle_ms
         if self._config is not None and self._config["fetch_max_wait_ms"] != wait_ms:
             self._config["fetch_max_wait_ms"] = wait_ms

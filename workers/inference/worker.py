@@ -169,7 +169,6 @@ class Worker:
             if self._on_new_assignment():
                 batches = {}  # fetched before the restart from committed offsets: refetched
             self._watchdog.on_records(batches)
-            self._fetch_wait.on_poll(batches)
             num_empty_polls = 0 if batches or len(self._prefetch) else num_empty_polls + 1
             if restarted := self._watchdog.check(is_idle=not self._inflight and not batches
                                                  and not len(self._prefetch)):
@@ -180,6 +179,8 @@ class Worker:
                         self._tracker.track(tp, record.offset)
                         self._prefetch.add(tp, record)
             self._start_prefetched()
+            self._fetch_wait.on_poll(batches, is_hungry=not len(self._prefetch)
+                                     and len(self._inflight) < self._max_inflight)
             metrics.WORKER_INFLIGHT.set(len(self._inflight))
         self._drain()
 
