@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from scheduler.batches import MIN_PASS_GAP_S, TAIL_PASS_S
+from scheduler.batches import MIN_PASS_GAP_S, TAIL_PASS_S, BatchRunner
 from scheduler.periodic import Wakeup
 from storage.models import Tenant
 from tests.unit.storage.test_batch_expiry import _runner, _running_batch, _succeed
@@ -64,9 +64,9 @@ def test_a_slow_batch_keeps_the_interval(
     assert runner._last_count == {}  # finished: nothing kept
 
 
-def test_a_batch_in_its_tail_is_looked_at_again_soon_between_bursts(
-    sessions: sessionmaker[Session], session: Session, tenant: Tenant, tmp_path: Path,
-) -> None:
+def _batch_in_its_tail(sessions: sessionmaker[Session], session: Session, tenant: Tenant,
+                       tmp_path: Path) -> tuple[BatchRunner, RecordingWakeup, str]:
+    """A runner whose last pass found 6 of a batch's 10 jobs done within milliseconds."""
     runner, _ = _runner(sessions, tmp_path)
     runner.wakeup = wakeup = RecordingWakeup()
     batch, job_ids = _running_batch(session, tenant, 10)
@@ -75,27 +75,27 @@ def test_a_batch_in_its_tail_is_looked_at_again_soon_between_bursts(
         _succeed(session, job_id)
     runner.advance(batch.id)
     wakeup.requests.clear()
+    return runner, wakeup, batch.id
+
+
+def test_a_batch_in_its_tail_is_looked_at_again_soon_between_bursts(
+    sessions: sessionmaker[Session], session: Session, tenant: Tenant, tmp_path: Path,
+) -> None:
+    runner, wakeup, batch_id = _batch_in_its_tail(sessions, session, tenant, tmp_path)
     # A pass between two bursts (an embeddings step ends ~90 jobs at once) sees nothing
     # new: the batch is still expected within the interval, so it is looked at again soon.
-    runner.advance(batch.id)
+    runner.advance(batch_id)
     assert wakeup.requests == [TAIL_PASS_S]
 
 
 def test_a_stalled_tail_falls_back_to_the_interval(
     sessions: sessionmaker[Session], session: Session, tenant: Tenant, tmp_path: Path,
 ) -> None:
-    runner, _ = _runner(sessions, tmp_path)
-    runner.wakeup = wakeup = RecordingWakeup()
-    batch, job_ids = _running_batch(session, tenant, 10)
-    runner.advance(batch.id)
-    for job_id in job_ids[:6]:
-        _succeed(session, job_id)
-    runner.advance(batch.id)
-    wakeup.requests.clear()
+    runner, wakeup, batch_id = _batch_in_its_tail(sessions, session, tenant, tmp_path)
     # Nothing finished for a whole interval (its worker is gone): no more quick passes.
-    when, count, is_tail = runner._last_count[batch.id]
+    when, count, is_tail = runner._last_count[batch_id]
     assert is_tail
-    runner._last_count[batch.id] = (when - runner.settings.batch_poll_interval_s, count,
+    runner._last_count[batch_id] = (when - runner.settings.batch_poll_interval_s, count,
                                     is_tail)
-    runner.advance(batch.id)
+    runner.advance(batch_id)
     assert wakeup.requests == []
