@@ -14,11 +14,11 @@ from collections.abc import Iterator
 
 import pytest
 from kafka import KafkaConsumer, TopicPartition
-from kafka.admin import KafkaAdminClient, NewTopic
 from prometheus_client import REGISTRY
 
 from core.kafka import make_producer
 from core.settings import Settings
+from tests.utils.kafka_topics import create_topic
 from workers.inference.parked_records import release_parked_records
 from workers.inference.stall_watchdog import StallWatchdog
 
@@ -31,11 +31,7 @@ def two_partitions(settings, topic_prefix: str) -> Iterator[tuple[Settings, str]
     """A topic with two partitions of RECORDS_PER_PARTITION one-record batches each."""
     s: Settings = settings()
     topic = f"{topic_prefix}.stall"
-    admin = KafkaAdminClient(bootstrap_servers=s.kafka_bootstrap_servers)
-    try:
-        admin.create_topics([NewTopic(topic, 2, 1)])
-    finally:
-        admin.close()
+    create_topic(s.kafka_bootstrap_servers, topic, 2)
     # One record per batch: the embedded broker's end offsets count batches.
     producer = make_producer(s, batch_size=0)
     try:

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 from kafka import KafkaConsumer, TopicPartition
-from kafka.admin import KafkaAdminClient, NewTopic
 
 from core.kafka import make_consumer
 from core.settings import Settings
+from tests.utils.kafka_topics import create_topic
 from workers.inference.fetch_wait import BUSY_FETCH_MAX_WAIT_MS, FetchWait
 
 
@@ -24,11 +24,7 @@ from workers.inference.fetch_wait import BUSY_FETCH_MAX_WAIT_MS, FetchWait
 def empty_partition(settings, topic_prefix: str) -> Iterator[tuple[Settings, TopicPartition]]:
     s: Settings = settings()
     topic = f"{topic_prefix}.fetch-wait"
-    admin = KafkaAdminClient(bootstrap_servers=s.kafka_bootstrap_servers)
-    try:
-        admin.create_topics([NewTopic(topic, 1, 1)])
-    finally:
-        admin.close()
+    create_topic(s.kafka_bootstrap_servers, topic, 1)
     yield s, TopicPartition(topic, 0)
 
 
