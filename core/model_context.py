@@ -40,6 +40,25 @@ class ModelContext:
     # Fast tokenizers are Rust objects that refuse concurrent mutable use ("Already
     # borrowed"); the API tokenizes on a thread pool, so calls take turns.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # Tokens a text prompt can have beyond one per UTF-8 byte; None when no such bound
+    # holds (see `prompt_tokens_at_most`).
+    _tokens_beyond_bytes: int | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._tokens_beyond_bytes = tokens_beyond_bytes(self.tokenizer)
+
+    def prompt_tokens_at_most(self, body: dict[str, Any]) -> int | None:
+        """An upper bound on the prompt's tokens without tokenizing it; None when unknown.
+
+        Counting is the API's largest cost per short prompt, and nearly every prompt fits
+        its model's context by a wide margin: a bound that fits settles it for the price
+        of a UTF-8 length. Chat messages are rendered by a template first, so they have
+        no such bound.
+        """
+        prompt = body.get("prompt")
+        if self._tokens_beyond_bytes is None or "messages" in body or not isinstance(prompt, str):
+            return None
+        return len(prompt.encode("utf-8", "surrogatepass")) + self._tokens_beyond_bytes
 
     def count_prompt_tokens(self, body: dict[str, Any]) -> int | None:
         """Prompt tokens of a normalised body as the engine counts them; None without a tokenizer.
@@ -70,6 +89,26 @@ class ModelContext:
             # Rust encode; wrapping the result in a BatchEncoding costs about as much again.
             return len(backend.encode(text, add_special_tokens=add_special_tokens).ids)
         return len(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+
+def tokens_beyond_bytes(tokenizer: Any | None) -> int | None:
+    """How many tokens a text can have beyond one per UTF-8 byte, or None if unbounded.
+
+    Without a normalizer nothing can lengthen the text before it is split, and every
+    token a BPE, WordPiece, Unigram or word-level model emits covers at least one byte
+    of it (a byte-fallback token exactly one, an unknown character's token a whole
+    character). What is added on top: one prefix space or `▁` a pre-tokenizer may put in
+    front, and the special tokens the post-processor wraps the text in. A normalizer
+    (NFKC turns one character into up to 18) leaves no such bound: those prompts are
+    counted.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    try:
+        return 1 + backend.num_special_tokens_to_add(False)
+    except Exception:  # an unusual post-processor: count instead
+        return None
 
 
 def find_model_dir(name: str, models_dir: Path) -> Path | None:
