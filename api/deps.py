@@ -24,10 +24,15 @@ from core.settings import Settings
 MAX_IDEMPOTENCY_KEY_CHARS = 200
 
 
-async def get_resources(request: Request) -> Resources:
-    """The connections the app's lifespan opened."""
+def resources_of(request: Request) -> Resources:
+    """The connections the app's lifespan opened (for routes that take the request)."""
     resources: Resources = request.app.state.resources
     return resources
+
+
+async def get_resources(request: Request) -> Resources:
+    """The connections the app's lifespan opened."""
+    return resources_of(request)
 
 
 ResourcesDep = Annotated[Resources, Depends(get_resources)]
@@ -44,9 +49,10 @@ def get_session(resources: ResourcesDep) -> Iterator[Session]:
         yield session
 
 
-async def get_producer(resources: ResourcesDep) -> LazyProducer:
-    """The Kafka producer handle; it connects on first `get()`."""
-    return resources.producer
+async def get_producer(request: Request) -> LazyProducer:
+    """The Kafka producer handle; it connects on first `get()`. (From the request, not
+    through `ResourcesDep`: each dependency FastAPI solves costs a submission ~5 us.)"""
+    return resources_of(request).producer
 
 
 async def get_redis(resources: ResourcesDep) -> redis.Redis:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Row
 
@@ -105,6 +106,19 @@ class JobPublic(BaseModel):
             cached=(job.result or {}).get("cached"),
             links=JobLinks.model_validate({"self": path, "cancel": f"{path}/cancel"}),
         )
+
+
+def model_response(view: BaseModel, *, status_code: int = 200,
+                   headers: dict[str, str] | None = None) -> Response:
+    """A view as the JSON FastAPI would send for it, built directly.
+
+    A route returning a model has FastAPI validate it against `response_model` again and
+    then dump it; a Response is sent as is. On the routes every job passes (submit,
+    long-poll) that is ~25 us of each request's ~600 on the event loop. The routes keep
+    `response_model`, so the OpenAPI schema still documents the view.
+    """
+    return Response(view.model_dump_json(), status_code=status_code, headers=headers,
+                    media_type="application/json")
 
 
 def job_path(job_id: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Query, Response
+from fastapi import APIRouter, Body, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
@@ -16,11 +16,12 @@ from api.deps import (
     ResourcesDep,
     SessionDep,
     TenantDep,
+    resources_of,
 )
 from api.errors import Conflict, NotFound
 from api.job_state import cancel_and_announce, wait_for_job
 from api.pagination import invalid_cursor
-from api.schemas import JobCreate, JobListPublic, JobPublic, job_path
+from api.schemas import JobCreate, JobListPublic, JobPublic, job_path, model_response
 from api.submission import submit
 from core.embedding_requests import EmbeddingJobCreate
 from storage.jobs import MAX_LIST_LIMIT, list_jobs
@@ -39,26 +40,26 @@ def job_not_found(job_id: str) -> NotFound:
 @router.post("", status_code=202, response_model=JobPublic)
 async def create_job(
     raw: Annotated[dict[str, Any], Body()],
-    response: Response,
+    request: Request,
     tenant: TenantDep,
-    resources: ResourcesDep,
     producer: ProducerDep,
     idempotency_key: IdempotencyKeyDep = None,
-) -> JobPublic:
+) -> Response:
     """Queue a job; 202 with its id and links (200 when an Idempotency-Key replays one).
 
     A body with `input` is an embeddings request; any other a chat or text completion.
     On the event loop: `api.submission.submit` hands to threads only what waits on I/O.
+    The hottest route answers with its own Response (see `model_response`).
     """
     body = _job_request(raw)
     submission = await submit(request=body, priority=body.priority, tenant=tenant,
-                              idempotency_key=idempotency_key, resources=resources,
-                              producer=producer)
-    response.headers["Location"] = job_path(submission.job.id)
+                              idempotency_key=idempotency_key,
+                              resources=resources_of(request), producer=producer)
+    headers = {"Location": job_path(submission.job.id)}
     if submission.is_replay:
-        response.status_code = 200
-        response.headers["Idempotent-Replayed"] = "true"
-    return JobPublic.from_job(submission.job)
+        headers["Idempotent-Replayed"] = "true"
+    return model_response(JobPublic.from_job(submission.job),
+                          status_code=200 if submission.is_replay else 202, headers=headers)
 
 
 def _job_request(raw: dict[str, Any]) -> JobCreate | EmbeddingJobCreate:
@@ -77,18 +78,19 @@ def _job_request(raw: dict[str, Any]) -> JobCreate | EmbeddingJobCreate:
 @router.get("/{job_id}", response_model=JobPublic)
 async def read_job(
     job_id: str,
+    request: Request,
     tenant: TenantDep,
-    resources: ResourcesDep,
     wait: Annotated[float, Query(
         ge=0, allow_inf_nan=False, description="Seconds to wait for the job to finish "
         "(capped by the server's long_poll_max_s); returns at once when it does.")] = 0,
-) -> JobPublic:
+) -> Response:
     """A job; with `wait`, held open until it finishes or `wait` seconds pass."""
+    resources = resources_of(request)
     view = await wait_for_job(resources, job_id=job_id, tenant_id=tenant.id,
                               timeout=min(wait, resources.settings.long_poll_max_s))
     if view is None:
         raise job_not_found(job_id)
-    return view
+    return model_response(view)
 
 
 @router.get("", response_model=JobListPublic)

@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 import redis
 from fastapi.testclient import TestClient
+from pydantic import TypeAdapter
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.schemas import JobPublic
 from core.settings import Settings
 from storage.events import publish_job_done
 from storage.jobs import complete_job
@@ -117,6 +119,31 @@ def test_finished_job_carries_result_and_usage(
     assert job["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
                             "prompt_tokens_details": {"cached_tokens": 1}}
     assert job["finished_at"] >= job["created_at"]
+
+
+def test_submit_and_read_answer_exactly_what_their_response_model_would(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session]
+) -> None:
+    """Both routes send a Response of their own (api.schemas.model_response): the bytes
+    must be FastAPI's serialisation of the view, and OpenAPI must still describe it."""
+    adapter = TypeAdapter(JobPublic)
+
+    def as_fastapi_sends(body: bytes) -> bytes:
+        return adapter.dump_json(adapter.validate_json(body), by_alias=True)
+
+    submitted = client.post("/v1/jobs", json=VALID | {"metadata": {"k": "v"}},
+                            headers=acme.headers)
+    assert submitted.status_code == 202
+    assert submitted.headers["content-type"] == "application/json"
+    assert submitted.content == as_fastapi_sends(submitted.content)
+    finish(sessions, submitted.json()["id"])
+    read = client.get(f"/v1/jobs/{submitted.json()['id']}?wait=1", headers=acme.headers)
+    assert read.status_code == 200 and read.json()["status"] == "succeeded"
+    assert read.content == as_fastapi_sends(read.content)
+    paths = client.get("/openapi.json").json()["paths"]
+    for path, method, status in (("/v1/jobs", "post", "202"), ("/v1/jobs/{job_id}", "get", "200")):
+        schema = paths[path][method]["responses"][status]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": "#/components/schemas/JobPublic"}
 
 
 def test_pagination_walks_every_job_once_newest_first(client: TestClient,
