@@ -63,19 +63,21 @@ def can_check_without_io(request: AnyRequest, resources: Resources) -> bool:
 
     True when the model is not served (a 404 from the settings) or its context is already
     loaded, and the prompt is short enough (MAX_PROMPT_CHARS_ON_LOOP) that counting its
-    tokens costs less than handing it to a thread. A request with a `callback_url`
+    tokens costs less than handing it to a thread, or fits by its length alone (then it is
+    not counted at all). A request with a `callback_url`
     (its host is resolved) is left to the thread pool by the caller.
     """
     if request.model not in resources.settings.served_models:
         return True
-    if model_contexts(resources.settings.models_dir).loaded(request.model) is None:
+    context = model_contexts(resources.settings.models_dir).loaded(request.model)
+    if context is None:
         return False
     messages = getattr(request, "messages", None)
     if messages:
-        num_chars = sum(len(m.text) for m in messages)
-    else:
-        num_chars = len(getattr(request, "prompt", None) or "")
-    return num_chars <= MAX_PROMPT_CHARS_ON_LOOP
+        return sum(len(m.text) for m in messages) <= MAX_PROMPT_CHARS_ON_LOOP
+    prompt = getattr(request, "prompt", None) or ""
+    return (len(prompt) <= MAX_PROMPT_CHARS_ON_LOOP
+            or context.surely_fits({"prompt": prompt}, request.num_max_tokens))
 
 
 def check_model(model: str, served_models: list[str]) -> None:

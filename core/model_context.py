@@ -47,6 +47,13 @@ class ModelContext:
     def __post_init__(self) -> None:
         self._tokens_beyond_bytes = tokens_beyond_bytes(self.tokenizer)
 
+    def surely_fits(self, body: dict[str, Any], max_tokens: int | None) -> bool:
+        """True when the prompt and `max_tokens` fit the context by `prompt_tokens_at_most`
+        alone: no tokenizing needed to accept it."""
+        at_most = self.prompt_tokens_at_most(body)
+        return (at_most is not None and self.max_model_len is not None
+                and at_most + (max_tokens or 0) <= self.max_model_len)
+
     def prompt_tokens_at_most(self, body: dict[str, Any]) -> int | None:
         """An upper bound on the prompt's tokens without tokenizing it; None when unknown.
 

@@ -129,8 +129,7 @@ def check_context(request: AnyRequest, context: ModelContext | None) -> None:
             f"at most {limit} (fewer, by the prompt's length).",
             param=request.max_tokens_param)
     body = request.inference_body()
-    at_most = context.prompt_tokens_at_most(body)
-    if at_most is not None and at_most + (max_tokens or 0) <= limit:
+    if context.surely_fits(body, max_tokens):
         return
     try:
         num_prompt_tokens = context.count_prompt_tokens(body)

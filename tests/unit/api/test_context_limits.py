@@ -264,3 +264,20 @@ def test_short_prompts_of_loaded_models_are_checked_on_the_event_loop(
     assert not can_check_without_io(chat(long), resources)
     assert can_check_without_io(JobCreate(model="not-served", prompt=short), resources)
     assert not can_check_without_io(JobCreate(model="elsewhere", prompt=short), resources)
+
+
+def test_long_prompts_that_fit_by_their_length_stay_on_the_event_loop(
+    tmp_path: Path, make_settings: Callable[..., Any]
+) -> None:
+    """A prompt past MAX_PROMPT_CHARS_ON_LOOP goes to the thread pool only when it needs
+    counting: with a 16k context, 5,000 one-byte characters fit by their length alone."""
+    models_dir = tmp_path / "models"
+    save_tiny_llama(models_dir / MODEL, max_position_embeddings=16384)
+    resources = cast(Resources, SimpleNamespace(
+        settings=make_settings(models_dir=models_dir, served_models=[MODEL])))
+    model_contexts(models_dir).get(MODEL)
+    fits = "x" * (MAX_PROMPT_CHARS_ON_LOOP + 1000)
+    assert can_check_without_io(JobCreate(model=MODEL, prompt=fits, max_tokens=100), resources)
+    assert not can_check_without_io(JobCreate(model=MODEL, prompt=fits, max_tokens=12000),
+                                     resources)
+    assert not can_check_without_io(JobCreate(model=MODEL, prompt="x" * 17000), resources)
