@@ -20,6 +20,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from workers.engine.tokenizing import encode_ids
+
 logger = logging.getLogger(__name__)
 
 # Files whose presence says the directory carries a tokenizer transformers can load.
@@ -88,14 +90,7 @@ class ModelContext:
     def _count(self, text: str, *, add_special_tokens: bool) -> int:
         """Tokens of `text`, as `len(tokenizer(text).input_ids)` counts them."""
         assert self.tokenizer is not None
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if (backend is not None and backend.truncation is None and backend.padding is None
-                and backend.encode_special_tokens == bool(
-                    getattr(self.tokenizer, "split_special_tokens", False))):
-            # A fast tokenizer's __call__ sets these three options, then runs this same
-            # Rust encode; wrapping the result in a BatchEncoding costs about as much again.
-            return len(backend.encode(text, add_special_tokens=add_special_tokens).ids)
-        return len(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        return len(encode_ids(self.tokenizer, text, add_special_tokens=add_special_tokens))
 
 
 def tokens_beyond_bytes(tokenizer: Any | None) -> int | None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from workers.engine.tokenizing import decoder_of
+
 # Prompt tokens kept as left context for the first output token.
 _CONTEXT_TOKENS = 5
 
@@ -34,6 +36,7 @@ class Detokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
+        self._decode_ids = decoder_of(tokenizer)
         self.stop = list(stop or [])
         self.skip_special_tokens = skip_special_tokens
         context = prompt_token_ids[-_CONTEXT_TOKENS:]
@@ -70,8 +73,7 @@ class Detokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        text: str = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        return text
+        return self._decode_ids(ids, self.skip_special_tokens)
 
     def _decode_new(self, *, final: bool) -> str:
         if self._read_offset >= len(self._ids):

@@ -30,6 +30,7 @@ from workers.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.tokenizing import encode_ids
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +258,7 @@ class LLMEngine:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt: text needs a tokenizer; skip_tokenizer_init is set")
-            return prompt, list(self.tokenizer(prompt).input_ids)
+            return prompt, encode_ids(self.tokenizer, prompt)
         if not isinstance(prompt, list) or not prompt:
             raise ValueError("prompt must be a non-empty string, token id list or chat messages")
         if all(isinstance(t, dict) for t in prompt):
@@ -284,4 +285,4 @@ class LLMEngine:
         except ValueError as e:  # e.g. the tokenizer has no chat template
             raise ValueError(f"prompt: cannot render chat messages: {e}") from e
         # The template already places special tokens such as BOS.
-        return text, list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return text, encode_ids(self.tokenizer, text, add_special_tokens=False)

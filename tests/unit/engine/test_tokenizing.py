@@ -1,0 +1,76 @@
+"""The backend shortcuts give exactly what the transformers calls give: the same ids for
+every text and option, the same text for every id list, and they step aside (the
+transformers call runs) where the backend alone would differ."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from tests.unit.engine.tiny_models import byte_level_tokenizer, metaspace_tokenizer
+from workers.engine.tokenizing import decoder_of, encode_ids
+
+TEXTS = [
+    "", "hello world", "  leading and trailing  ", "<s> a </s> b</s>", "<pad><unk>x",
+    "héllo 日本語 \U0001F600 tabs\tand\nlines", "don't , stop . here ?", "0123456789" * 30,
+]
+TOKENIZERS: list[Callable[[], PreTrainedTokenizerFast]] = [
+    byte_level_tokenizer, metaspace_tokenizer]
+
+
+@pytest.mark.parametrize("make", TOKENIZERS, ids=["byte-level", "metaspace"])
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_ids_are_the_tokenizer_calls_ids(
+    make: Callable[[], PreTrainedTokenizerFast], add_special_tokens: bool
+) -> None:
+    tokenizer = make()
+    for text in TEXTS:
+        expected = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        assert encode_ids(tokenizer, text, add_special_tokens=add_special_tokens) == expected
+
+
+def test_encode_steps_aside_when_the_backend_carries_options_the_call_resets() -> None:
+    """Truncation left on the backend, or special tokens split: the call's ids still."""
+    tokenizer = byte_level_tokenizer()
+    text = TEXTS[5] + " </s> " + TEXTS[6]
+    tokenizer.backend_tokenizer.enable_truncation(max_length=3)
+    try:
+        assert encode_ids(tokenizer, text) == tokenizer(text).input_ids
+        assert len(encode_ids(tokenizer, text)) > 3
+    finally:
+        tokenizer.backend_tokenizer.no_truncation()
+    plain = encode_ids(tokenizer, "a </s> b")
+    tokenizer.split_special_tokens = True  # the call would set this on the backend
+    split = encode_ids(tokenizer, "a </s> b")
+    assert split == tokenizer("a </s> b").input_ids
+    assert split != plain
+
+
+@pytest.mark.parametrize("make", TOKENIZERS, ids=["byte-level", "metaspace"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decoding_gives_the_tokenizers_text(
+    make: Callable[[], PreTrainedTokenizerFast], skip_special_tokens: bool
+) -> None:
+    tokenizer = make()
+    decode = decoder_of(tokenizer)
+    for text in TEXTS:
+        ids = tokenizer(text).input_ids
+        for window in (ids, ids[1:], ids[:-1], ids[2:5]):  # cut mid-character too
+            expected = tokenizer.decode(window, skip_special_tokens=skip_special_tokens)
+            assert decode(window, skip_special_tokens) == expected
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers() -> None:
+    """Cleaning up spaces (" ," -> ",") is transformers' own step: the backend alone
+    would keep them, so the decoder is the tokenizer's."""
+    tokenizer = metaspace_tokenizer()
+    tokenizer.clean_up_tokenization_spaces = True
+    # transformers skips the clean-up for BPE models unless told otherwise.
+    tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    ids = tokenizer("don't , stop . here ?").input_ids
+    backend_text = tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=True)
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+    assert decoder_of(tokenizer)(ids, True) == expected
+    assert backend_text != expected, "the example should show what the clean-up does"
