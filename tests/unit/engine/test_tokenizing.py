@@ -21,14 +21,21 @@ TOKENIZERS: list[Callable[[], PreTrainedTokenizerFast]] = [
 
 
 @pytest.mark.parametrize("make", TOKENIZERS, ids=["byte-level", "metaspace"])
-@pytest.mark.parametrize("add_special_tokens", [True, False])
-def test_encode_ids_are_the_tokenizer_calls_ids(
-    make: Callable[[], PreTrainedTokenizerFast], add_special_tokens: bool
+@pytest.mark.parametrize("special", [True, False])
+def test_ids_and_text_are_the_transformers_calls(
+    make: Callable[[], PreTrainedTokenizerFast], special: bool
 ) -> None:
+    """Encoding with and without special tokens; decoding skipping them or not, whole
+    id lists and windows cut anywhere (mid-character too)."""
     tokenizer = make()
+    decode = decoder_of(tokenizer)
     for text in TEXTS:
-        expected = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
-        assert encode_ids(tokenizer, text, add_special_tokens=add_special_tokens) == expected
+        expected_ids = tokenizer(text, add_special_tokens=special).input_ids
+        assert encode_ids(tokenizer, text, add_special_tokens=special) == expected_ids
+        ids = tokenizer(text).input_ids
+        for window in (ids, ids[1:], ids[:-1], ids[2:5]):
+            assert decode(window, special) == tokenizer.decode(window,
+                                                               skip_special_tokens=special)
 
 
 def test_encode_steps_aside_when_the_backend_carries_options_the_call_resets() -> None:
@@ -46,20 +53,6 @@ def test_encode_steps_aside_when_the_backend_carries_options_the_call_resets() -
     split = encode_ids(tokenizer, "a </s> b")
     assert split == tokenizer("a </s> b").input_ids
     assert split != plain
-
-
-@pytest.mark.parametrize("make", TOKENIZERS, ids=["byte-level", "metaspace"])
-@pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_decoding_gives_the_tokenizers_text(
-    make: Callable[[], PreTrainedTokenizerFast], skip_special_tokens: bool
-) -> None:
-    tokenizer = make()
-    decode = decoder_of(tokenizer)
-    for text in TEXTS:
-        ids = tokenizer(text).input_ids
-        for window in (ids, ids[1:], ids[:-1], ids[2:5]):  # cut mid-character too
-            expected = tokenizer.decode(window, skip_special_tokens=skip_special_tokens)
-            assert decode(window, skip_special_tokens) == expected
 
 
 def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers() -> None:
