@@ -32,12 +32,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def pick_device(name: str) -> torch.device:
-    """auto: CUDA when available, else CPU."""
+    """auto: CUDA when available, else CPU. A CUDA device always carries its index (the
+    current device's when none is named): `torch.cuda.set_device` refuses one without."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
     return device
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.cuda._utils import _get_device_index
 from transformers import LlamaConfig
 
 from tests.unit.engine.checkpoints import TINY, make_seq, place, save_llama
@@ -327,10 +328,12 @@ def test_triton_block_size_is_a_kernel_tile() -> None:
             backend.check_block_size(bad)
 
 
-def test_cuda_n_becomes_the_current_device_before_anything_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("name", "current"), [("cuda:1", 0), ("cuda", 2), ("auto", 0)])
+def test_the_cuda_device_becomes_current_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, current: int
 ) -> None:
-    """device cuda:1 is made current before weights load or graphs capture on a stream."""
+    """The named CUDA device, else the current one, is made current before weights load or
+    graphs capture on a stream; set_device gets an index, as torch requires."""
     save_llama(tmp_path)
     calls: list[torch.device] = []
 
@@ -338,11 +341,13 @@ def test_cuda_n_becomes_the_current_device_before_anything_runs(
         pass
 
     def set_device(device: torch.device) -> None:
+        _get_device_index(device)  # torch's own check: "cuda" without an index is refused
         calls.append(torch.device(device))
         raise Stop  # the rest needs a real GPU
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     with pytest.raises(Stop):
-        ModelRunner(EngineConfig(model=str(tmp_path), device="cuda:1"))
-    assert calls == [torch.device("cuda:1")]
+        ModelRunner(EngineConfig(model=str(tmp_path), device=name))
+    assert calls == [torch.device("cuda", 1 if name == "cuda:1" else current)]
