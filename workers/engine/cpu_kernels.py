@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 _KERNELS = Path(__file__).parent / "kernels"
 _SOURCES = [_KERNELS / "cpu_paged_attention.cpp", _KERNELS / "cpu_pointwise.cpp"]
-_HEADERS = [_KERNELS / "cpu_math.h"]
+_HEADERS = [_KERNELS / "cpu_checks.h", _KERNELS / "cpu_math.h"]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 # torch's wheel ships libgomp.so.1 and loads it first, so the extension's OpenMP calls land
 # in the same runtime and thread pool as torch's own ops (one team, one wait policy).

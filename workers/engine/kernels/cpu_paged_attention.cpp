@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_checks.h"
 #include "cpu_math.h"
 
 #include <algorithm>
@@ -675,7 +676,8 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
   const int64_t head_dim = q.size(2);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "prefill supports head sizes 64 and 128");
   TORCH_CHECK(q.size(1) / k_cache.size(2) <= kTileRows,
-              "prefill supports up to ", kTileRows, " query heads per KV head");
+              batchinfer::message("prefill supports up to %lld query heads per KV head",
+                                  static_cast<long long>(kTileRows)).c_str());
   const Shape s = make_shape(q, k_cache, block_tables);
   const int32_t* starts = query_starts.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -684,8 +686,10 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
   std::vector<Chunk> chunks;
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t num_q = starts[c + 1] - starts[c];
-    TORCH_CHECK(num_q >= 1 && lens[c] >= num_q, "chunk ", c, " has ", num_q,
-                " queries and seq_len ", lens[c]);
+    TORCH_CHECK(num_q >= 1 && lens[c] >= num_q,
+                batchinfer::message("chunk %lld has %lld queries and seq_len %d",
+                                    static_cast<long long>(c), static_cast<long long>(num_q),
+                                    lens[c]).c_str());
     TORCH_CHECK(lens[c] <= s.width * s.block_size, "a seq_len exceeds its block table");
     chunks.push_back({starts[c], num_q, lens[c], block_tables.data_ptr<int32_t>() + c * s.width});
   }

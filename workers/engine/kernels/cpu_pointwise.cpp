@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_checks.h"
 #include "cpu_math.h"
 
 #include <algorithm>
@@ -135,8 +136,10 @@ void rotary_embedding(const at::Tensor& qk, const at::Tensor& positions, const a
               "table must be contiguous (P, 2 D) of qk's dtype");
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t r = 0; r < positions.numel(); ++r) {
-    TORCH_CHECK(pos[r] >= 0 && pos[r] < table.size(0), "position ", pos[r],
-                " is outside the rotary table of ", table.size(0));
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < table.size(0),
+                batchinfer::message("position %lld is outside the rotary table of %lld",
+                                    static_cast<long long>(pos[r]),
+                                    static_cast<long long>(table.size(0))).c_str());
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rotary_embedding",
                                   [&] { rotary_impl<scalar_t>(qk, positions, table); });
