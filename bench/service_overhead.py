@@ -40,13 +40,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
 
 from bench.engine_throughput import machine
 from bench.service_throughput import cpu_seconds_by_pid, cpu_seconds_by_role, stop_service
+from bench.short_jobs import engine_jobs_per_second, job_body
 from scheduler.embedded_services import free_port
 from tests.unit.engine.tiny_models import save_tiny_llama
 from tests.utils.up_process import UpProcess, start_up
@@ -119,23 +119,6 @@ function done(summary, latency, requests)
     summary.duration / 1e6))
 end
 """
-
-
-def job_body(model: str, tag: str, i: int) -> dict[str, Any]:
-    """A 1-token greedy text job with a 12-number prompt, distinct per (tag, i)."""
-    return {"model": model, "prompt": f"{tag} {i} 4 8 15 16 23 42 7 9 11 13",
-            "max_tokens": 1, "temperature": 0}
-
-
-def engine_phase(model_dir: Path, num_jobs: int) -> float:
-    """Jobs/s of `LLM.generate` alone on the same kind of prompts."""
-    from workers.engine import LLM, SamplingParams
-
-    llm = LLM(str(model_dir), kv_cache_memory_bytes=64 * 1024 * 1024, max_num_seqs=64)
-    prompts = [job_body(str(model_dir), "engine", i)["prompt"] for i in range(num_jobs)]
-    started = time.perf_counter()
-    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
-    return num_jobs / (time.perf_counter() - started)
 
 
 def started(root: Path, name: str, model_dir: Path, num_workers: int,
@@ -368,7 +351,8 @@ def main() -> None:
     print(f"machine: {machine()}")
     print("tenant rate limit lifted for the run (BATCHINFER_TENANT_RATE_LIMIT_PER_S=1e9)")
     if "engine" in args.phases:
-        print(f"engine   {engine_phase(model_dir, 2000):8.0f} jobs/s (LLM.generate, "
+        rate = engine_jobs_per_second(model_dir, 2000)
+        print(f"engine   {rate:8.0f} jobs/s (LLM.generate, "
               "1 token each)")
     in_flight = args.in_flight
     for name, workers, phase in (("api", 0, lambda up: api_phase(up, model, args.api_seconds,
