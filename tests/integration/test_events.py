@@ -45,14 +45,20 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
         client.close()
 
 
-def publish_later(client: redis.Redis, prefix: str, job_id: str, delay_s: float) -> None:
-    """Publish a completion from another thread after `delay_s`."""
+def publish_later(
+    client: redis.Redis, prefix: str, job_id: str, delay_s: float
+) -> threading.Thread:
+    """Publish a completion from another thread after `delay_s`. The caller joins the
+    thread before its test ends: the `client` fixture closes the connection at teardown,
+    and a publish still under way then fails in the thread."""
 
     def run() -> None:
         time.sleep(delay_s)
         publish_job_done(client, prefix=prefix, job_id=job_id, status=JobStatus.SUCCEEDED)
 
-    threading.Thread(target=run, daemon=True).start()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 def test_wait_returns_as_soon_as_the_job_is_done(
@@ -61,10 +67,12 @@ def test_wait_returns_as_soon_as_the_job_is_done(
     async def scenario() -> tuple[bool, float]:
         aredis = aioredis.Redis.from_url(redis_url)
         try:
-            publish_later(client, prefix, "job_a", delay_s=0.3)
+            publisher = publish_later(client, prefix, "job_a", delay_s=0.3)
             start = time.monotonic()
             done = await wait_job_done(aredis, prefix=prefix, job_id="job_a", timeout=10)
-            return done, time.monotonic() - start
+            elapsed = time.monotonic() - start
+            publisher.join(10)
+            return done, elapsed
         finally:
             await aredis.aclose()
 
@@ -79,10 +87,12 @@ def test_wait_times_out_and_ignores_other_jobs(
     async def scenario() -> tuple[bool, float]:
         aredis = aioredis.Redis.from_url(redis_url)
         try:
-            publish_later(client, prefix, "job_other", delay_s=0.1)
+            publisher = publish_later(client, prefix, "job_other", delay_s=0.1)
             start = time.monotonic()
             done = await wait_job_done(aredis, prefix=prefix, job_id="job_a", timeout=0.6)
-            return done, time.monotonic() - start
+            elapsed = time.monotonic() - start
+            publisher.join(10)
+            return done, elapsed
         finally:
             await aredis.aclose()
 
