@@ -8,6 +8,7 @@ from workers.engine.embedding_engine import EmbeddingEngine
 from workers.engine.embedding_runner import EmbeddingRunner
 from workers.inference.worker import (
     BUSY_WAIT_S,
+    FULL_WAIT_S,
     IDLE_POLL_TIMEOUT_MS,
     POLL_TIMEOUT_MS,
     finished_wait_s,
@@ -32,7 +33,7 @@ def test_a_worker_waits_for_finished_jobs_longest_when_nothing_new_could_start()
     # Room left: a short wait, so fetched records start soon.
     assert finished_wait_s(3, 8) == BUSY_WAIT_S
     # Full: only a finished job can change anything, and it wakes the loop anyway.
-    assert finished_wait_s(8, 8) == POLL_TIMEOUT_MS / 1000 > BUSY_WAIT_S
+    assert finished_wait_s(8, 8) == FULL_WAIT_S > POLL_TIMEOUT_MS / 1000 > BUSY_WAIT_S
 
 
 def test_a_worker_with_room_backs_off_while_the_broker_brings_nothing() -> None:
