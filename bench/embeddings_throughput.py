@@ -120,6 +120,9 @@ def main() -> None:
                              "minutes, so one pair of runs says little")
     parser.add_argument("--texts-per-line", type=int, default=1,
                         help="texts in each batch line's `input` list (the service run)")
+    parser.add_argument("--request-sizes", type=int, nargs="*", default=[],
+                        help="also time single requests of these many texts (consecutive "
+                             "slices of the corpus), median of 12 each, both contenders")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -145,6 +148,8 @@ def main() -> None:
     print(timings[0].line())
     if st is not None:
         compare_with_st(st, runner, texts, timings[0], args)
+    for size in args.request_sizes:
+        print(request_latency(runner, st, texts, size, args.batch_size))
     if args.service:
         ratios = [service_round(runner, texts, num_tokens, args,
                                 timings[0] if args.service_rounds == 1 else None)
@@ -153,6 +158,32 @@ def main() -> None:
             print(f"service / runner over {len(ratios)} rounds: median "
                   f"{statistics.median(ratios):.2f} (" +
                   ", ".join(f"{r:.2f}" for r in ratios) + ")")
+
+
+def request_latency(runner: EmbeddingRunner, st: Any, texts: list[str], size: int,
+                    batch_size: int) -> str:
+    """Median milliseconds to embed one request of `size` texts: what a caller of the
+    synchronous endpoint waits for, where a few long texts among short ones decide how
+    much the short ones pad."""
+    requests = [texts[i * size:(i + 1) * size] for i in range(14)]
+    contenders = {"runner": runner.embed}
+    if st is not None:
+        contenders["st"] = lambda request: st.encode(request, batch_size=batch_size)
+    medians = {}
+    for name, embed in contenders.items():
+        for request in requests[:2]:
+            embed(request)
+        seconds = []
+        for request in requests[2:]:
+            start = time.perf_counter()
+            embed(request)
+            seconds.append(time.perf_counter() - start)
+        medians[name] = 1e3 * statistics.median(seconds)
+    line = f"one request of {size:4d} texts: " + ", ".join(
+        f"{name} {ms:7.1f} ms" for name, ms in medians.items())
+    if "st" in medians:
+        line += f"  (st / runner: {medians['st'] / medians['runner']:.2f}x)"
+    return line
 
 
 def service_round(runner: EmbeddingRunner, texts: list[str], num_tokens: int,

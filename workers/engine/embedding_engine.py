@@ -24,7 +24,12 @@ from typing import Any
 import torch
 
 from workers.engine.embedding_pool import WaitingInputs
-from workers.engine.embedding_runner import EmbeddingInput, EmbeddingRunner, EncodedInput
+from workers.engine.embedding_runner import (
+    EmbeddingInput,
+    EmbeddingRunner,
+    EncodedInput,
+    batch_budget,
+)
 from workers.engine.outputs import EngineStats, RequestMetrics
 
 
@@ -149,8 +154,9 @@ class EmbeddingEngine:
         """Keep one batch more than there are streams running (one at a time without)."""
         limit = self.runner.streams + 1 if self.runner.is_concurrent else 1
         while len(self._running) < limit:
-            chosen = self._pool.take_batch(self.runner.max_num_batched_tokens,
-                                           self.runner.max_batch_size)
+            budget = batch_budget(self._pool.num_tokens, self.runner.max_num_batched_tokens,
+                                  self.runner.streams if self.runner.is_concurrent else 1)
+            chosen = self._pool.take_batch(budget, self.runner.max_batch_size)
             if not chosen:
                 return
             now = time.time()

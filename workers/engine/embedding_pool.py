@@ -38,6 +38,7 @@ class WaitingInputs:
         self._by_length: list[tuple[int, int]] = []  # (tokens, seq), sorted
         self._by_age: list[tuple[int, int]] = []  # heap of (priority, seq); stale ones skipped
         self._seqs = itertools.count()
+        self.num_tokens = 0  # of every input waiting
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -46,6 +47,7 @@ class WaitingInputs:
         """Put an input in the pool; its sequence number, for `discard`."""
         seq = next(self._seqs)
         self._entries[seq] = WaitingInput(seq, priority, encoded, owner)
+        self.num_tokens += len(encoded.token_ids)
         bisect.insort(self._by_length, (len(encoded.token_ids), seq))
         heapq.heappush(self._by_age, (priority, seq))
         return seq
@@ -54,6 +56,7 @@ class WaitingInputs:
         """Take an input out of the pool (its request was aborted); nothing if not there."""
         entry = self._entries.pop(seq, None)
         if entry is not None:
+            self.num_tokens -= len(entry.encoded.token_ids)
             key = (len(entry.encoded.token_ids), seq)
             del self._by_length[bisect.bisect_left(self._by_length, key)]
 
@@ -90,5 +93,6 @@ class WaitingInputs:
                 high += 1
                 width = above_width or width
         chosen = [self._entries.pop(seq) for _, seq in self._by_length[low:high]]
+        self.num_tokens -= sum(length for length, _ in self._by_length[low:high])
         del self._by_length[low:high]
         return chosen

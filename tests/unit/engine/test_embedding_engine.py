@@ -67,6 +67,29 @@ def test_requests_share_batches_and_come_back_whole(engine: EmbeddingEngine) -> 
     assert engine.stats().num_computed_tokens >= outputs["b"].num_prompt_tokens
 
 
+def test_a_lone_request_runs_on_both_streams(
+    engine: EmbeddingEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Less than a full batch per stream is shared out, so both streams start at once."""
+    submitted: list[int] = []
+    submit = engine.runner.submit
+
+    def counted(batch: list[EncodedInput]) -> Future[torch.Tensor]:
+        submitted.append(sum(len(row.token_ids) for row in batch))
+        return submit(batch)
+
+    monkeypatch.setattr(engine.runner, "submit", counted)
+    inputs: list[EmbeddingInput] = [f"sentence {i} " + "word " * 30 for i in range(60)]
+    engine.add_request("lone", inputs, EmbeddingParams())
+    (output,) = run_all(engine)
+    num_tokens = output.num_prompt_tokens
+    assert num_tokens < engine.runner.max_num_batched_tokens  # one batch before
+    assert len(submitted) >= 2 and sum(submitted) == num_tokens
+    assert max(submitted[:2]) <= -(-num_tokens // 2)
+    for mine, ref in zip(output.embeddings, engine.runner.embed(inputs), strict=True):
+        torch.testing.assert_close(mine, ref.embedding, atol=1e-5, rtol=0)
+
+
 def test_a_bad_request_is_refused_alone(engine: EmbeddingEngine) -> None:
     """ValueError at add_request (the loop fails that job only); nothing is left waiting."""
     with pytest.raises(ValueError, match=r"input\[0\] has \d+ tokens"):

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from workers.engine.embedding_pooling import PoolingConfig, pool, read_pooling_config
-from workers.engine.embedding_runner import EmbeddingRunner
+from workers.engine.embedding_runner import MIN_SPLIT_TOKENS, EmbeddingRunner, batch_budget
 from workers.engine.registry import resolve_model
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 120  # ~1,200 tokens
@@ -109,6 +109,43 @@ def test_small_token_budgets_give_the_same_vectors_in_input_order(
         assert widths == sorted(widths, reverse=True)
     for a, b in zip(whole, split, strict=True):
         torch.testing.assert_close(a.embedding, b.embedding, atol=1e-5, rtol=0)
+
+
+def test_less_than_a_batch_per_stream_is_shared_by_the_streams() -> None:
+    assert batch_budget(8192, 4096, streams=2) == 4096  # a full batch for each stream
+    assert batch_budget(3000, 4096, streams=2) == 1500  # an even share
+    assert batch_budget(3001, 4096, streams=3) == 1001
+    assert batch_budget(600, 4096, streams=2) == MIN_SPLIT_TOKENS  # not smaller than that
+    assert batch_budget(100, 256, streams=2) == 256  # nor larger than the budget
+    assert batch_budget(3000, 4096, streams=1) == 4096  # one stream (a GPU) takes it all
+
+
+def test_a_small_mixed_input_pads_little_and_runs_on_every_stream(
+        runner: EmbeddingRunner) -> None:
+    """A few long texts among short ones no longer pad the short ones to their length (a
+    32-text request took ~1 s instead of ~0.2), and ~2,000 tokens go to both streams."""
+    texts = [LONG, "short one", LONG, "a", "two words", "three short words"]
+    batches = runner.batches(runner.encode(texts))
+    assert [len(b) for b in batches] == [2, 4]
+    for batch in batches:
+        widths = [len(e.token_ids) for e in batch]
+        assert max(widths) <= 2 * min(widths)
+    even = [f"sentence {i} " + "word " * 30 for i in range(60)]  # ~36 tokens each
+    encoded = runner.encode(even)
+    num_tokens = sum(len(e.token_ids) for e in encoded)
+    assert MIN_SPLIT_TOKENS * 2 < num_tokens < runner.max_num_batched_tokens
+    two = EmbeddingRunner("all-minilm-l6-v2", device="cpu", streams=2)
+    one = EmbeddingRunner("all-minilm-l6-v2", device="cpu", streams=1)
+    try:
+        split = two.batches(encoded)
+        assert len(split) >= 2
+        first_width = len(split[0][0].token_ids)
+        assert len(split[0]) * first_width <= -(-num_tokens // 2)
+        assert len(one.batches(encoded)) == 1
+        for a, b in zip(one.embed(texts + even), two.embed(texts + even), strict=True):
+            torch.testing.assert_close(a.embedding, b.embedding, atol=1e-5, rtol=0)
+    finally:
+        two.close()
 
 
 def test_streams_run_batches_side_by_side_with_the_same_vectors(
