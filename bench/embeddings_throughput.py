@@ -166,7 +166,7 @@ def request_latency(runner: EmbeddingRunner, st: Any, texts: list[str], size: in
     synchronous endpoint waits for, where a few long texts among short ones decide how
     much the short ones pad."""
     requests = [texts[i * size:(i + 1) * size] for i in range(14)]
-    contenders = {"runner": runner.embed}
+    contenders: dict[str, Callable[[list[str]], object]] = {"runner": runner.embed}
     if st is not None:
         contenders["st"] = lambda request: st.encode(request, batch_size=batch_size)
     medians = {}
