@@ -53,6 +53,10 @@ class FinishedRequest:
     aborted: bool = False
 
 
+# Put in the finished queue by `wake`, taken out by `take_finished`.
+WAKE = FinishedRequest("")
+
+
 class EngineLoop:
     """Runs `engine.step()` continuously on a background thread (see module docstring)."""
 
@@ -92,6 +96,11 @@ class EngineLoop:
         """Abort a request; a FinishedRequest with `aborted=True` follows if it was live."""
         self._inbox.put(_Abort(request_id))
 
+    def wake(self) -> None:
+        """End a `take_finished` wait now, with nothing finished (safe from a signal
+        handler: SimpleQueue.put is reentrant)."""
+        self._outbox.put(WAKE)
+
     def take_finished(self, timeout: float = 0.0) -> list[FinishedRequest]:
         """Everything finished since the last call; waits up to `timeout` for the first."""
         finished: list[FinishedRequest] = []
@@ -105,7 +114,7 @@ class EngineLoop:
             try:
                 finished.append(self._outbox.get_nowait())
             except queue.Empty:
-                return finished
+                return [done for done in finished if done is not WAKE]
 
     def _run(self) -> None:
         try:

@@ -80,15 +80,15 @@ def max_inflight(settings: Settings, engine: object) -> int:
 
 # With the in-flight bound reached no record could start, so a worker whose engine is
 # full waits on the finished queue up to FULL_WAIT_S: a finished job still wakes it at
-# once, and a cancel or a stop request waits at most that long. Looping every BUSY_WAIT_S
-# there (poll, commit, cancel check) cost a full embedding worker's main thread a third
-# of its CPU (0.97 -> 0.62 ms per text) beside its two streams; at 50 ms it still looped
-# ~15 times a second between finished batches (main thread 0.38 -> 0.36 ms per text at
-# 250 ms, Kafka's I/O thread 0.10 -> 0.08). The same holds once the broker has nothing
-# more to give: the last 30 s of a 10,000-line embeddings batch, every record fetched and
-# thousands still in the engine, looped 140 times a second. So each poll that brings
-# nothing doubles the wait, up to POLL_TIMEOUT_MS; a record that comes after a quiet
-# spell waits at most that long.
+# once, a stop request wakes it too (the drain's timeout counts from the signal), and a
+# cancel waits at most that long. Looping every BUSY_WAIT_S there (poll, commit, cancel
+# check) cost a full embedding worker's main thread a third of its CPU (0.97 -> 0.62 ms
+# per text) beside its two streams; at 50 ms it still looped ~15 times a second between
+# finished batches (main thread 0.38 -> 0.36 ms per text at 250 ms, Kafka's I/O thread
+# 0.10 -> 0.08). The same holds once the broker has nothing more to give: the last 30 s
+# of a 10,000-line embeddings batch, every record fetched and thousands still in the
+# engine, looped 140 times a second. So each poll that brings nothing doubles the wait,
+# up to POLL_TIMEOUT_MS; a record that comes after a quiet spell waits at most that long.
 
 
 def poll_timeout_ms(num_inflight: int) -> int:
@@ -154,6 +154,7 @@ class Worker:
     def request_stop(self) -> None:
         """Begin a clean shutdown (safe from a signal handler or another thread)."""
         self._stop.set()
+        self._engine.wake()  # a full worker's wait would hold the drain back FULL_WAIT_S
 
     def run(self) -> None:
         """Subscribe, process jobs until asked to stop, then drain and commit."""

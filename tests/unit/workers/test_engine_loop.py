@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,3 +74,19 @@ def test_abort_frees_the_request_and_reports_it_once(loop: EngineLoop) -> None:
     time.sleep(0.3)
     assert loop.take_finished() == []
     assert not loop.engine.has_unfinished_requests()
+
+
+def test_a_signal_handler_wakes_a_waiting_take_at_once(loop: EngineLoop) -> None:
+    """SIGTERM's handler wakes the worker's wait for finished jobs (up to FULL_WAIT_S
+    while full), so the drain's timeout counts from the signal."""
+    previous = signal.signal(signal.SIGALRM, lambda *_: loop.wake())
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        start = time.monotonic()
+        assert loop.take_finished(timeout=5.0) == []  # the wake-up itself is not a result
+        assert time.monotonic() - start < 1.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    loop.add("after", "go", SamplingParams(max_tokens=2), priority=1)
+    assert collect(loop, 1)["after"].output is not None
