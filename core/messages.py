@@ -35,6 +35,10 @@ class JobMessage(BaseModel):
     custom_id: str | None = None
     cache_key: str | None = None
     attempt: int = Field(default=1, ge=1)
+    # Whether the job has a webhook to call when it ends, so a worker storing a step's
+    # results looks up only those jobs' rows; None (a message from before the field)
+    # means it may have one.
+    has_callback: bool | None = None
 
     def encode(self) -> bytes:
         """Bytes for the Kafka record value (UTF-8 JSON).

@@ -4,8 +4,9 @@ Why: a long-poll with its own pub/sub connection subscribes, waits for Redis to 
 re-reads the database, then unsubscribes and closes: three Redis round trips, a
 connection and an extra database read per request. At a few hundred long-polls a second
 that was most of the API's CPU per job. The hub pattern-subscribes once to every job's
-done channel (`storage.events.job_done_channel`) and wakes the waiters registered for the
-job id it hears.
+done channel (`storage.events.job_done_channel`), subscribes to the channel of grouped
+announcements (`jobs_done_channel`, one message per worker write), and wakes the waiters
+registered for the job ids it hears.
 
 Lost wakeups (see storage.events for the general order). A waiter registers with the hub
 (a dict entry, no I/O) before it reads the database. While the hub is listening, its
@@ -26,7 +27,12 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from storage.events import SUBSCRIBE_CONFIRM_TIMEOUT_S, job_done_channel
+from storage.events import (
+    SUBSCRIBE_CONFIRM_TIMEOUT_S,
+    announced_job_ids,
+    job_done_channel,
+    jobs_done_channel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +47,7 @@ class JobDoneHub:
     def __init__(self, aredis: aioredis.Redis, *, prefix: str) -> None:
         self._aredis = aredis
         self._pattern = job_done_channel(prefix, "*")
+        self._grouped_channel = jobs_done_channel(prefix)
         self._channel_start = len(job_done_channel(prefix, ""))
         self._waiters: dict[str, set[asyncio.Future[bool]]] = {}
         self._listening = False
@@ -87,14 +94,20 @@ class JobDoneHub:
             pubsub = self._aredis.pubsub()
             try:
                 await pubsub.psubscribe(self._pattern)
+                await pubsub.subscribe(self._grouped_channel)
                 await self._confirm(pubsub)
                 self._listening, backoff = True, RESUBSCRIBE_BACKOFF_S
                 logger.debug("listening for job completions on %s", self._pattern)
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True,
                                                        timeout=1.0)
-                    if message is not None and message["type"] == "pmessage":
+                    if message is None:
+                        continue
+                    if message["type"] == "pmessage":
                         self._wake(_text(message["channel"])[self._channel_start:], True)
+                    elif message["type"] == "message":  # only the grouped channel's
+                        for job_id in announced_job_ids(message["data"]):
+                            self._wake(job_id, True)
             except Exception as e:  # Redis lost, or no confirmation: subscribe again
                 logger.warning("long-poll subscription lost (%r); waiters poll the database "
                                "until it is back", e)
@@ -110,12 +123,14 @@ class JobDoneHub:
             backoff = min(backoff * 2, RESUBSCRIBE_BACKOFF_MAX_S)
 
     async def _confirm(self, pubsub: aioredis.client.PubSub) -> None:
-        """Until Redis acknowledges the PSUBSCRIBE, a PUBLISH could be missed."""
+        """Until Redis acknowledges the PSUBSCRIBE and the SUBSCRIBE, a PUBLISH could be
+        missed."""
+        waiting = {"psubscribe", "subscribe"}
         async with asyncio.timeout(SUBSCRIBE_CONFIRM_TIMEOUT_S):
-            while True:
+            while waiting:
                 message = await pubsub.get_message(timeout=SUBSCRIBE_CONFIRM_TIMEOUT_S)
-                if message is not None and message["type"] == "psubscribe":
-                    return
+                if message is not None:
+                    waiting.discard(message["type"])
 
     def _wake(self, job_id: str, heard: bool) -> None:
         for future in self._waiters.pop(job_id, ()):

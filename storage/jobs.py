@@ -421,4 +421,5 @@ def job_message(job: Job) -> JobMessage:
         custom_id=job.custom_id,
         cache_key=job.cache_key,
         attempt=job.attempts + 1,
+        has_callback=job.callback_url is not None,
     )

@@ -262,3 +262,33 @@ def test_a_lost_subscription_wakes_waiters_with_false_and_comes_back(
             assert await asyncio.wait_for(again, 5) is True
 
     asyncio.run(scenario())
+
+
+def test_a_lone_wait_hears_a_grouped_announcement_of_its_job_only(
+    redis_url: str, client: redis.Redis, prefix: str
+) -> None:
+    """A wait with a subscription of its own (the hub not listening) hears a worker's
+    write announced as one message: it ignores a message without its job and wakes on the
+    one that names it."""
+    async def scenario() -> tuple[bool, float]:
+        aredis = aioredis.Redis.from_url(redis_url)
+
+        def announce() -> None:
+            time.sleep(0.3)
+            publish_jobs_done(client, prefix=prefix, statuses={"job_b": JobStatus.SUCCEEDED})
+            time.sleep(0.3)
+            publish_jobs_done(client, prefix=prefix, statuses={
+                "job_c": JobStatus.FAILED, "job_a": JobStatus.SUCCEEDED})
+
+        started = time.monotonic()
+        try:
+            thread = threading.Thread(target=announce, daemon=True)
+            thread.start()
+            heard = await wait_job_done(aredis, prefix=prefix, job_id="job_a", timeout=5)
+            await asyncio.to_thread(thread.join)
+            return heard, time.monotonic() - started
+        finally:
+            await aredis.aclose()
+
+    heard, seconds = asyncio.run(scenario())
+    assert heard and 0.5 < seconds < 3

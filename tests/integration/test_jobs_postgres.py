@@ -8,9 +8,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import redis
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.messages import JobMessage
 from storage.db import create_db_engine, session_factory
 from storage.jobs import (
     IdempotencyKeyTaken,
@@ -28,6 +29,7 @@ from storage.jobs import (
 from storage.migrate import upgrade
 from storage.models import Job, JobStatus, Tenant
 from storage.tenants import create_api_key, create_tenant, tenant_for_api_key
+from storage.webhooks import Delivery
 from tests.unit.storage.test_job_batches import check_complete_jobs
 from workers.inference.job_store import JobStore, Success
 
@@ -208,3 +210,29 @@ def test_a_step_with_a_cancelled_job_stores_the_others(
                 assert job.result == {"choices": [{"text": message.job_id}],
                                       "usage": {"prompt_tokens": 2}}
     assert store.succeed_many(results) == set()
+
+
+def test_a_step_calls_back_the_jobs_whose_messages_may_have_a_callback(
+    sessions: sessionmaker[Session], tenant: Tenant, redis_url: str
+) -> None:
+    """A job's message says whether it has a webhook: the worker's result write enqueues a
+    delivery for a job with one, none for a job without (it does not look), and for a
+    message from before the field (None) it looks the row up as it always did."""
+    with sessions() as session:
+        hooked, plain, older = (
+            create_job(session, tenant_id=tenant.id, priority="normal", model="m",
+                       kind="chat.completion", request={"messages": []},
+                       callback_url=url)
+            for url in ("https://example.com/a", None, "https://example.com/c"))
+        session.commit()
+        messages = [job_message(job) for job in (hooked, plain, older)]
+    assert [m.has_callback for m in messages] == [True, False, True]
+    messages[2] = messages[2].model_copy(update={"has_callback": None})
+    assert JobMessage.decode(messages[1].encode()).has_callback is False
+    store = JobStore(sessions, redis.Redis.from_url(redis_url), prefix="t-hooks",
+                     result_cache_ttl_s=0)
+    results = [Success(m, {"choices": [], "usage": {}}, None) for m in messages]
+    assert store.succeed_many(results) == {m.job_id for m in messages}
+    with sessions() as session:
+        called = set(session.scalars(select(Delivery.job_id)))
+    assert called == {hooked.id, older.id}

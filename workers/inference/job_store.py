@@ -149,7 +149,9 @@ class JobStore:
                     session, job_id=c.job_id, result=c.result, prompt_tokens=c.prompt_tokens,
                     completion_tokens=c.completion_tokens, cached_tokens=c.cached_tokens,
                     first_token_at=c.first_token_at)}
-            self._enqueue_webhooks(session, finished)
+            self._enqueue_webhooks(session, {
+                s.message.job_id for s in successes
+                if s.message.job_id in finished and s.message.has_callback is not False})
             session.commit()
         if dropped := len(successes) - len(finished):
             logger.info("%d result(s) dropped: their jobs were already finished", dropped)
@@ -213,7 +215,8 @@ class JobStore:
             enqueue_job_event(session, job=job)
 
     def _enqueue_webhooks(self, session: Session, job_ids: set[str]) -> None:
-        """`_enqueue_webhook` for the jobs among these that have a callback (one SELECT)."""
+        """`_enqueue_webhook` for the jobs among these that have a callback (one SELECT;
+        none when no message says a job may have one, as for a batch's lines)."""
         if not job_ids:
             return
         query = select(Job).where(Job.id.in_(list(job_ids)), Job.callback_url.is_not(None))
