@@ -18,15 +18,17 @@ import time
 from itertools import islice
 
 from kafka import KafkaProducer
+from sqlalchemy import insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import metrics
+from core.messages import JobMessage
 from core.settings import Settings
 from scheduler.batch_input import ENDPOINT_TO_KIND, BatchRequest, iter_requests
 from scheduler.job_publisher import count_failed, publish_jobs, record_output
 from storage.batches import BatchStatus, lock_batch
 from storage.files import FileStore
-from storage.jobs import new_job
+from storage.jobs import new_job_message, new_job_values
 from storage.models import Job, JobStatus
 
 logger = logging.getLogger(__name__)
@@ -72,9 +74,9 @@ def fan_out(
 
 def _add_chunk(
     sessions: sessionmaker[Session], *, batch_id: str, cursor: int, chunk: list[BatchRequest]
-) -> list[Job] | None:
-    """Add one chunk's jobs and advance the cursor; the jobs to publish, None if the batch
-    moved on meanwhile.
+) -> list[JobMessage] | None:
+    """Add one chunk's jobs and advance the cursor; the messages of the jobs to publish,
+    None if the batch moved on meanwhile.
 
     A line the API would refuse (`BatchRequest.error`) is stored failed with that error, in
     the same transaction: it shows in the error file and never reaches a worker.
@@ -89,32 +91,34 @@ def _add_chunk(
                         batch.num_enqueued)
             return None
         kind = ENDPOINT_TO_KIND[batch.endpoint]
-        jobs = [
-            new_job(tenant_id=batch.tenant_id, priority=batch.priority, model=request.model,
-                    kind=kind, request=request.body, callback_url=None, batch_id=batch.id,
-                    custom_id=request.custom_id)
+        rows = [
+            new_job_values(tenant_id=batch.tenant_id, priority=batch.priority,
+                           model=request.model, kind=kind, request=request.body,
+                           callback_url=None, batch_id=batch.id, custom_id=request.custom_id)
             for request in chunk
         ]
-        refused = [job for job, r in zip(jobs, chunk, strict=True) if r.error]
-        for job, request in zip(jobs, chunk, strict=True):
+        num_refused = 0
+        for row, request in zip(rows, chunk, strict=True):
             if request.error:
-                job.status, job.error, job.finished_at = (JobStatus.FAILED, request.error,
-                                                          job.created_at)
-        # Batch lines carry no idempotency key, so the chunk goes in as one multi-row
-        # INSERT (a flush per job cost the scheduler most of its time per line).
-        session.add_all(jobs)
+                row.update(status=JobStatus.FAILED, error=request.error,
+                           finished_at=row["created_at"])
+                num_refused += 1
+        # Batch lines carry no idempotency key, so the chunk goes in as one bulk INSERT of
+        # plain values: an ORM object per line, built and flushed, cost the scheduler more
+        # than the INSERT (~190 of ~210 us per line on a 2-core host).
+        session.execute(insert(Job), rows)
         batch.num_enqueued = cursor + len(chunk)
         session.commit()
-        if refused:
-            metrics.JOBS_FAILED.labels(batch.priority).inc(len(refused))
+        if num_refused:
+            metrics.JOBS_FAILED.labels(batch.priority).inc(num_refused)
             logger.info("batch %s: %d line(s) refused as the API would refuse them", batch_id,
-                        len(refused))
-        refused_ids = {job.id for job in refused}
-        return [job for job in jobs if job.id not in refused_ids]
+                        num_refused)
+        return [new_job_message(row) for row, request in zip(rows, chunk, strict=True)
+                if not request.error]
 
 
 def _publish(settings: Settings, sessions: sessionmaker[Session], producer: KafkaProducer,
-             jobs: list[Job]) -> None:
+             jobs: list[JobMessage]) -> None:
     """Produce the jobs, wait for the broker, and stamp them published.
 
     A line no message can carry fails as its own job; the rest of the chunk goes out.

@@ -17,6 +17,7 @@ what they mean (`record_output`):
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from sqlalchemy.orm import Session
 
 from core import metrics
 from core.kafka import publish_job
+from core.messages import JobMessage
 from core.settings import Settings
 from storage.jobs import fail_job, get_job, job_message, mark_published
 from storage.models import Job
@@ -69,34 +71,38 @@ class PublishOutput:
 
 
 def publish_jobs(
-    producer: KafkaProducer, settings: Settings, jobs: list[Job], *, timeout_s: float
+    producer: KafkaProducer, settings: Settings, jobs: Sequence[Job | JobMessage], *,
+    timeout_s: float,
 ) -> PublishOutput:
     """Send every job of the page and sort each into published, unpublishable or unsent.
 
+    A job comes as its stored row or as its message already built (a fan-out's new rows).
     Raises nothing for a row's own fault or a broker failure; those are in the output.
     """
     output = PublishOutput()
     pending: list[tuple[str, FutureRecordMetadata]] = []
     for job in jobs:
+        job_id = job.job_id if isinstance(job, JobMessage) else job.id
         if output.broker_error is not None:
-            output.unsent_ids.append(job.id)  # the broker is gone: spare it the rest
+            output.unsent_ids.append(job_id)  # the broker is gone: spare it the rest
             continue
         if job.model not in settings.served_models:
             # Sending would wait for a topic that does not exist, holding up the page.
-            output.id_to_unpublishable_reason[job.id] = (
+            output.id_to_unpublishable_reason[job_id] = (
                 f"model {job.model!r} is not served (served: {', '.join(settings.served_models)})"
             )
             continue
         try:
-            pending.append((job.id, publish_job(producer, settings, job_message(job))))
+            message = job if isinstance(job, JobMessage) else job_message(job)
+            pending.append((job_id, publish_job(producer, settings, message)))
         except RECORD_ERRORS as e:
-            output.id_to_unpublishable_reason[job.id] = describe(e)
+            output.id_to_unpublishable_reason[job_id] = describe(e)
         except KafkaError as e:
             output.broker_error = e
-            output.unsent_ids.append(job.id)
+            output.unsent_ids.append(job_id)
         except (ValueError, TypeError) as e:
             # Schema, priority and encoding errors (UnicodeEncodeError is a ValueError).
-            output.id_to_unpublishable_reason[job.id] = describe(e)
+            output.id_to_unpublishable_reason[job_id] = describe(e)
     if pending:
         producer.flush(timeout=timeout_s)
     for job_id, future in pending:
