@@ -3,9 +3,7 @@ the same transaction, the messages to produce built from what was stored."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from sqlalchemy import select
@@ -14,27 +12,15 @@ from sqlalchemy.orm import Session, sessionmaker
 from scheduler.batch_fanout import _add_chunk
 from scheduler.batch_input import BatchRequest
 from storage.batches import BatchStatus, create_batch
-from storage.db import create_db_engine, session_factory
 from storage.files import create_file
 from storage.jobs import job_message
-from storage.models import Base, Job, JobStatus, utcnow
-from storage.tenants import create_tenant
+from storage.models import Job, JobStatus, Tenant, utcnow
 
 
 @pytest.fixture
-def sessions(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
-    """Sessions on a fresh SQLite file with every table."""
-    engine = create_db_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
-    Base.metadata.create_all(engine)
-    yield session_factory(engine)
-    engine.dispose()
-
-
-@pytest.fixture
-def batch_id(sessions: sessionmaker[Session]) -> str:
+def batch_id(sessions: sessionmaker[Session], tenant: Tenant) -> str:
     """An embeddings batch in progress, nothing enqueued yet."""
     with sessions() as session:
-        tenant = create_tenant(session, name="acme")
         create_file(session, file_id="file-in", tenant_id=tenant.id, filename="in.jsonl",
                     purpose="batch", num_bytes=10)
         batch = create_batch(session, tenant_id=tenant.id, input_file_id="file-in",
