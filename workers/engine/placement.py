@@ -59,15 +59,18 @@ def pick_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> 
 
 
 def should_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether projections run from oneDNN-packed weights: on the CPU in fp32 and bf16.
+    """Whether projections run from oneDNN-packed weights: on the CPU in fp32, and in bf16
+    where the CPU has oneDNN's bf16 instructions.
 
-    (CUDA's cuBLAS needs no packing; fp16 on the CPU is left to F.linear.)
+    oneDNN packs bf16 weights only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an
+    AVX2-only CPU the packing raises, so bf16 stays with F.linear there (as fp16 does
+    everywhere). CUDA's cuBLAS needs no packing.
     """
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 def pick_backend(
