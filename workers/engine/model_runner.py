@@ -23,10 +23,10 @@ from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.loader import load_hf_config, load_model, read_eos_token_ids
 from workers.engine.model import check_supported, head_dim_of
 from workers.engine.placement import (
+    packing_dtype,
     pick_backend,
     pick_device,
     pick_dtype,
-    should_pack_weights,
 )
 from workers.engine.registry import resolve_model
 from workers.engine.sampler import SampledToken, Sampler
@@ -107,8 +107,9 @@ class ModelRunner:
         self.model = load_model(
             self.model_dir, self.hf_config, self.backend, self.dtype, self.device
         )
-        if should_pack_weights(self.device, self.dtype):
-            self.model.pack_weights()
+        packed_dtype = packing_dtype(self.device, self.dtype)
+        if packed_dtype is not None:
+            self.model.pack_weights(packed_dtype)
         self.sampler = Sampler(config.seed, self.device)
         # On the CPU, ops use as many threads as other processes leave cores free.
         self.threads = CpuThreadGovernor() if self.device.type == "cpu" else None

@@ -58,19 +58,23 @@ def pick_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> 
     return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def should_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether projections run from oneDNN-packed weights: on the CPU in fp32, and in bf16
-    where the CPU has oneDNN's bf16 instructions.
+def packing_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype projections run in from oneDNN-packed weights, or None for F.linear.
 
-    oneDNN packs bf16 weights only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an
-    AVX2-only CPU the packing raises, so bf16 stays with F.linear there (as fp16 does
-    everywhere). CUDA's cuBLAS needs no packing.
+    On the CPU fp32 is packed as is, and so are bf16/fp16 where the CPU has oneDNN's
+    instructions for them (bf16: AVX-512 BW/VL/DQ or AVX-NE-CONVERT; fp16: AVX-512 FP16 or
+    AMX). Elsewhere oneDNN refuses to pack them and torch's half-precision GEMM runs 4-7x
+    slower than fp32, so their weights are packed as fp32 (exact) and each product is
+    rounded back: fp32 speed for twice the packed copy's memory. CUDA's cuBLAS needs no
+    packing.
     """
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return dtype == torch.float32
+        return None
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return dtype
+    if dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return dtype
+    return torch.float32
 
 
 def pick_backend(
