@@ -25,9 +25,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_KERNELS = Path(__file__).parent / "kernels"
-_SOURCES = [_KERNELS / "cpu_paged_attention.cpp", _KERNELS / "cpu_pointwise.cpp"]
-_HEADERS = [_KERNELS / "cpu_checks.h", _KERNELS / "cpu_math.h"]
+KERNELS = Path(__file__).parent / "kernels"
+_SOURCES = [KERNELS / "cpu_paged_attention.cpp", KERNELS / "cpu_pointwise.cpp"]
+_HEADERS = [KERNELS / "cpu_checks.h", KERNELS / "cpu_math.h"]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 # torch's wheel ships libgomp.so.1 and loads it first, so the extension's OpenMP calls land
 # in the same runtime and thread pool as torch's own ops (one team, one wait policy).
@@ -61,6 +61,15 @@ def build_dir() -> Path:
     return DEFAULT_BUILD_ROOT / _cpu_tag()
 
 
+def compile_flags() -> list[str]:
+    """The compiler flags for this machine's build."""
+    flags = list(_FLAGS)
+    if platform.machine() == "aarch64":
+        flags = [f for f in flags if not f.startswith("-mprefer-vector-width")]
+        flags = [f.replace("-march=native", "-mcpu=native") for f in flags]
+    return flags
+
+
 def load() -> str | None:
     """Build (once per machine) and load the CPU kernels; None when ready, else why not."""
     with _lock:
@@ -84,10 +93,7 @@ def _build_and_load() -> str | None:
     from torch.utils.cpp_extension import load as load_extension
 
     target = build_dir()
-    flags = list(_FLAGS)
-    if platform.machine() == "aarch64":
-        flags = [f for f in flags if not f.startswith("-mprefer-vector-width")]
-        flags = [f.replace("-march=native", "-mcpu=native") for f in flags]
+    flags = compile_flags()
     try:
         target.mkdir(parents=True, exist_ok=True)
         load_extension(

@@ -84,8 +84,19 @@ struct Shape {
   int64_t pool_block, pool_token;  // strides of the pool in elements
 };
 
-// 16 floats as one value: GCC/Clang vector extensions, lowered to whatever the target has.
-constexpr int kLanes = 16;
+// A vector register of floats as one value (GCC/Clang vector extensions): 16 lanes with
+// AVX-512, else 8 (AVX2; two NEON registers). Wider than the target's registers, every
+// blocked loop below spills: on an AVX2-only Zen 3, 16-lane vectors ran prefill at 4
+// GFLOP/s and decode at 2-5 GB/s.
+// -DBATCHINFER_LANES=8|16 overrides the choice: tests build the width this CPU would not
+// pick (GCC splits vectors wider than the target's into correct, slower halves).
+#if !defined(BATCHINFER_LANES) && defined(__AVX512F__)
+#define BATCHINFER_LANES 16
+#elif !defined(BATCHINFER_LANES)
+#define BATCHINFER_LANES 8
+#endif
+static_assert(BATCHINFER_LANES == 8 || BATCHINFER_LANES == 16, "vectors of 8 or 16 floats");
+constexpr int kLanes = BATCHINFER_LANES;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 inline Vec load_vec(const float* p) {
   Vec v;
@@ -175,36 +186,54 @@ void attend_one(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
 }
 
 
-// Lane t of the result is the sum of v[t]'s lanes: 16 horizontal sums in four rounds of
-// pairwise shuffles and adds (30 shuffles, 15 adds), where one reduction per vector takes
-// about 8 dependent steps. The rounds leave lane L holding v[bitreverse(L)]'s sum; a last
-// shuffle puts them in order.
-static_assert(kLanes == 16, "lane_sums16 is written for 16 lanes");
-inline Vec lane_sums16(const Vec* v) {
-  Vec w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i) {
-    w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
-                                   19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
-                                   26, 27, 28, 29, 30, 31);
+// Lane t of the result is the sum of v[t]'s lanes: kLanes horizontal sums in log2(kLanes)
+// rounds of pairwise shuffles and adds (16 lanes: 30 shuffles, 15 adds), where one
+// reduction per vector takes about 8 dependent steps. The rounds leave lane L holding
+// v[bitreverse(L)]'s sum; a last shuffle puts them in order.
+inline Vec lane_sums(const Vec* v) {
+#if BATCHINFER_LANES == 16
+  {
+    Vec w[8], x[4], y[2];
+    for (int i = 0; i < 8; ++i) {
+      w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                     18, 19, 20, 21, 22, 23) +
+             __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                     25, 26, 27, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 4; ++i) {
+      x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9,
+                                     10, 11, 24, 25, 26, 27) +
+             __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13,
+                                     14, 15, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 2; ++i) {
+      y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9,
+                                     24, 25, 12, 13, 28, 29) +
+             __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11,
+                                     26, 27, 14, 15, 30, 31);
+    }
+    const Vec z = __builtin_shufflevector(y[0], y[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10,
+                                          26, 12, 28, 14, 30) +
+                  __builtin_shufflevector(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11,
+                                          27, 13, 29, 15, 31);
+    return __builtin_shufflevector(z, z, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
   }
-  for (int i = 0; i < 4; ++i) {
-    x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10,
-                                   11, 24, 25, 26, 27) +
-           __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13,
-                                   14, 15, 28, 29, 30, 31);
+#else
+  {
+    Vec w[4], x[2];
+    for (int i = 0; i < 4; ++i) {
+      w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+             __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+    for (int i = 0; i < 2; ++i) {
+      x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+             __builtin_shufflevector(w[2 * i], w[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    const Vec z = __builtin_shufflevector(x[0], x[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+                  __builtin_shufflevector(x[0], x[1], 1, 9, 3, 11, 5, 13, 7, 15);
+    return __builtin_shufflevector(z, z, 0, 4, 2, 6, 1, 5, 3, 7);
   }
-  for (int i = 0; i < 2; ++i) {
-    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9,
-                                   24, 25, 12, 13, 28, 29) +
-           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11,
-                                   26, 27, 14, 15, 30, 31);
-  }
-  const Vec z = __builtin_shufflevector(y[0], y[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26,
-                                        12, 28, 14, 30) +
-                __builtin_shufflevector(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27,
-                                        13, 29, 15, 31);
-  return __builtin_shufflevector(z, z, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+#endif
 }
 
 // The same walk with the head size and group fixed at compile time, over KV heads
@@ -212,7 +241,7 @@ inline Vec lane_sums16(const Vec* v) {
 // for every head are one contiguous run of the pool, which the prefetches below fetch a
 // tile ahead. Within a tile each head's queries and output sums stay in registers while
 // its key and value rows stream past: a key row gives each query head a vector of partial
-// products, and 16 tokens' partials are summed across lanes together (lane_sums16). Scores
+// products, and kLanes tokens' partials are summed across lanes together (lane_sums). Scores
 // of a tile of tokens are computed before one softmax update per tile. `work` holds
 // nh * G * (2 D + kTile + 2) floats.
 constexpr int64_t kTile = 32;  // tokens scored per softmax update
@@ -285,7 +314,7 @@ void attend_fixed(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
           }
         }
         for (int g = 0; g < G; ++g) {
-          store_vec(scores + (h * G + g) * kTile + t0, lane_sums16(partial[g]));
+          store_vec(scores + (h * G + g) * kTile + t0, lane_sums(partial[g]));
         }
       }
     }
@@ -473,11 +502,19 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at
 // The queries are transposed once per tile and the output once at its end, both amortised
 // over every key tile. The previous layout (rows along memory, K transposed into the tile
 // per key tile) spent half its time outside FMAs.
+//
+// The register blocks follow the target's vector registers: AVX-512's 32 registers of 16
+// floats hold 8 keys (or dims) x 3 row vectors, all 48 rows at once. With 16 registers of
+// 8 floats (AVX2) that block would need 54 registers and spill on every FMA (4 GFLOP/s,
+// against 90+ for oneDNN's GEMMs on the same Zen 3): there a block is 4 x 3 vectors of 8,
+// and a tile's rows are walked in two groups of 24.
+constexpr int kKeyBlock = kLanes == 16 ? 8 : 4;  // keys scored in registers together
+constexpr int kDimBlock = kLanes == 16 ? 8 : 4;  // output dims accumulated together
 constexpr int kRowVecs = 3;
-constexpr int64_t kTileRows = kRowVecs * kLanes;  // 48 score rows per tile
-constexpr int64_t kKTile = 32;                    // keys per online-softmax update
-constexpr int kKeyBlock = 8;                      // keys scored in registers together
-constexpr int kDimBlock = 8;                      // output dims accumulated together
+constexpr int64_t kRegRows = kRowVecs * kLanes;  // score rows in one register block
+constexpr int64_t kTileRows = 48;                // score rows per tile
+constexpr int64_t kKTile = 32;                   // keys per online-softmax update
+static_assert(kTileRows % kRegRows == 0, "register blocks tile the rows");
 
 // Queries per tile: as many as fit their group heads into the tile's rows.
 inline int64_t tile_queries(int64_t group) { return std::max<int64_t>(1, kTileRows / group); }
@@ -485,7 +522,8 @@ inline int64_t tile_queries(int64_t group) { return std::max<int64_t>(1, kTileRo
 // One step of a register block: acc[i] += s[i] * x for N scalars against a tile's row
 // vectors (the keys' scores, and the output dims' sums, both grow this way).
 template <int N>
-inline void outer_fma(Vec (&acc)[N][kRowVecs], const float (&s)[N], const Vec (&x)[kRowVecs]) {
+inline void outer_fma(Vec (&acc)[N][kRowVecs], const float (&s)[N],
+                      const Vec (&x)[kRowVecs]) {
 #pragma GCC unroll 8
   for (int i = 0; i < N; ++i) {
 #pragma GCC unroll 4
@@ -526,6 +564,8 @@ void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T
   const int64_t G = s.group;
   const int64_t nq = std::min(tile_queries(G), c.num_q - q0);
   const int64_t rows = nq * G;   // row r: query r / G, head h * G + r % G
+  // Rows computed: whole register blocks, so a short chunk's tile skips the empty ones.
+  const int64_t live = (rows + kRegRows - 1) / kRegRows * kRegRows;
   float* qt = work;              // (D, R) scaled queries, transposed
   float* acc = qt + D * R;       // (D, R) running weighted sums of V, transposed
   float* sc = acc + D * R;       // (kKTile, R) a tile's scores, then weights
@@ -557,16 +597,18 @@ void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T
     }
     for (int64_t t = nk; t < kKTile; ++t) krow[t] = krow[nk - 1];  // scored, then masked
     for (int64_t t0 = 0; t0 < nk; t0 += kKeyBlock) {
-      Vec acc_s[kKeyBlock][kRowVecs] = {};
-      for (int d = 0; d < D; ++d) {
-        Vec qv[kRowVecs];
-        load_row(qt + d * R, qv);
-        float kd[kKeyBlock];
+      for (int64_t r0 = 0; r0 < live; r0 += kRegRows) {
+        Vec acc_s[kKeyBlock][kRowVecs] = {};
+        for (int d = 0; d < D; ++d) {
+          Vec qv[kRowVecs];
+          load_row(qt + d * R + r0, qv);
+          float kd[kKeyBlock];
 #pragma GCC unroll 8
-        for (int k = 0; k < kKeyBlock; ++k) kd[k] = krow[t0 + k][d];
-        outer_fma(acc_s, kd, qv);
+          for (int k = 0; k < kKeyBlock; ++k) kd[k] = krow[t0 + k][d];
+          outer_fma(acc_s, kd, qv);
+        }
+        store_block(sc + t0 * R + r0, R, acc_s);
       }
-      store_block(sc + t0 * R, R, acc_s);
     }
     // Masked keys score -1e30 (not -inf: -ffast-math assumes no infinities), so their
     // weights come out 0. Only a tile that reaches past the first query needs a mask; keys
@@ -576,19 +618,19 @@ void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T
         const float pos = static_cast<float>(j0 + t);
         float* st = sc + t * R;
 #pragma omp simd
-        for (int64_t r = 0; r < R; ++r) st[r] = pos > qpos[r] ? -1e30f : st[r];
+        for (int64_t r = 0; r < live; ++r) st[r] = pos > qpos[r] ? -1e30f : st[r];
       }
     }
     alignas(64) float new_max[R], alpha[R], tile_sum[R];
 #pragma omp simd
-    for (int64_t r = 0; r < R; ++r) new_max[r] = maxes[r];
+    for (int64_t r = 0; r < live; ++r) new_max[r] = maxes[r];
     for (int64_t t = 0; t < nk; ++t) {
       const float* st = sc + t * R;
 #pragma omp simd
-      for (int64_t r = 0; r < R; ++r) new_max[r] = std::max(new_max[r], st[r]);
+      for (int64_t r = 0; r < live; ++r) new_max[r] = std::max(new_max[r], st[r]);
     }
 #pragma omp simd
-    for (int64_t r = 0; r < R; ++r) {
+    for (int64_t r = 0; r < live; ++r) {
       alpha[r] = batchinfer::fast_exp(maxes[r] - new_max[r]);
       maxes[r] = new_max[r];
       tile_sum[r] = 0.f;
@@ -596,32 +638,34 @@ void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T
     for (int64_t t = 0; t < nk; ++t) {
       float* st = sc + t * R;
 #pragma omp simd
-      for (int64_t r = 0; r < R; ++r) {
+      for (int64_t r = 0; r < live; ++r) {
         const float e = batchinfer::fast_exp(st[r] - new_max[r]);
         st[r] = e;
         tile_sum[r] += e;
       }
     }
 #pragma omp simd
-    for (int64_t r = 0; r < R; ++r) sums[r] = sums[r] * alpha[r] + tile_sum[r];
-    Vec al[kRowVecs];
-    load_row(alpha, al);
-    for (int d0 = 0; d0 < D; d0 += kDimBlock) {
-      Vec x[kDimBlock][kRowVecs];
+    for (int64_t r = 0; r < live; ++r) sums[r] = sums[r] * alpha[r] + tile_sum[r];
+    for (int64_t r0 = 0; r0 < live; r0 += kRegRows) {
+      Vec al[kRowVecs];
+      load_row(alpha + r0, al);
+      for (int d0 = 0; d0 < D; d0 += kDimBlock) {
+        Vec x[kDimBlock][kRowVecs];
 #pragma GCC unroll 8
-      for (int dd = 0; dd < kDimBlock; ++dd) {
-        load_row(acc + (d0 + dd) * R, x[dd]);
+        for (int dd = 0; dd < kDimBlock; ++dd) {
+          load_row(acc + (d0 + dd) * R + r0, x[dd]);
 #pragma GCC unroll 4
-        for (int v = 0; v < kRowVecs; ++v) x[dd][v] *= al[v];
+          for (int v = 0; v < kRowVecs; ++v) x[dd][v] *= al[v];
+        }
+        for (int64_t t = 0; t < nk; ++t) {
+          Vec p[kRowVecs];
+          load_row(sc + t * R + r0, p);
+          float vd[kDimBlock];
+          std::memcpy(vd, vrow[t] + d0, sizeof vd);
+          outer_fma(x, vd, p);
+        }
+        store_block(acc + d0 * R + r0, R, x);
       }
-      for (int64_t t = 0; t < nk; ++t) {
-        Vec p[kRowVecs];
-        load_row(sc + t * R, p);
-        float vd[kDimBlock];
-        std::memcpy(vd, vrow[t] + d0, sizeof vd);
-        outer_fma(x, vd, p);
-      }
-      store_block(acc + d0 * R, R, x);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
