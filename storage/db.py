@@ -28,13 +28,26 @@ logger = logging.getLogger(__name__)
 SQLITE_BUSY_TIMEOUT_S = 30.0
 
 
+# numpy arrays are written by orjson itself, each float32 in its shortest decimal form:
+# an embedding result carries its vectors as float32 arrays (workers.inference.embedding_jobs)
+# instead of Python floats, which a worker built at ~10 us a vector and orjson then wrote
+# again, per result, on the worker's one thread.
+ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+
+
+def stdlib_json_default(value: Any) -> Any:
+    """`default=` for the standard library's json: what orjson would write for a value it
+    knows and json does not (a numpy array), as plain JSON values; TypeError otherwise."""
+    return orjson.loads(orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY))
+
+
 def _dumps(value: Any) -> str:
     try:
-        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+        return orjson.dumps(value, option=ORJSON_OPTIONS).decode()
     except orjson.JSONEncodeError:
         # A lone surrogate in a free-form field of a request (valid JSON escapes it, UTF-8
         # cannot hold it): the standard library writes it as its escape, as it always did.
-        return json.dumps(value)
+        return json.dumps(value, default=stdlib_json_default)
 
 
 def _loads(text: str | bytes) -> Any:

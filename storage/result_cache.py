@@ -24,6 +24,7 @@ import redis
 
 from core import metrics
 from storage.cache_ledger import CacheLedger, LedgerChange
+from storage.db import stdlib_json_default
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,8 @@ class ResultCache:
         if any(ttl < 0 for _, _, ttl in entries):
             raise ValueError("ttl must be >= 0 seconds (0 disables caching)")
         payloads = {
-            key: (json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+            key: (json.dumps(value, separators=(",", ":"), ensure_ascii=False,
+                             default=stdlib_json_default)
                   .encode("utf-8", "surrogatepass"), ttl)
             for key, value, ttl in entries if key is not None and ttl
         }  # fmt: skip

@@ -59,13 +59,18 @@ def embedding_request_from_body(body: dict[str, Any], engine: object) -> tuple[A
 def build_embedding_result(
     output: EmbeddingRequestOutput, *, model: str, body: dict[str, Any]
 ) -> dict[str, Any]:
-    """OpenAI's embeddings list object for a finished request (see the module docstring)."""
+    """OpenAI's embeddings list object for a finished request (see the module docstring).
+
+    A float vector stays a float32 array until the result is written: the storage codec
+    (storage.db) writes each value in float32's shortest decimal form, as
+    `float32_values` reads them, without a Python float per value.
+    """
     as_base64 = body.get("encoding_format") == "base64"
     data = []
     for i, vector in enumerate(output.embeddings):
-        values = vector.float().numpy()
+        values = np.ascontiguousarray(vector.float().numpy(), dtype=np.float32)
         embedding: Any = (base64.b64encode(values.astype("<f4").tobytes()).decode()
-                          if as_base64 else float32_values(values))
+                          if as_base64 else values)
         data.append({"object": "embedding", "index": i, "embedding": embedding})
     return {
         "object": "list",

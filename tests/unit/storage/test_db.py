@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import numpy as np
 import pytest
 import sqlalchemy
 from sqlalchemy import text
@@ -98,6 +99,36 @@ def test_json_columns_keep_floats_non_ascii_and_lone_surrogates(
                            {"id": job_id}).scalar_one() for job_id in ids]
     assert "日本語" in raw[0]  # written as UTF-8 by orjson
     assert "\\ud800" in raw[1]  # escaped by the standard library, which can
+
+
+def test_float32_arrays_are_written_as_their_shortest_floats_by_both_codecs(
+    session: Session, tenant: Tenant
+) -> None:
+    """An embedding result's vector goes in as a float32 array: stored as a JSON list of
+    each float32's shortest decimal form, which reads back as the same float32s, whether
+    orjson writes the row or (a lone surrogate beside it) the standard library does."""
+    from storage.jobs import create_job, get_job
+    from workers.inference.embedding_jobs import float32_values
+
+    vector = np.random.default_rng(0).standard_normal(384).astype(np.float32)
+    vector[:4] = [0.1, -0.0, 1e-40, 3.4e38]
+    results = [{"data": [{"embedding": vector}]},
+               {"data": [{"embedding": vector}], "odd": "x\ud800y"}]
+    ids = [create_job(session, tenant_id=tenant.id, priority="low", model="m",
+                      kind="embedding", request={"input": "x"}).id for _ in results]
+    for job_id, result in zip(ids, results, strict=True):
+        get_job(session, job_id=job_id).result = result  # type: ignore[union-attr]
+    session.commit()
+    session.expunge_all()
+    for job_id in ids:
+        raw = session.execute(text("SELECT result FROM jobs WHERE id = :id"),
+                              {"id": job_id}).scalar_one()
+        assert raw.count("0.1,") >= 1 and "0.10000000149011612" not in raw
+        stored = get_job(session, job_id=job_id)
+        assert stored is not None and stored.result is not None
+        floats = stored.result["data"][0]["embedding"]
+        assert floats == float32_values(vector)
+        assert np.array_equal(np.array(floats, dtype=np.float32), vector)
 
 
 def _connects_over_two_rounds(engine: sqlalchemy.Engine, concurrent: int) -> int:
