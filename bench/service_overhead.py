@@ -286,6 +286,7 @@ def batch_phase(up: UpProcess, model: str, num_lines: int) -> None:
                     for i in range(num_lines))
     started_at = time.perf_counter()
     rss_peak = rss_before
+    before, client_before = cpu_seconds_by_pid(up), time.process_time()
     with httpx.Client(base_url=up.url, headers=up.headers, timeout=300) as client:
         upload = client.post("/v1/files", data={"purpose": "batch"},
                              files={"file": ("batch.jsonl", lines.encode())})
@@ -300,10 +301,18 @@ def batch_phase(up: UpProcess, model: str, num_lines: int) -> None:
         output = client.get(f"/v1/files/{batch['output_file_id']}/content")
         output.raise_for_status()
     seconds = time.perf_counter() - started_at
+    spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
+    spent["client (upload, polls, download)"] = time.process_time() - client_before
     num_out = output.text.count("\n")
     print(f"batch    {seconds:8.1f} s for {num_lines} lines ({batch['status']}, {num_out} output "
           f"lines, {batch['request_counts']}); API RSS {rss_before / 2**20:.0f} MiB before, "
           f"{rss_peak / 2**20:.0f} MiB peak")
+    print("  batch phases: " + ", ".join(
+        f"{name} {batch[end] - batch[begin]:.0f} s" for name, begin, end in (
+            ("validating", "created_at", "in_progress_at"),
+            ("in progress", "in_progress_at", "finalizing_at"),
+            ("finalizing", "finalizing_at", "completed_at"))))
+    print_cpu("batch", spent, num_lines)
 
 
 def idle_phase(up: UpProcess, seconds: float) -> None:

@@ -20,11 +20,12 @@ import json
 import logging
 from typing import Any, cast
 
+import orjson
 import redis
 
 from core import metrics
 from storage.cache_ledger import CacheLedger, LedgerChange
-from storage.db import stdlib_json_default
+from storage.db import ORJSON_OPTIONS, stdlib_json_default
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,17 @@ def result_cache_key(model: str, body: dict[str, Any], *, salt: str | None = Non
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _payload(value: dict[str, Any]) -> bytes:
+    """A result as the JSON bytes an entry holds: orjson's (a third of the standard
+    library's time per result on the worker's thread), or, for text UTF-8 cannot carry (a
+    lone surrogate a free-form field kept), the standard library's with it as is."""
+    try:
+        return orjson.dumps(value, option=ORJSON_OPTIONS)
+    except orjson.JSONEncodeError:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False,
+                          default=stdlib_json_default).encode("utf-8", "surrogatepass")
+
+
 class ResultCache:
     """Finished results by `result_cache_key`, as JSON in Redis under `<prefix>:result:`."""
 
@@ -152,12 +164,8 @@ class ResultCache:
         """`put` for each (key, result, ttl) in one round trip (a pipeline, with the ledger)."""
         if any(ttl < 0 for _, _, ttl in entries):
             raise ValueError("ttl must be >= 0 seconds (0 disables caching)")
-        payloads = {
-            key: (json.dumps(value, separators=(",", ":"), ensure_ascii=False,
-                             default=stdlib_json_default)
-                  .encode("utf-8", "surrogatepass"), ttl)
-            for key, value, ttl in entries if key is not None and ttl
-        }  # fmt: skip
+        payloads = {key: (_payload(value), ttl)
+                    for key, value, ttl in entries if key is not None and ttl}
         if not payloads:
             return
         pipe = self._redis.pipeline(transaction=False)

@@ -236,3 +236,43 @@ def test_a_step_calls_back_the_jobs_whose_messages_may_have_a_callback(
     with sessions() as session:
         called = set(session.scalars(select(Delivery.job_id)))
     assert called == {hooked.id, older.id}
+
+
+def test_a_jobs_cache_key_is_computed_once_from_look_up_to_fill(
+    sessions: sessionmaker[Session], tenant: Tenant, redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker looks a deterministic job up in the result cache before running it and
+    fills the cache after: the key is computed once for both, the fill lands where a
+    later look-up finds it, and a failed job's remembered key is dropped."""
+    import workers.inference.job_store as job_store_module
+
+    computed: list[str] = []
+    real_key = job_store_module.result_cache_key
+
+    def counting_key(model: str, body: dict[str, object], *, salt: str | None = None) -> str | None:
+        computed.append(str(body))
+        return real_key(model, body, salt=salt)
+
+    monkeypatch.setattr(job_store_module, "result_cache_key", counting_key)
+    with sessions() as session:
+        created = [create_job(session, tenant_id=tenant.id, priority="normal", model="m",
+                              kind="text_completion", request={"prompt": f"p{i}",
+                                                               "temperature": 0})
+                   for i in range(3)]
+        session.commit()
+        messages = [job_message(job) for job in created]
+    prefix = f"t-keys-{created[0].id}"
+    store = JobStore(sessions, redis.Redis.from_url(redis_url), prefix=prefix,
+                     result_cache_ttl_s=60)
+    assert store.cached_results(messages) == [None, None, None]
+    assert len(computed) == 3
+    results = {m.job_id: {"choices": [{"text": m.job_id}], "usage": {}} for m in messages}
+    assert store.succeed_many([Success(m, results[m.job_id], None)
+                               for m in messages[:2]]) == {m.job_id for m in messages[:2]}
+    assert store.fail(messages[2], error={"message": "refused"})
+    assert len(computed) == 3 and not store._cache_keys
+    later = JobStore(sessions, redis.Redis.from_url(redis_url), prefix=prefix,
+                     result_cache_ttl_s=60)
+    assert later.cached_results(messages) == [results[messages[0].job_id],
+                                              results[messages[1].job_id], None]

@@ -40,6 +40,25 @@ def test_put_then_get_round_trips(cache: ResultCache) -> None:
     assert cache.get(result_cache_key("m", {**BODY, "max_tokens": 5})) is None
 
 
+def test_results_round_trip_with_any_text_and_embedding_arrays(cache: ResultCache) -> None:
+    """Non-Latin text, a lone surrogate (written by the standard library, which can) and a
+    float32 vector (written as its shortest floats) come back as the stored JSON reads."""
+    import numpy as np
+
+    vector = np.array([0.1, -2.5e-8, 3.0], dtype=np.float32)
+    entries = {
+        "plain": {**RESULT, "choices": [{"text": "日本語 café 🚀"}]},
+        "odd": {**RESULT, "choices": [{"text": "x\ud800y"}]},
+        "vector": {"object": "list", "data": [{"embedding": vector}]},
+    }
+    keys = {name: result_cache_key("m", {**BODY, "prompt": name}) for name in entries}
+    cache.put_many([(keys[name], value, 60) for name, value in entries.items()])
+    assert cache.get(keys["plain"]) == entries["plain"]
+    assert cache.get(keys["odd"]) == entries["odd"]
+    assert cache.get(keys["vector"]) == {"object": "list", "data": [{"embedding": [0.1, -2.5e-8,
+                                                                                    3.0]}]}
+
+
 def test_entries_expire(cache: ResultCache) -> None:
     key = result_cache_key("m", BODY)
     cache.put(key, RESULT, ttl=1)

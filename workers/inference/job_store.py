@@ -36,6 +36,11 @@ from workers.inference.semantic_lookup import SemanticLookup
 
 logger = logging.getLogger(__name__)
 
+# Jobs whose result-cache key is remembered between its look-up and its fill. A job looked
+# up and then never stored (cancelled before its claim) leaves its key behind: past this
+# many, the memo starts over.
+MAX_REMEMBERED_KEYS = 65_536
+
 
 @dataclass(slots=True)
 class Success:
@@ -78,6 +83,10 @@ class JobStore:
         self._cache_ttl_s = result_cache_ttl_s
         # Set by the worker's wiring when semantic lookups are possible.
         self.semantic: SemanticLookup | None = None
+        # A job's result-cache key is needed to look its result up before it runs and to
+        # fill the cache after; the key (canonical JSON, SHA-256) cost ~18 us a job each
+        # time on the worker's one thread. Job id -> key, from look-up until stored.
+        self._cache_keys: dict[str, str | None] = {}
 
     def load(self, job_id: str) -> JobSnapshot | None:
         """The job's status and creation time, or None if no such row exists."""
@@ -111,8 +120,8 @@ class JobStore:
 
     def cached_results(self, messages: list[JobMessage]) -> list[dict[str, Any] | None]:
         """`cached_result` for each message in one Redis round trip."""
-        keys = [self._cache_key(m) if CachePolicy.of(m.body).reads_exact else None
-                for m in messages]
+        keys = [self._cache_key(m, remember=True) if CachePolicy.of(m.body).reads_exact
+                else None for m in messages]
         found = self._cache.get_many(keys)
         num_misses = sum(key is not None and hit is None for key, hit in zip(keys, found,
                                                                              strict=True))
@@ -163,6 +172,8 @@ class JobStore:
              else 0)
             for s in filled
         ])
+        for success in successes:  # those not filled: stored elsewhere, or cache answers
+            self._cache_keys.pop(success.message.job_id, None)
         if self.semantic is not None:
             self.semantic.remember_many([(s.message, s.result) for s in filled])
         publish_jobs_done(self._redis, prefix=self._prefix,
@@ -171,6 +182,7 @@ class JobStore:
 
     def fail(self, message: JobMessage, *, error: dict[str, Any]) -> bool:
         """Store the error; True only if this call finished the job (then announce)."""
+        self._cache_keys.pop(message.job_id, None)
         with self._sessions() as session:
             finished = jobs.fail_job(session, job_id=message.job_id, error=error)
             if finished:
@@ -198,11 +210,21 @@ class JobStore:
             return 0
         return len(released)
 
-    def _cache_key(self, message: JobMessage) -> str | None:
-        # Salted by tenant: equal requests of one tenant share results, tenants never do;
-        # and by revision: new weights under the same served name never see old results.
-        salt = message.tenant_id + (f"@{self.model_revision}" if self.model_revision else "")
-        return result_cache_key(message.model, message.body, salt=salt)
+    def _cache_key(self, message: JobMessage, *, remember: bool = False) -> str | None:
+        """The job's key: the one remembered at its look-up (forgotten now), else computed
+        (and remembered when `remember`, for the fill after the job runs)."""
+        key = self._cache_keys.pop(message.job_id, _NOT_REMEMBERED)
+        if key is _NOT_REMEMBERED:
+            # Salted by tenant: equal requests of one tenant share results, tenants never
+            # do; and by revision: new weights under the same name never see old results.
+            salt = message.tenant_id + (f"@{self.model_revision}" if self.model_revision
+                                        else "")
+            key = result_cache_key(message.model, message.body, salt=salt)
+        if remember:
+            if len(self._cache_keys) >= MAX_REMEMBERED_KEYS:
+                self._cache_keys.clear()
+            self._cache_keys[message.job_id] = key
+        return key  # type: ignore[return-value]  # a str or None once not the sentinel
 
     @property
     def system_fingerprint(self) -> str | None:
@@ -222,6 +244,9 @@ class JobStore:
         query = select(Job).where(Job.id.in_(list(job_ids)), Job.callback_url.is_not(None))
         for job in session.scalars(query):
             enqueue_job_event(session, job=job)
+
+
+_NOT_REMEMBERED: Any = object()
 
 
 def epoch_to_datetime(seconds: float | None) -> datetime | None:
