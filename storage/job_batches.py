@@ -19,7 +19,7 @@ from sqlalchemy import CursorResult, Table, bindparam, func, literal, or_, selec
 from sqlalchemy.orm import Session
 
 from storage.models import Job, JobStatus, UTCDateTime, utcnow
-from storage.states import UNFINISHED, sources_of
+from storage.states import UNFINISHED, sources_of, status_among_listed
 
 
 def load_statuses(
@@ -44,7 +44,7 @@ def claim_jobs(session: Session, *, job_ids: Collection[str], worker_id: str) ->
         return set()
     statement = (
         update(Job)
-        .where(Job.id.in_(list(job_ids)), Job.status.in_(sorted(sources_of(JobStatus.RUNNING))))
+        .where(Job.id.in_(list(job_ids)), status_among_listed(sources_of(JobStatus.RUNNING)))
         .values(status=JobStatus.RUNNING, worker_id=worker_id, attempts=Job.attempts + 1,
                 started_at=utcnow())
         .returning(Job.id)

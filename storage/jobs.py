@@ -34,7 +34,7 @@ from core.topics import PRIORITIES, Priority
 from storage.job_batches import Completion, complete_jobs
 from storage.models import Job, JobStatus, utcnow
 from storage.pages import keyset_page
-from storage.states import UNFINISHED, sources_of
+from storage.states import UNFINISHED, sources_of, status_among_listed
 from storage.workers import has_live_owner
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ def mark_published(session: Session, *, job_ids: list[str]) -> None:
         return
     session.execute(
         update(Job)
-        .where(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED)
+        .where(Job.id.in_(job_ids), status_among_listed([JobStatus.QUEUED]))
         .values(queued_at=utcnow())
         .execution_options(synchronize_session=False)
     )
@@ -398,7 +398,7 @@ def _move_owned(
     owner = Job.worker_id.is_(None) if worker_id is None else Job.worker_id == worker_id
     statement = (
         update(Job)
-        .where(Job.id.in_(job_ids), Job.status == JobStatus.RUNNING, owner, *guards)
+        .where(Job.id.in_(job_ids), status_among_listed([JobStatus.RUNNING]), owner, *guards)
         .values(**values)
         .returning(Job.id)
         .execution_options(synchronize_session=False)
