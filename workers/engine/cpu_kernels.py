@@ -39,8 +39,11 @@ _state: dict[str, str | None] = {}  # "error": None once loaded, else why not
 
 
 def _cpu_tag() -> str:
-    """torch version, a hash of this CPU's feature flags and of the kernel files: the build's
-    identity (torch's own rebuild check sees the sources, not the headers they include)."""
+    """torch version, a hash of this CPU's feature flags, of the kernel files and of where
+    they lie: the build's identity (torch's own rebuild check sees the sources, not the
+    headers they include). Two checkouts of the same sources get two builds: torch's
+    build file names the sources by path, so sharing one made each start rebuild (40-50 s
+    here) after the other had run."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -50,6 +53,7 @@ def _cpu_tag() -> str:
     except OSError:
         flags = platform.processor()
     digest = hashlib.sha256(flags.encode())
+    digest.update(str(KERNELS.resolve()).encode())
     for path in _SOURCES + _HEADERS:
         digest.update(path.read_bytes())
     version = torch.__version__.replace("+", "-")
