@@ -27,8 +27,9 @@ from workers.engine.attention import (
 from workers.engine.pointwise import CPU_POINTWISE
 
 # Head sizes the prefill kernel is compiled for, and the most query heads per KV head its
-# tiles hold; other models run their chunks through torch SDPA.
-PREFILL_HEAD_DIMS = (64, 128)
+# tiles hold (kernels/cpu_paged_attention.cpp lists the same sizes); other models run
+# their chunks through torch SDPA.
+PREFILL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 PREFILL_MAX_GROUP = 48
 
 
@@ -70,7 +71,8 @@ def paged_rows(
 
 class CpuAttentionBackend(AttentionBackend):
     """Paged attention on the CPU: C++ kernels read the pool in place for decodes and for
-    prefill chunks (head sizes 64 and 128; torch SDPA over gathered blocks otherwise)."""
+    prefill chunks (the head sizes in PREFILL_HEAD_DIMS; torch SDPA over gathered blocks
+    otherwise)."""
 
     name = "cpu"
     default_block_size = 16

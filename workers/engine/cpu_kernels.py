@@ -5,8 +5,8 @@
 `torch.ops.batchinfer_cpu.*`, built as one library. It is compiled
 for the CPU it runs on (`-march=native`: AVX-512 where there is some), so the build lives in
 a folder named after torch's version and this CPU's instruction-set flags, and a machine
-with another CPU (a shared home folder) builds its own. The first build takes about 10 s on
-2 cores; later starts load the cached library in milliseconds. `python -m
+with another CPU (a shared home folder) builds its own. The first build takes about a minute
+on 2 cores (52 s on a Zen 3); later starts load the cached library in milliseconds. `python -m
 workers.engine.cpu_kernels` builds ahead of time (`make up` and `make test` do).
 
 Without a C++ compiler, or when the build fails, `load()` returns the reason and the

@@ -116,9 +116,11 @@ def test_torch_backend_matches_dense_attention(block_size: int) -> None:
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
-# (heads, KV heads, head size): the kernel's generic walk (head size 16), and its compiled
-# cases (SmolLM2's 9/3/64; one KV head per query head at 128).
-CPU_SHAPES = [(HEADS, KV_HEADS, HEAD_DIM), (9, 3, 64), (4, 4, 128)]
+# (heads, KV heads, head size): decode's generic walk and prefill at head size 16 (the
+# tiny test models'), decode's compiled cases (SmolLM2's 9/3/64; one KV head per query
+# head at 128), prefill at a size that is no power of two (Phi-3's 96), and a size prefill
+# is not compiled for (24), whose chunks go through torch.
+CPU_SHAPES = [(HEADS, KV_HEADS, HEAD_DIM), (9, 3, 64), (4, 4, 128), (6, 2, 96), (4, 2, 24)]
 # Decodes longer than the kernel's 32-token tile, at and around block edges.
 LONG_DECODES = [(0, 1), (31, 1), (32, 1), (63, 1), (200, 1), (517, 1), (20, 7)]
 
@@ -167,16 +169,19 @@ def test_cpu_kernel_refuses_bad_arguments() -> None:
     with pytest.raises(RuntimeError, match="query_starts must run from 0"):
         prefill(out, q, cache, cache, table, torch.tensor([0, 2], dtype=torch.int32),
                 lens.clamp(max=32), 0.125)
-    with pytest.raises(RuntimeError, match="head sizes 64 and 128"):
-        prefill(torch.zeros(3, 64), torch.zeros(3, 4, 16), torch.zeros(4, 16, 2, 16),
-                torch.zeros(4, 16, 2, 16), table, starts, lens.clamp(max=32), 0.25)
+    with pytest.raises(RuntimeError, match="head sizes 16, 32, 64, 80, 96, 128 and 256"):
+        prefill(torch.zeros(3, 96), torch.zeros(3, 4, 24), torch.zeros(4, 16, 2, 24),
+                torch.zeros(4, 16, 2, 24), table, starts, lens.clamp(max=32), 0.25)
     wide = torch.zeros(4, 16, 1, 64)  # 64 query heads on one KV head: over a tile's rows
     with pytest.raises(RuntimeError, match="up to 48 query heads per KV head"):
         prefill(torch.zeros(3, 64 * 64), torch.zeros(3, 64, 64), wide, wide, table, starts,
                 lens.clamp(max=32), 0.125)
-    # ... so the backend gives such a model's chunks to the torch path.
+    # ... so the backend gives such a model's chunks to the torch path, as it does those of
+    # head sizes the kernel is not compiled for.
     assert CpuAttentionBackend(64, 1, 64).pool_workspace_ratio(2) > 0
+    assert CpuAttentionBackend(4, 2, 24).pool_workspace_ratio(2) > 0
     assert CpuAttentionBackend(48, 1, 64).pool_workspace_ratio(2) == 0
+    assert CpuAttentionBackend(4, 2, 16).pool_workspace_ratio(2) == 0
 
 
 def test_write_kv_fills_exactly_the_given_slots() -> None:

@@ -53,9 +53,10 @@ def dense(cache, table, length):
 worst = {}
 for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
     # (heads, kv heads, head size): SmolLM2's group of 3, MQA groups of 8 and 48 (a whole
-    # tile's rows), no grouping; decode also through its generic walk (group 7).
+    # tile's rows), no grouping; decode also through its generic walk (group 7); prefill at
+    # the small, odd-sized and large head sizes it is compiled for (16, 80, 256).
     for heads, kv_heads, head_dim in ((9, 3, 64), (8, 1, 128), (48, 1, 64), (4, 4, 64),
-                                      (7, 1, 64)):
+                                      (7, 1, 64), (4, 2, 16), (6, 2, 80), (2, 1, 256)):
         scale = head_dim ** -0.5
         # Prefill chunks: (cached, new) of one step, a whole prompt beside a chunk that
         # continues a cached prefix and a lone query.
@@ -104,4 +105,4 @@ def test_the_other_vector_width_matches_dense_attention(tmp_path: Path) -> None:
     )
 
     assert child.returncode == 0, child.stderr[-4000:]
-    assert "20 cases within tolerance" in child.stdout
+    assert "32 cases within tolerance" in child.stdout  # 8 shapes, 2 dtypes, 2 kernels

@@ -551,6 +551,18 @@ struct Chunk {
   const int32_t* table;
 };
 
+// The head sizes prefill is compiled for (cpu_attention.PREFILL_HEAD_DIMS lists the same):
+// the common ones of Llama-family models (SmolLM2 64, Llama and Qwen 128, Phi-2 80, Phi-3
+// 96, Gemma 256) and the small ones of tiny test and draft models. Each is one more
+// instantiation per dtype, a few seconds of the first build.
+#define BATCHINFER_PREFILL_HEAD_DIMS(X) X(16) X(32) X(64) X(80) X(96) X(128) X(256)
+
+inline bool prefill_head_dim(int64_t head_dim) {
+#define BATCHINFER_HEAD(D) head_dim == D ||
+  return BATCHINFER_PREFILL_HEAD_DIMS(BATCHINFER_HEAD) false;
+#undef BATCHINFER_HEAD
+}
+
 template <int D>
 constexpr int64_t prefill_work_floats() {
   return 2 * D * kTileRows + kKTile * kTileRows + 2 * kKTile * D;
@@ -704,7 +716,7 @@ void run_prefill(const Shape& s, const at::Tensor& out, const at::Tensor& q,
 
 // out (N, H * D); q (N, H, D) rows of every chunk in order; block_tables (C, W) int32;
 // query_starts (C + 1,) int32 row offsets; seq_lens (C,) int32 keys of each chunk's sequence
-// after this step (its queries are the last query_len positions). Head sizes 64 and 128.
+// after this step (its queries are the last query_len positions). Head sizes as listed above.
 void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_starts, const at::Tensor& seq_lens,
@@ -718,7 +730,8 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
                   seq_lens.numel() == num_chunks,
               "seq_lens must be contiguous int32 (C,)");
   const int64_t head_dim = q.size(2);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "prefill supports head sizes 64 and 128");
+  TORCH_CHECK(prefill_head_dim(head_dim),
+              "prefill supports head sizes 16, 32, 64, 80, 96, 128 and 256");
   TORCH_CHECK(q.size(1) / k_cache.size(2) <= kTileRows,
               batchinfer::message("prefill supports up to %lld query heads per KV head",
                                   static_cast<long long>(kTileRows)).c_str());
@@ -740,10 +753,13 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
   const float fscale = static_cast<float>(scale);
   auto run = [&](auto zero) {
     using T = decltype(zero);
-    if (head_dim == 64) {
-      run_prefill<T, 64>(s, out, q, k_cache, v_cache, chunks, fscale);
-    } else {
-      run_prefill<T, 128>(s, out, q, k_cache, v_cache, chunks, fscale);
+    switch (head_dim) {
+#define BATCHINFER_HEAD(D)                                          \
+  case D:                                                           \
+    run_prefill<T, D>(s, out, q, k_cache, v_cache, chunks, fscale); \
+    break;
+      BATCHINFER_PREFILL_HEAD_DIMS(BATCHINFER_HEAD)
+#undef BATCHINFER_HEAD
     }
   };
   switch (q.scalar_type()) {
