@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import CursorResult, Table, bindparam, func, literal, or_, select, update
+from sqlalchemy import Table, bindparam, func, or_, select, update
 from sqlalchemy.orm import Session
 
+from storage.executemany import ManyStatement
 from storage.models import Job, JobStatus, UTCDateTime, utcnow
 from storage.states import UNFINISHED, sources_of, status_among_listed
 
@@ -65,6 +66,26 @@ class Completion:
     first_token_at: datetime | None
 
 
+def _complete_statement() -> ManyStatement:
+    table: Table = Job.__table__  # type: ignore[assignment]  # a Table, typed as FromClause
+    now = bindparam("b_now", type_=UTCDateTime())
+    # Constants, not an IN list: expanding parameters cannot run as executemany.
+    unfinished = or_(*(table.c.status == status for status in UNFINISHED))
+    return ManyStatement(
+        update(table)
+        .where(table.c.id == bindparam("b_id"), unfinished)
+        .values(status=JobStatus.SUCCEEDED, result=bindparam("b_result"), error=None,
+                prompt_tokens=bindparam("b_prompt_tokens"),
+                completion_tokens=bindparam("b_completion_tokens"),
+                cached_tokens=bindparam("b_cached_tokens"),
+                first_token_at=bindparam("b_first_token_at"),
+                started_at=func.coalesce(table.c.started_at, now), finished_at=now)
+    )
+
+
+_COMPLETE = _complete_statement()
+
+
 def complete_jobs(session: Session, completions: list[Completion]) -> set[str] | None:
     """Store every result with one statement run for each (executemany): the ids finished,
     or None when some job was no longer unfinished.
@@ -78,30 +99,16 @@ def complete_jobs(session: Session, completions: list[Completion]) -> set[str] |
     """
     if not completions:
         return set()
-    table: Table = Job.__table__  # type: ignore[assignment]  # a Table, typed as FromClause
-    now = utcnow()
-    # Constants, not an IN list: expanding parameters cannot run as executemany.
-    unfinished = or_(*(table.c.status == status for status in UNFINISHED))
-    statement = (
-        update(table)
-        .where(table.c.id == bindparam("b_id"), unfinished)
-        .values(status=JobStatus.SUCCEEDED, result=bindparam("b_result"), error=None,
-                prompt_tokens=bindparam("b_prompt_tokens"),
-                completion_tokens=bindparam("b_completion_tokens"),
-                cached_tokens=bindparam("b_cached_tokens"),
-                first_token_at=bindparam("b_first_token_at"),
-                started_at=func.coalesce(table.c.started_at, literal(now, UTCDateTime())),
-                finished_at=now)
-    )
-    result = session.execute(statement, [
+    changed = _COMPLETE.run(session, [
         {"b_id": c.job_id, "b_result": c.result, "b_prompt_tokens": c.prompt_tokens,
          "b_completion_tokens": c.completion_tokens, "b_cached_tokens": c.cached_tokens,
-         "b_first_token_at": c.first_token_at} for c in completions])
-    assert isinstance(result, CursorResult)
-    if result.rowcount != len(completions):
+         "b_first_token_at": c.first_token_at} for c in completions],
+        shared={"b_now": utcnow()})
+    if changed != len(completions):
         return None
-    for job_id in (c.job_id for c in completions):
-        job = session.identity_map.get(session.identity_key(Job, job_id))
-        if job is not None:
-            session.expire(job)
+    if session.identity_map:  # objects loaded here earlier must not show the old row
+        for c in completions:
+            job = session.identity_map.get(session.identity_key(Job, c.job_id))
+            if job is not None:
+                session.expire(job)
     return {c.job_id for c in completions}

@@ -30,6 +30,7 @@ from storage.migrate import upgrade
 from storage.models import Job, JobStatus, Tenant
 from storage.tenants import create_api_key, create_tenant, tenant_for_api_key
 from storage.webhooks import Delivery
+from tests.unit.storage.test_executemany import check_many_statement_stores_what_sqlalchemy_stores
 from tests.unit.storage.test_job_batches import check_complete_jobs
 from workers.inference.job_store import JobStore, Success
 
@@ -276,3 +277,10 @@ def test_a_jobs_cache_key_is_computed_once_from_look_up_to_fill(
                      result_cache_ttl_s=60)
     assert later.cached_results(messages) == [results[messages[0].job_id],
                                               results[messages[1].job_id], None]
+
+
+def test_many_statement_stores_what_sqlalchemy_stores(
+    sessions: sessionmaker[Session], tenant: Tenant
+) -> None:
+    """What tests/unit/storage/test_executemany.py checks on SQLite, on PostgreSQL."""
+    check_many_statement_stores_what_sqlalchemy_stores(sessions, tenant)
