@@ -50,9 +50,9 @@ class _Plan:
         """Values the same for every row, through their processors once."""
         out: dict[str, Any] = {}
         for b in self.binds:
-            if b.row_key in shared and b.row_key not in out:
-                value = shared[b.row_key]
-                out[b.row_key] = value if b.process is None else b.process(value)
+            key = b.row_key
+            if key is not None and key in shared and key not in out:
+                out[key] = shared[key] if b.process is None else b.process(shared[key])
         return out
 
 
