@@ -155,7 +155,7 @@ def print_cpu(title: str, spent: dict[str, float], num_jobs: int) -> None:
 def run_wrk(up: UpProcess, model: str, script_text: str, tag: str,
             seconds: float, in_flight: int) -> tuple[str, float]:
     """wrk (2 threads, `in_flight` connections) with a Lua script: its output, its CPU s."""
-    script = Path(tempfile.mkdtemp()) / f"{tag}.lua"
+    script = up.log_path.parent / f"{tag}.lua"
     script.write_text(script_text)
     env = dict(os.environ, BI_KEY=up.api_key, BI_MODEL=model, BI_TAG=tag)
     wrk = subprocess.Popen(["wrk", "-t2", f"-c{in_flight}", f"-d{seconds:.0f}s",
@@ -354,6 +354,15 @@ def main() -> None:
         sys.exit("the api and e2e phases need wrk on PATH (Debian: apt-get install wrk); "
                  "or leave them out: --phases engine e2e-python batch")
     root = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    try:
+        run_phases(args, root)
+    finally:
+        # Each phase's data folder (database, broker log) is ~150 MB after a batch.
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_phases(args: argparse.Namespace, root: Path) -> None:
+    """The chosen phases, each against its own service under `root`."""
     model_dir = root / "tiny-llama"
     save_tiny_llama(model_dir)
     model = str(model_dir)
