@@ -122,7 +122,7 @@ end
 
 
 def started(root: Path, name: str, model_dir: Path, num_workers: int,
-            api_processes: int = 1) -> UpProcess:
+            api_processes: int = 1, settings: list[str] | None = None) -> UpProcess:
     """`batchinfer up` serving the tiny model with the tenant rate limit lifted, warmed up.
 
     One job is submitted (and, with a worker, awaited) first: the first submission loads
@@ -130,6 +130,11 @@ def started(root: Path, name: str, model_dir: Path, num_workers: int,
     """
     env = {"BATCHINFER_MODEL": str(model_dir), "BATCHINFER_TENANT_RATE_LIMIT_PER_S": "1e9",
            "BATCHINFER_LOG_LEVEL": "WARNING", "BATCHINFER_API_PROCESSES": str(api_processes)}
+    for setting in settings or []:
+        key, sep, value = setting.partition("=")
+        if not sep or not key.startswith("BATCHINFER_"):
+            raise SystemExit(f"--set takes BATCHINFER_NAME=VALUE, got {setting!r}")
+        env[key] = value
     up = start_up(root / name, free_port(), num_workers=num_workers,
                   log_path=root / f"{name}.log", extra_env=env)
     with httpx.Client(base_url=up.url, headers=up.headers, timeout=300) as client:
@@ -332,6 +337,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--api-seconds", type=float, default=10.0)
     parser.add_argument("--e2e-seconds", type=float, default=20.0)
+    parser.add_argument("--set", action="append", metavar="BATCHINFER_NAME=VALUE",
+                        help="a setting for the service under test (repeatable)")
     parser.add_argument("--api-processes", type=int, default=1,
                         help="API processes `up` serves the port with")
     parser.add_argument("--e2e-jobs", type=int, default=5000, help="for e2e-python")
@@ -384,7 +391,7 @@ def run_phases(args: argparse.Namespace, root: Path) -> None:
                                  ("idle", 1, lambda up: idle_phase(up, args.idle_seconds))):
         if name not in args.phases:
             continue
-        up = started(root, name, model_dir, workers, args.api_processes)
+        up = started(root, name, model_dir, workers, args.api_processes, args.set)
         try:
             phase(up)
         finally:

@@ -53,6 +53,7 @@ from storage.db import create_db_engine, session_factory
 from storage.models import Job
 from tests.utils.up_process import UpProcess, start_up
 from workers.engine import LLM, RequestOutput, SamplingParams
+from workers.engine.config import EngineConfig
 from workers.engine.registry import KNOWN_MODELS, pull_model
 
 logger = logging.getLogger(__name__)
@@ -115,10 +116,13 @@ def job_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dic
 
 def engine_options(settings: Settings) -> dict[str, Any]:
     """The options `workers.inference.runner.build_engine` gives the worker's engine."""
-    return {"models_dir": settings.models_dir, "dtype": settings.engine_dtype,
-            "device": settings.engine_device, "max_num_seqs": settings.engine_max_num_seqs,
-            "max_num_batched_tokens": settings.engine_max_num_batched_tokens,
-            "kv_cache_memory_bytes": settings.engine_kv_cache_memory_bytes}
+    options = {"models_dir": settings.models_dir, "dtype": settings.engine_dtype,
+               "device": settings.engine_device,
+               "max_num_batched_tokens": settings.engine_max_num_batched_tokens,
+               "kv_cache_memory_bytes": settings.engine_kv_cache_memory_bytes}
+    if settings.engine_max_num_seqs is not None:
+        options["max_num_seqs"] = settings.engine_max_num_seqs
+    return options
 
 
 class OfflineEngine:
@@ -455,7 +459,8 @@ def main() -> None:
     if model in KNOWN_MODELS:
         pull_model(model, settings.models_dir)
     print(f"model {model}; {args.num_prompts} chat jobs x {args.max_tokens} output tokens, "
-          f"greedy, ignore_eos; engine max_num_seqs {settings.engine_max_num_seqs}, "
+          f"greedy, ignore_eos; engine max_num_seqs "
+          f"{settings.engine_max_num_seqs or EngineConfig(model).max_num_seqs}, "
           f"max_num_batched_tokens {settings.engine_max_num_batched_tokens or 'device default'}; "
           f"{machine()}")
     rounds: list[tuple[Throughput, Throughput]] = []

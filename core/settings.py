@@ -69,12 +69,18 @@ class Settings(BaseSettings):
     embedding_models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     models_dir: Path = Path.home() / ".cache" / "batchinfer" / "models"
 
-    # Inference worker.
-    worker_max_inflight: int = Field(default=128, ge=1)
+    # Inference worker: jobs taken from Kafka and not yet finished, at most. None: twice
+    # the engine's max_num_seqs, so the places a finished step frees are refilled from jobs
+    # at hand while the next step runs. (A fixed 128 beside a 64-sequence batch held a
+    # worker of 1-token jobs to steps of ~55 jobs and a store, a claim and a broker poll per
+    # step: bench/RESULTS.md, 2026-11-27 eighth stop.)
+    worker_max_inflight: int | None = Field(default=None, ge=1)
     # The same for a worker of an embedding model: an encoder keeps nothing per job
     # between steps, and more jobs at hand sort into fuller batches.
     embedding_worker_max_inflight: int = Field(default=4096, ge=1)
-    engine_max_num_seqs: int = Field(default=64, ge=1)
+    # Sequences in the engine's running batch, at most. None: the engine's default, 256 as
+    # vLLM's (on the CPU a step is also bounded by its token budget and the KV pool).
+    engine_max_num_seqs: int | None = Field(default=None, ge=1)
     # None: the engine's default for its device (workers/engine/config.py).
     engine_max_num_batched_tokens: int | None = Field(default=None, ge=1)
     engine_kv_cache_memory_bytes: int | None = None
@@ -128,8 +134,8 @@ class Settings(BaseSettings):
     # partitions (a worker beyond them would idle), unless the minimum itself is higher.
     autoscale_min_workers: int = Field(default=1, ge=0)
     autoscale_max_workers: int = Field(default=3, ge=1)
-    # Weighted lag one worker is meant to absorb. The default equals worker_max_inflight's:
-    # below it every waiting job already fits in one worker's in-flight window.
+    # Weighted lag one worker is meant to absorb. Below the default every waiting job fits
+    # in a quarter of one worker's default in-flight window (2 x 256).
     autoscale_lag_threshold: int = Field(default=128, ge=1)
     # Scale-down waits until the lag has asked for fewer workers this long; scale-up does
     # not wait. Longer than a worker's start (model load), so a lull between bursts does

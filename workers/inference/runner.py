@@ -58,17 +58,17 @@ def build_engine(settings: Settings) -> LLMEngine:
                                  dtype=settings.engine_dtype,
                                  max_num_batched_tokens=settings.engine_max_num_batched_tokens)
         return EmbeddingEngine(runner)  # type: ignore[return-value]  # same duck surface
-    return LLMEngine(
-        EngineConfig(
-            model=settings.model,
-            models_dir=settings.models_dir,
-            dtype=settings.engine_dtype,
-            device=settings.engine_device,
-            max_num_seqs=settings.engine_max_num_seqs,
-            max_num_batched_tokens=settings.engine_max_num_batched_tokens,
-            kv_cache_memory_bytes=settings.engine_kv_cache_memory_bytes,
-        )
+    config = EngineConfig(
+        model=settings.model,
+        models_dir=settings.models_dir,
+        dtype=settings.engine_dtype,
+        device=settings.engine_device,
+        max_num_batched_tokens=settings.engine_max_num_batched_tokens,
+        kv_cache_memory_bytes=settings.engine_kv_cache_memory_bytes,
     )
+    if settings.engine_max_num_seqs is not None:
+        config.max_num_seqs = settings.engine_max_num_seqs
+    return LLMEngine(config)
 
 
 def announce_model(settings: Settings, redis_client: redis.Redis) -> ModelCard:

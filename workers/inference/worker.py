@@ -72,10 +72,13 @@ BUSY_WAIT_S = 0.005
 
 
 def max_inflight(settings: Settings, engine: object) -> int:
-    """Jobs one worker holds in its engine at once, by the kind of engine it runs."""
+    """Jobs one worker holds in its engine at once, by the kind of engine it runs: unless
+    set, twice a generating engine's running batch."""
     if isinstance(engine, EmbeddingEngine):
         return settings.embedding_worker_max_inflight
-    return settings.worker_max_inflight
+    if settings.worker_max_inflight is not None:
+        return settings.worker_max_inflight
+    return 2 * int(getattr(engine, "scheduler").max_num_seqs)  # noqa: B009  (an LLMEngine)
 
 
 # With the in-flight bound reached no record could start, so a worker whose engine is

@@ -3,7 +3,10 @@ loop waits on them on how many it holds."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from core.settings import Settings
+from workers.engine.config import EngineConfig
 from workers.engine.embedding_engine import EmbeddingEngine
 from workers.engine.embedding_runner import EmbeddingRunner
 from workers.inference.worker import (
@@ -22,7 +25,17 @@ def test_an_embedding_worker_holds_more_jobs_than_a_generating_one() -> None:
     encoder = EmbeddingEngine(EmbeddingRunner("all-minilm-l6-v2", device="cpu", streams=1))
     assert max_inflight(settings, encoder) == 512
     assert max_inflight(settings, object()) == 16
-    assert Settings().embedding_worker_max_inflight > Settings().worker_max_inflight
+    engine = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=EngineConfig("m").max_num_seqs))
+    assert Settings().embedding_worker_max_inflight > max_inflight(Settings(), engine)
+
+
+def test_a_generating_worker_holds_twice_its_engines_batch_unless_told() -> None:
+    """A finished step's places refill from jobs at hand while the next step runs."""
+    engine = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=40))
+    assert max_inflight(Settings(), engine) == 80
+    assert max_inflight(Settings(worker_max_inflight=50), engine) == 50
+    # The engine's own default, vLLM's, unless the settings name one.
+    assert Settings().engine_max_num_seqs is None and EngineConfig("m").max_num_seqs == 256
 
 
 def test_a_worker_waits_for_finished_jobs_longest_when_nothing_new_could_start() -> None:
