@@ -229,7 +229,8 @@ def service_run(model: str, texts: list[str], max_inflight: int | None = None,
     `model`, and the CPU seconds each of its processes spent meanwhile."""
     import httpx
 
-    from bench.service_throughput import cpu_seconds_by_pid, cpu_seconds_by_role, stop_service
+    from bench.role_cpu import cpu_seconds_by_pid, cpu_seconds_by_role
+    from bench.service_throughput import stop_service
     from scheduler.embedded_services import free_port
     from tests.utils.up_process import start_up
 

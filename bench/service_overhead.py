@@ -45,7 +45,8 @@ import httpx
 import psutil
 
 from bench.engine_throughput import machine
-from bench.service_throughput import cpu_seconds_by_pid, cpu_seconds_by_role, stop_service
+from bench.role_cpu import cpu_seconds_by_pid, cpu_seconds_by_role
+from bench.service_throughput import stop_service
 from bench.short_jobs import engine_jobs_per_second, job_body
 from scheduler.embedded_services import free_port
 from tests.unit.engine.tiny_models import save_tiny_llama

@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-import psutil
 from sqlalchemy import select
 
 from bench.engine_throughput import machine
+from bench.role_cpu import cpu_seconds_by_pid, cpu_seconds_by_role
 from core.settings import Settings, get_settings
 from scheduler.embedded_services import free_port
 from storage.db import create_db_engine, session_factory
@@ -69,9 +69,6 @@ ASKS = ["Explain how it works.", "Give one surprising fact.", "Describe its hist
 FORWARDED_ENV_PREFIXES = ("BATCHINFER_ENGINE_", "BATCHINFER_WORKER_", "BATCHINFER_LOG_LEVEL")
 WARMUP_JOBS = 2
 LONG_POLL_S = 30.0
-# Which role a process of the `batchinfer up` tree plays, by a piece of its command line.
-ROLES = {"workers.inference": "worker", "core.cli": "api+scheduler", "tansu": "broker",
-         "redis": "redis", "workers.callbacks": "callbacks", "-m api": "more api processes"}
 
 
 @dataclass(slots=True)
@@ -173,28 +170,6 @@ class OfflineEngine:
         """Stop the engine thread."""
         if self._pool is not None:
             self._pool.shutdown()
-
-
-def cpu_seconds_by_pid(up: UpProcess) -> dict[int, tuple[str, float]]:
-    """CPU seconds (user + system) so far of every process of the `up` tree, with its role."""
-    found: dict[int, tuple[str, float]] = {}
-    for proc in [psutil.Process(up.process.pid), *up.descendants()]:
-        try:
-            times, command = proc.cpu_times(), " ".join(proc.cmdline())
-        except psutil.NoSuchProcess:
-            continue
-        role = next((r for key, r in ROLES.items() if key in command), proc.name())
-        found[proc.pid] = (role, times.user + times.system)
-    return found
-
-
-def cpu_seconds_by_role(before: dict[int, tuple[str, float]],
-                        after: dict[int, tuple[str, float]]) -> dict[str, float]:
-    """CPU seconds each role spent between two snapshots."""
-    spent: dict[str, float] = {}
-    for pid, (role, seconds) in after.items():
-        spent[role] = spent.get(role, 0.0) + seconds - before.get(pid, (role, 0.0))[1]
-    return spent
 
 
 @dataclass(slots=True)
