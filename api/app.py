@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI
 
 from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
+from api.job_state import read_finished_views
 from api.metrics import HTTPMetricsMiddleware
 from api.resources import Resources
 from api.routes import (
@@ -54,7 +56,7 @@ def create_app(settings: Settings | None = None, *, serving: bool = False) -> Fa
         """Open the shared resources for the app's lifetime; close them at shutdown."""
         resources = Resources.open(app_settings)
         app.state.resources = resources
-        resources.done_hub.start()
+        resources.done_hub.start(read_views=partial(read_finished_views, resources))
         # Tokenizers for the context checks load now, not on the first request's time.
         model_contexts(app_settings.models_dir).warm_up(
             [m for m in app_settings.served_models if m not in app_settings.embedding_models])

@@ -5,6 +5,9 @@ database transaction (which on SQLite would also pin an old snapshot of the row)
 registers with the process's JobDoneHub (storage.job_done_hub) and costs no Redis round
 trip; while the hub is not listening it subscribes on its own.
 
+A wait woken by a worker's grouped announcement usually gets its job's view with the
+wake-up: the hub reads every announced job's view in one query (`read_finished_views`).
+
 A wait reads the job's view first, not its status: the view leaves the request out
 (`storage.jobs.JOB_VIEW`), so it costs about what the status alone does, and a job
 that finished before its long-poll arrived (the common case once the engine is fast) is
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import redis
 from sqlalchemy.orm import Session
@@ -28,7 +32,7 @@ from storage.events import (
     publish_job_done,
     wait_job_done,
 )
-from storage.jobs import cancel_job, job_view
+from storage.jobs import cancel_job, job_view, job_views
 from storage.models import Job, JobStatus
 from storage.webhook_events import enqueue_job_event
 
@@ -54,6 +58,18 @@ async def _read_view(resources: Resources, *, job_id: str, tenant_id: str) -> Jo
     return await run_in_threadpool(load_job, resources, job_id=job_id, tenant_id=tenant_id)
 
 
+async def read_finished_views(resources: Resources, job_ids: list[str]) -> dict[str, Any]:
+    """The views of announced jobs for the hub to hand their waiters, in one query; like
+    `_read_view`, on the event loop where the database is SQLite."""
+    def read() -> dict[str, Any]:
+        with resources.engine.connect() as connection:
+            return job_views(connection, job_ids)
+
+    if resources.engine.dialect.name == "sqlite":
+        return read()
+    return await run_in_threadpool(read)
+
+
 async def wait_for_job(
     resources: Resources, *, job_id: str, tenant_id: str, timeout: float
 ) -> JobPublic | None:
@@ -73,9 +89,11 @@ async def wait_for_job(
             heard = await asyncio.wait_for(woken, max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             heard = True  # the wait is over: read the job as it is
-        if not heard:  # the hub lost Redis meanwhile: poll for what is left of the wait
+        if heard is False:  # the hub lost Redis meanwhile: poll for what is left of the wait
             await poll_until_done(lambda: _is_done(resources, job_id, tenant_id),
                                   deadline - time.monotonic())
+        elif heard is not True and heard.tenant_id == tenant_id and heard.status.is_terminal:
+            return JobPublic.from_job(heard)  # the view read with the announcement
         return await _read_view(resources, job_id=job_id, tenant_id=tenant_id)
     finally:
         hub.unregister(job_id, woken)

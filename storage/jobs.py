@@ -148,11 +148,18 @@ def get_job(session: Session, *, job_id: str, tenant_id: str | None = None) -> J
 # once from the table's columns: a long-poll reads it at least once per job, and building
 # the statement (or labelling an ORM attribute) costs more than running it.
 _jobs = Job.__table__.c
-JOB_VIEW = select(
+_VIEW_COLUMNS = (
     _jobs.id, _jobs.status, _jobs.priority, _jobs.model, _jobs.created_at, _jobs.started_at,
     _jobs.finished_at, _jobs.result, _jobs.error, _jobs.prompt_tokens,
     _jobs.completion_tokens, _jobs.cached_tokens, _jobs.metadata.label("metadata_"),
-).where(_jobs.id == bindparam("job_id"), _jobs.tenant_id == bindparam("tenant_id"))
+)
+JOB_VIEW = select(*_VIEW_COLUMNS).where(
+    _jobs.id == bindparam("job_id"), _jobs.tenant_id == bindparam("tenant_id"))
+# Many jobs' views at once, each with its tenant for the reader to check.
+JOB_VIEWS = select(*_VIEW_COLUMNS, _jobs.tenant_id).where(
+    _jobs.id.in_(bindparam("job_ids", expanding=True)))
+# Ids per statement: far below every database's limit on bound parameters.
+MAX_VIEWS_PER_READ = 500
 
 
 def job_view(
@@ -165,6 +172,18 @@ def job_view(
     three times the query itself.
     """
     return connection.execute(JOB_VIEW, {"job_id": job_id, "tenant_id": tenant_id}).first()
+
+
+def job_views(connection: Connection, job_ids: list[str]) -> dict[str, Row[*tuple[Any, ...]]]:
+    """`JOB_VIEW` of each existing job among `job_ids`, with its `tenant_id`, by id: one
+    query per `MAX_VIEWS_PER_READ` ids, for a caller that answers many readers at once
+    (and checks each reader's tenant itself)."""
+    views: dict[str, Row[*tuple[Any, ...]]] = {}
+    for start in range(0, len(job_ids), MAX_VIEWS_PER_READ):
+        chunk = job_ids[start:start + MAX_VIEWS_PER_READ]
+        for row in connection.execute(JOB_VIEWS, {"job_ids": chunk}):
+            views[row.id] = row
+    return views
 
 
 def list_jobs(

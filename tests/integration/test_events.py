@@ -25,7 +25,7 @@ from storage.events import (
     subscribe_job_done,
     wait_job_done,
 )
-from storage.job_done_hub import JobDoneHub
+from storage.job_done_hub import JobDoneHub, ViewReader
 from storage.models import JobStatus
 
 
@@ -197,11 +197,12 @@ def test_workers_hear_every_cancel(client: redis.Redis, redis_url: str, prefix: 
 
 
 @asynccontextmanager
-async def running_hub(redis_url: str, prefix: str) -> AsyncIterator[JobDoneHub]:
+async def running_hub(redis_url: str, prefix: str,
+                      read_views: ViewReader | None = None) -> AsyncIterator[JobDoneHub]:
     """A started hub on its own client, listening; closed afterwards."""
     aredis = aioredis.Redis.from_url(redis_url)
     hub = JobDoneHub(aredis, prefix=prefix)
-    hub.start()
+    hub.start(read_views)
     try:
         await listening(hub)
         yield hub
@@ -292,3 +293,45 @@ def test_a_lone_wait_hears_a_grouped_announcement_of_its_job_only(
 
     heard, seconds = asyncio.run(scenario())
     assert heard and 0.5 < seconds < 3
+
+
+def test_an_announcement_wakes_its_waiters_with_views_read_in_one_call(
+    redis_url: str, client: redis.Redis, prefix: str
+) -> None:
+    """With a view reader, one grouped announcement costs one read of the jobs that have
+    waiters (not of the others), and each waiter hears its job's view; a job the read
+    missed wakes with True, as does every waiter when the read fails, and the hub goes on
+    listening; a lone job's announcement wakes with True, unread."""
+    reads: list[list[str]] = []
+    failing = False
+
+    async def read_views(job_ids: list[str]) -> dict[str, str]:
+        reads.append(job_ids)
+        if failing:
+            raise OSError("database unreachable")
+        return {job_id: f"view of {job_id}" for job_id in job_ids if job_id != "job_gone"}
+
+    async def scenario() -> None:
+        nonlocal failing
+        async with running_hub(redis_url, prefix, read_views) as hub:
+            a, b, gone = hub.register("job_a"), hub.register("job_b"), hub.register("job_gone")
+            await asyncio.to_thread(publish_jobs_done, client, prefix=prefix, statuses={
+                "job_a": JobStatus.SUCCEEDED, "job_x": JobStatus.SUCCEEDED,
+                "job_b": JobStatus.FAILED, "job_gone": JobStatus.SUCCEEDED})
+            assert await asyncio.wait_for(a, 5) == "view of job_a"
+            assert await asyncio.wait_for(b, 5) == "view of job_b"
+            assert await asyncio.wait_for(gone, 5) is True
+            assert reads == [["job_a", "job_b", "job_gone"]]
+            failing = True
+            c = hub.register("job_c")
+            await asyncio.to_thread(publish_jobs_done, client, prefix=prefix,
+                                    statuses={"job_c": JobStatus.SUCCEEDED})
+            assert await asyncio.wait_for(c, 5) is True
+            assert hub.is_listening
+            d = hub.register("job_d")
+            await asyncio.to_thread(publish_job_done, client, prefix=prefix, job_id="job_d",
+                                    status=JobStatus.SUCCEEDED)
+            assert await asyncio.wait_for(d, 5) is True
+            assert len(reads) == 2
+
+    asyncio.run(scenario())

@@ -12,9 +12,10 @@ from fastapi.testclient import TestClient
 from pydantic import TypeAdapter
 from sqlalchemy.orm import Session, sessionmaker
 
+import api.job_state
 from api.schemas import JobPublic
 from core.settings import Settings
-from storage.events import publish_job_done
+from storage.events import publish_job_done, publish_jobs_done
 from storage.jobs import complete_job
 from storage.models import Job, JobStatus
 from tests.unit.api.conftest import MODEL, ClientFactory
@@ -212,6 +213,54 @@ def test_long_poll_returns_when_the_completion_event_arrives(
     thread.join()
     assert response.json()["status"] == "succeeded"
     assert 0.4 < elapsed < 3.0
+
+
+def test_a_grouped_announcement_answers_its_long_polls_from_one_read(
+    make_client: ClientFactory, acme: TenantKey, sessions: sessionmaker[Session],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker's write announced as one message: the hub reads the waiting jobs' views in
+    one query and each long-poll answers with its view, without a read of its own after
+    the wake-up (one read per job in all: the one before waiting)."""
+    client = make_client()
+    settings: Settings = client.app.state.resources.settings  # type: ignore[attr-defined]
+    job_ids = [client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+               for _ in range(3)]
+    single_reads: list[str] = []
+    grouped_reads: list[list[str]] = []
+    load_job, job_views = api.job_state.load_job, api.job_state.job_views
+
+    def counted_load(*args: Any, **kwargs: Any) -> Any:
+        single_reads.append(kwargs["job_id"])
+        return load_job(*args, **kwargs)
+
+    def counted_views(connection: Any, ids: list[str]) -> Any:
+        grouped_reads.append(sorted(ids))
+        return job_views(connection, ids)
+
+    monkeypatch.setattr("api.job_state.load_job", counted_load)
+    monkeypatch.setattr("api.job_state.job_views", counted_views)
+    answers: dict[str, dict[str, Any]] = {}
+
+    def long_poll(job_id: str) -> None:
+        answers[job_id] = client.get(f"/v1/jobs/{job_id}?wait=20", headers=acme.headers).json()
+
+    polls = [threading.Thread(target=long_poll, args=(job_id,)) for job_id in job_ids]
+    for poll in polls:
+        poll.start()
+    time.sleep(0.5)
+    for job_id in job_ids:
+        finish(sessions, job_id)
+    publisher = redis.Redis.from_url(settings.redis_url)
+    publish_jobs_done(publisher, prefix=settings.topic_prefix,
+                      statuses=dict.fromkeys(job_ids, JobStatus.SUCCEEDED))
+    publisher.close()
+    for poll in polls:
+        poll.join(10)
+    assert {job_id: (a["status"], a["result"]) for job_id, a in answers.items()} == (
+        dict.fromkeys(job_ids, ("succeeded", CHAT_RESULT)))
+    assert sorted(single_reads) == sorted(job_ids)
+    assert grouped_reads == [sorted(job_ids)]
 
 
 def test_on_sqlite_a_long_poll_reads_the_job_on_the_event_loop(

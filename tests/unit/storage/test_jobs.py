@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
+import storage.jobs
 from core.topics import Priority
 from storage.jobs import (
     IdempotencyKeyTaken,
@@ -19,6 +20,7 @@ from storage.jobs import (
     find_by_idempotency_key,
     get_job,
     job_view,
+    job_views,
     list_jobs,
     mark_published,
     mark_running,
@@ -272,3 +274,24 @@ def test_job_view_reads_the_tenants_job_only_and_leaves_its_request_out(
     assert (row.status, row.result, row.prompt_tokens, row.completion_tokens,
             row.cached_tokens) == (JobStatus.SUCCEEDED, {"id": "r", "choices": []}, 3, 1, 2)
     assert row.finished_at is not None and row.finished_at.tzinfo is not None
+
+
+def test_job_views_reads_many_jobs_in_chunks_with_their_tenants(
+    session: Session, tenant: Tenant, other_tenant: Tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hub's read for an announcement: every existing job's view by id, with the tenant
+    each reader must match; missing ids are left out, and ids past a chunk's size are read
+    by further queries, not dropped."""
+    monkeypatch.setattr(storage.jobs, "MAX_VIEWS_PER_READ", 2)
+    mine = [new_job(session, tenant, metadata={"n": str(i)}) for i in range(3)]
+    theirs = new_job(session, other_tenant)
+    session.commit()
+    ids = [job.id for job in mine] + [theirs.id, "job_missing"]
+    views = job_views(session.connection(), ids)
+    assert set(views) == set(ids) - {"job_missing"}
+    assert [views[job.id].metadata_ for job in mine] == [{"n": "0"}, {"n": "1"}, {"n": "2"}]
+    assert {views[job.id].tenant_id for job in mine} == {tenant.id}
+    assert views[theirs.id].tenant_id == other_tenant.id
+    assert all(v.status is JobStatus.QUEUED and "request" not in v._fields
+               for v in views.values())
+    assert job_views(session.connection(), []) == {}
