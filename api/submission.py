@@ -92,8 +92,10 @@ async def submit(
         await run_in_threadpool(check, request, resources)
     else:
         check(request, resources)
-    digest = request_hash(request)
+    # The hash only ever answers a replay of the same Idempotency-Key: none without one.
+    digest = request_hash(request) if idempotency_key is not None else None
     if idempotency_key is not None:
+        assert digest is not None
         earlier = await run_in_threadpool(_find_earlier, resources, tenant, idempotency_key)
         if earlier is not None:
             return _replay(earlier, digest, idempotency_key)
@@ -116,7 +118,7 @@ async def submit(
                                WRITE_TIMEOUT_S)
     except IdempotencyKeyTaken:
         # A concurrent request with the same key committed first: answer as its replay.
-        assert idempotency_key is not None
+        assert idempotency_key is not None and digest is not None
         earlier = await run_in_threadpool(_find_earlier, resources, tenant, idempotency_key)
         assert earlier is not None, "the key's unique index held, so its row exists"
         return _replay(earlier, digest, idempotency_key)

@@ -83,6 +83,12 @@ def test_idempotency_key_replays_and_conflicts(
     assert conflict.json()["error"]["code"] == "idempotency_key_reused"
     assert count_jobs(sessions) == 1
     assert len(producer.records) == 1
+    keyless = client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+    with sessions() as session:
+        hashes = {job_id: session.get(Job, job_id).request_hash  # type: ignore[union-attr]
+                  for job_id in (first.json()["id"], keyless)}
+    # Only a keyed job's body is hashed: nothing else ever compares it.
+    assert len(hashes[first.json()["id"]] or "") == 64 and hashes[keyless] is None
 
 
 def test_idempotency_keys_are_per_tenant(
