@@ -21,8 +21,8 @@ Views with the wake-up. A worker announces a whole write's finished jobs in one 
 each waiter woken by it would then read its own job: one query per job, the most frequent
 statement of a busy API. Given `read_views`, the hub reads the views of the announced jobs
 that have waiters in one query and wakes each waiter with its job's view instead of True.
-A waiter checks the view's tenant and status as its own read would; where the read fails
-or misses a job, that waiter hears True and reads for itself.
+A waiter checks the view's tenant and status as its own read would; where the read fails,
+takes over VIEW_READ_TIMEOUT_S or misses a job, that waiter hears True and reads for itself.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ RESUBSCRIBE_BACKOFF_MAX_S = 5.0
 
 # The views of finished jobs by id (those it finds), for waiters woken by an announcement.
 ViewReader = Callable[[list[str]], Awaitable[Mapping[str, Any]]]
+# Seconds the hub waits for such a read: announcements arriving meanwhile wait behind it,
+# so a stalled database must not hold up every long-poll's wake-up for longer.
+VIEW_READ_TIMEOUT_S = 1.0
 
 
 class JobDoneHub:
@@ -153,7 +156,7 @@ class JobDoneHub:
         views: Mapping[str, Any] = {}
         if self._read_views is not None:
             try:
-                views = await self._read_views(waited)
+                views = await asyncio.wait_for(self._read_views(waited), VIEW_READ_TIMEOUT_S)
             except Exception as e:  # the database: each waiter reads for itself
                 logger.warning("reading %d finished job(s) for their long-polls failed (%r); "
                                "each reads its own", len(waited), e)

@@ -301,18 +301,21 @@ def test_an_announcement_wakes_its_waiters_with_views_read_in_one_call(
     """With a view reader, one grouped announcement costs one read of the jobs that have
     waiters (not of the others), and each waiter hears its job's view; a job the read
     missed wakes with True, as does every waiter when the read fails, and the hub goes on
-    listening; a lone job's announcement wakes with True, unread."""
+    listening, and when the read stalls; a lone job's announcement wakes with True,
+    unread."""
     reads: list[list[str]] = []
-    failing = False
+    failing = stalling = False
 
     async def read_views(job_ids: list[str]) -> dict[str, str]:
         reads.append(job_ids)
         if failing:
             raise OSError("database unreachable")
+        if stalling:
+            await asyncio.sleep(60)
         return {job_id: f"view of {job_id}" for job_id in job_ids if job_id != "job_gone"}
 
     async def scenario() -> None:
-        nonlocal failing
+        nonlocal failing, stalling
         async with running_hub(redis_url, prefix, read_views) as hub:
             a, b, gone = hub.register("job_a"), hub.register("job_b"), hub.register("job_gone")
             await asyncio.to_thread(publish_jobs_done, client, prefix=prefix, statuses={
@@ -333,5 +336,12 @@ def test_an_announcement_wakes_its_waiters_with_views_read_in_one_call(
                                     status=JobStatus.SUCCEEDED)
             assert await asyncio.wait_for(d, 5) is True
             assert len(reads) == 2
+            failing, stalling = False, True  # a stalled read holds the wake-up 1 s at most
+            e = hub.register("job_e")
+            started = time.monotonic()
+            await asyncio.to_thread(publish_jobs_done, client, prefix=prefix,
+                                    statuses={"job_e": JobStatus.SUCCEEDED})
+            assert await asyncio.wait_for(e, 5) is True
+            assert 0.9 < time.monotonic() - started < 3 and len(reads) == 3
 
     asyncio.run(scenario())
