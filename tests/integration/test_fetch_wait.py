@@ -17,7 +17,12 @@ from kafka import KafkaConsumer, TopicPartition
 from core.kafka import make_consumer
 from core.settings import Settings
 from tests.utils.kafka_topics import create_topic
-from workers.inference.fetch_wait import BUSY_FETCH_MAX_WAIT_MS, FetchWait
+from workers.inference.fetch_wait import (
+    BUSY_FETCH_MAX_WAIT_MS,
+    LONG_FETCH_MAX_WAIT_MS,
+    LONG_WAIT_WORK_FACTOR,
+    FetchWait,
+)
 
 
 @pytest.fixture
@@ -35,13 +40,13 @@ def _consumer(s: Settings, tp: TopicPartition) -> KafkaConsumer:
 
 
 def _fetch_latency_ms(consumer: KafkaConsumer, seconds: float,
-                      wait: FetchWait | None = None) -> float:
+                      wait: FetchWait | None = None, **on_poll: object) -> float:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         batches = consumer.poll(timeout_ms=100)
         assert not batches
         if wait is not None:
-            wait.on_poll(batches)
+            wait.on_poll(batches, **on_poll)  # type: ignore[arg-type]
     (latency,) = (value for name, value in consumer.metrics()[
         "consumer-fetch-manager-metrics"].items() if name == "fetch-latency-avg")
     return float(latency)
@@ -82,6 +87,43 @@ def test_the_wait_is_the_configured_one_for_a_full_worker_and_a_quiet_second_aft
         wait.on_poll({}, now=11.0)
         assert wait.current_ms == 100
         # What kafka-python puts in its next fetch request.
+        assert consumer._fetcher.config["fetch_max_wait_ms"] == 100
+    finally:
+        consumer.close()
+
+
+def test_a_full_worker_holding_seconds_of_work_fetches_twice_a_second(empty_partition) -> None:
+    s, tp = empty_partition
+    consumer = _consumer(s, tp)
+    try:
+        wait = FetchWait(consumer)
+        long_work_s = LONG_WAIT_WORK_FACTOR * LONG_FETCH_MAX_WAIT_MS / 1000
+        wait.on_poll({}, is_hungry=False, seconds_of_work=long_work_s)
+        assert wait.current_ms == LONG_FETCH_MAX_WAIT_MS  # before the first fetch goes out
+        latency_ms = _fetch_latency_ms(consumer, 2.5, wait, is_hungry=False,
+                                       seconds_of_work=long_work_s)
+    finally:
+        consumer.close()
+    assert latency_ms > 0.8 * LONG_FETCH_MAX_WAIT_MS, latency_ms
+
+
+def test_the_long_wait_needs_work_for_four_times_its_length(empty_partition) -> None:
+    s, tp = empty_partition
+    consumer = _consumer(s, tp)
+    try:
+        wait = FetchWait(consumer)
+        enough_s = LONG_WAIT_WORK_FACTOR * LONG_FETCH_MAX_WAIT_MS / 1000
+        wait.on_poll({}, is_hungry=False, seconds_of_work=0.99 * enough_s, now=5.0)
+        assert wait.current_ms == 100
+        wait.on_poll({}, is_hungry=False, seconds_of_work=float("inf"), now=5.1)
+        assert wait.current_ms == LONG_FETCH_MAX_WAIT_MS
+        # With room and records flowing too: a record sooner would wait behind that work.
+        wait.on_poll({tp: ["a record"]}, seconds_of_work=float("inf"), now=5.2)
+        assert wait.current_ms == LONG_FETCH_MAX_WAIT_MS
+        wait.on_poll({}, seconds_of_work=1.0, now=5.3)
+        assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
+        wait.on_poll({}, seconds_of_work=1.0, now=7.0)
+        assert wait.current_ms == 100
         assert consumer._fetcher.config["fetch_max_wait_ms"] == 100
     finally:
         consumer.close()

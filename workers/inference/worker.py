@@ -40,7 +40,7 @@ from storage.events import CancelSubscription
 from workers.engine import RequestOutput
 from workers.engine.embedding_engine import EmbeddingEngine
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
-from workers.inference.fetch_wait import FetchWait
+from workers.inference.fetch_wait import FetchWait, WorkPace
 from workers.inference.job_starter import Candidate, InFlightJob, JobStarter
 from workers.inference.job_store import JobStore
 from workers.inference.offsets import OffsetTracker
@@ -146,6 +146,7 @@ class Worker:
         self._listener = RebalanceListener(consumer, self._tracker, self._lock, self._pauser)
         self._watchdog = StallWatchdog(consumer, stall_after_s=settings.worker_stall_after_s)
         self._fetch_wait = FetchWait(consumer)
+        self._pace = WorkPace()
         self._starter = JobStarter(settings, store=store, outcomes=self._outcomes,
                                    engine=engine_loop, worker_id=worker_id, ack=self._ack)
 
@@ -188,8 +189,11 @@ class Worker:
                         self._tracker.track(tp, record.offset)
                         self._prefetch.add(tp, record)
             self._start_prefetched()
-            self._fetch_wait.on_poll(batches, is_hungry=not len(self._prefetch)
-                                     and len(self._inflight) < self._max_inflight)
+            self._fetch_wait.on_poll(
+                batches, is_hungry=not len(self._prefetch)
+                and len(self._inflight) < self._max_inflight,
+                seconds_of_work=self._pace.seconds_of_work(
+                    len(self._prefetch) + len(self._inflight)))
             metrics.WORKER_INFLIGHT.set(len(self._inflight))
         self._drain()
 
@@ -212,7 +216,9 @@ class Worker:
             raise RuntimeError("the engine thread failed; stopping") from self._engine.failure
 
     def _housekeeping(self, finished_wait_s: float = 0.0) -> None:
-        self._handle_finished(self._engine.take_finished(finished_wait_s))
+        finished = self._engine.take_finished(finished_wait_s)
+        self._handle_finished(finished)
+        self._pace.on_loop(num_finished=len(finished), num_inflight=len(self._inflight))
         self._handle_cancels()
         self._on_new_assignment()
         self._commit()
