@@ -20,6 +20,8 @@ from typing import Any
 # `batchinfer up` keeps its development tenant's key here, under the data directory.
 DEV_KEY_FILE = "dev-api-key"
 TERMINAL_STATUSES = ("completed", "failed", "expired", "cancelled")
+# Seconds between two looks at a running batch.
+POLL_INTERVAL_S = 1.0
 
 
 def add_batch_parser(sub: Any) -> None:
@@ -38,7 +40,7 @@ def add_batch_parser(sub: Any) -> None:
                      help="queue priority of the batch's jobs (default low)")
     run.add_argument("--model", default=None, help="run every request on this model")
     run.add_argument("--completion-window", default="24h")
-    run.add_argument("--poll-interval", type=float, default=1.0, help="seconds")
+    run.add_argument("--poll-interval", type=float, default=POLL_INTERVAL_S, help="seconds")
     run.set_defaults(func=cmd_run)
 
     list_ = actions.add_parser("list", help="recent batches")
