@@ -139,7 +139,8 @@ def make_consumer(
         # the wait left; neither answers early for a partition the fetch in flight left out
         # (one still holding fetched records, or paused). So this bounds a record's wait:
         # at 500 ms, 32 jobs in flight through one worker completed 120 a second, not ~380.
-        # A worker shortens it while records flow (workers.inference.fetch_wait).
+        # A worker shortens it while records flow, and lengthens it while it holds seconds
+        # of work (workers.inference.fetch_wait).
         "fetch_max_wait_ms": 100,
         # Bounds every round trip (offset commits, close, committed offsets) so a worker
         # facing a dead broker stops in seconds; kafka-python's 30 s default made one
