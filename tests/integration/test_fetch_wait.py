@@ -39,6 +39,18 @@ def _consumer(s: Settings, tp: TopicPartition) -> KafkaConsumer:
     return consumer
 
 
+@pytest.fixture
+def consumer(empty_partition) -> Iterator[KafkaConsumer]:
+    """A consumer assigned the empty partition (its only one)."""
+    consumer = _consumer(*empty_partition)
+    yield consumer
+    consumer.close()
+
+
+# Work at hand that lasts just long enough for the long wait.
+LONG_WORK_S = LONG_WAIT_WORK_FACTOR * LONG_FETCH_MAX_WAIT_MS / 1000
+
+
 def _fetch_latency_ms(consumer: KafkaConsumer, seconds: float,
                       wait: FetchWait | None = None, **on_poll: object) -> float:
     deadline = time.monotonic() + seconds
@@ -70,60 +82,45 @@ def test_a_worker_that_fetched_records_lately_waits_briefly_on_an_empty_partitio
 
 
 def test_the_wait_is_the_configured_one_for_a_full_worker_and_a_quiet_second_after_records(
-        empty_partition) -> None:
-    s, tp = empty_partition
-    consumer = _consumer(s, tp)
-    try:
-        wait = FetchWait(consumer)
-        assert wait.current_ms == 100  # nothing fetched yet
-        wait.on_poll({tp: ["a record"]}, now=10.0)
-        wait.on_poll({}, now=10.9)
-        assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
-        # A full worker (or one with records waiting to start) needs none sooner.
-        wait.on_poll({}, is_hungry=False, now=10.95)
-        assert wait.current_ms == 100
-        wait.on_poll({}, now=10.96)
-        assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
-        wait.on_poll({}, now=11.0)
-        assert wait.current_ms == 100
-        # What kafka-python puts in its next fetch request.
-        assert consumer._fetcher.config["fetch_max_wait_ms"] == 100
-    finally:
-        consumer.close()
+        consumer) -> None:
+    (tp,) = consumer.assignment()
+    wait = FetchWait(consumer)
+    assert wait.current_ms == 100  # nothing fetched yet
+    wait.on_poll({tp: ["a record"]}, now=10.0)
+    wait.on_poll({}, now=10.9)
+    assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
+    # A full worker (or one with records waiting to start) needs none sooner.
+    wait.on_poll({}, is_hungry=False, now=10.95)
+    assert wait.current_ms == 100
+    wait.on_poll({}, now=10.96)
+    assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
+    wait.on_poll({}, now=11.0)
+    assert wait.current_ms == 100
+    # What kafka-python puts in its next fetch request.
+    assert consumer._fetcher.config["fetch_max_wait_ms"] == 100
 
 
-def test_a_full_worker_holding_seconds_of_work_fetches_twice_a_second(empty_partition) -> None:
-    s, tp = empty_partition
-    consumer = _consumer(s, tp)
-    try:
-        wait = FetchWait(consumer)
-        long_work_s = LONG_WAIT_WORK_FACTOR * LONG_FETCH_MAX_WAIT_MS / 1000
-        wait.on_poll({}, is_hungry=False, seconds_of_work=long_work_s)
-        assert wait.current_ms == LONG_FETCH_MAX_WAIT_MS  # before the first fetch goes out
-        latency_ms = _fetch_latency_ms(consumer, 2.5, wait, is_hungry=False,
-                                       seconds_of_work=long_work_s)
-    finally:
-        consumer.close()
+def test_a_full_worker_holding_seconds_of_work_fetches_twice_a_second(consumer) -> None:
+    wait = FetchWait(consumer)
+    wait.on_poll({}, is_hungry=False, seconds_of_work=LONG_WORK_S)
+    assert wait.current_ms == LONG_FETCH_MAX_WAIT_MS  # before the first fetch goes out
+    latency_ms = _fetch_latency_ms(consumer, 2.5, wait, is_hungry=False,
+                                   seconds_of_work=LONG_WORK_S)
     assert latency_ms > 0.8 * LONG_FETCH_MAX_WAIT_MS, latency_ms
 
 
-def test_the_long_wait_needs_work_for_four_times_its_length(empty_partition) -> None:
-    s, tp = empty_partition
-    consumer = _consumer(s, tp)
-    try:
-        wait = FetchWait(consumer)
-        enough_s = LONG_WAIT_WORK_FACTOR * LONG_FETCH_MAX_WAIT_MS / 1000
-        wait.on_poll({}, is_hungry=False, seconds_of_work=0.99 * enough_s, now=5.0)
-        assert wait.current_ms == 100
-        wait.on_poll({}, is_hungry=False, seconds_of_work=float("inf"), now=5.1)
-        assert wait.current_ms == LONG_FETCH_MAX_WAIT_MS
-        # With room and records flowing too: a record sooner would wait behind that work.
-        wait.on_poll({tp: ["a record"]}, seconds_of_work=float("inf"), now=5.2)
-        assert wait.current_ms == LONG_FETCH_MAX_WAIT_MS
-        wait.on_poll({}, seconds_of_work=1.0, now=5.3)
-        assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
-        wait.on_poll({}, seconds_of_work=1.0, now=7.0)
-        assert wait.current_ms == 100
-        assert consumer._fetcher.config["fetch_max_wait_ms"] == 100
-    finally:
-        consumer.close()
+def test_the_long_wait_needs_work_for_four_times_its_length(consumer) -> None:
+    (tp,) = consumer.assignment()
+    wait = FetchWait(consumer)
+    wait.on_poll({}, is_hungry=False, seconds_of_work=0.99 * LONG_WORK_S, now=5.0)
+    assert wait.current_ms == 100
+    wait.on_poll({}, is_hungry=False, seconds_of_work=float("inf"), now=5.1)
+    assert wait.current_ms == LONG_FETCH_MAX_WAIT_MS
+    # With room and records flowing too: a record sooner would wait behind that work.
+    wait.on_poll({tp: ["a record"]}, seconds_of_work=float("inf"), now=5.2)
+    assert wait.current_ms == LONG_FETCH_MAX_WAIT_MS
+    wait.on_poll({}, seconds_of_work=1.0, now=5.3)
+    assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
+    wait.on_poll({}, seconds_of_work=1.0, now=7.0)
+    assert wait.current_ms == 100
+    assert consumer._fetcher.config["fetch_max_wait_ms"] == 100

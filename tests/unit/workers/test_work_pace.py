@@ -7,10 +7,16 @@ import math
 from workers.inference.fetch_wait import WorkPace
 
 
-def test_the_pace_counts_only_after_a_whole_window_of_being_busy() -> None:
+def _pace_after(*loops: tuple[float, int, int]) -> WorkPace:
+    """A 2-second WorkPace fed worker loops given as (when, jobs finished, jobs in flight)."""
     pace = WorkPace(window_s=2.0)
-    pace.on_loop(num_finished=0, num_inflight=100, now=10.0)
-    pace.on_loop(num_finished=50, num_inflight=100, now=11.0)
+    for now, num_finished, num_inflight in loops:
+        pace.on_loop(num_finished=num_finished, num_inflight=num_inflight, now=now)
+    return pace
+
+
+def test_the_pace_counts_only_after_a_whole_window_of_being_busy() -> None:
+    pace = _pace_after((10.0, 0, 100), (11.0, 50, 100))
     # One second of 50 finished would read as 25 a second over the window: too slow.
     assert pace.seconds_of_work(200, now=11.9) == 0.0
     pace.on_loop(num_finished=50, num_inflight=100, now=12.0)
@@ -19,10 +25,7 @@ def test_the_pace_counts_only_after_a_whole_window_of_being_busy() -> None:
 
 
 def test_finishes_older_than_the_window_stop_counting() -> None:
-    pace = WorkPace(window_s=2.0)
-    pace.on_loop(num_finished=0, num_inflight=10, now=0.0)
-    pace.on_loop(num_finished=90, num_inflight=10, now=1.0)
-    pace.on_loop(num_finished=10, num_inflight=10, now=2.5)
+    pace = _pace_after((0.0, 0, 10), (1.0, 90, 10), (2.5, 10, 10))
     assert pace.seconds_of_work(10, now=2.5) == 0.2
     pace.on_loop(num_finished=0, num_inflight=10, now=3.2)  # the 90 are out of the window
     assert math.isclose(pace.seconds_of_work(10, now=3.2), 2.0)
@@ -32,10 +35,7 @@ def test_finishes_older_than_the_window_stop_counting() -> None:
 
 
 def test_an_idle_moment_starts_the_busy_window_again() -> None:
-    pace = WorkPace(window_s=2.0)
-    pace.on_loop(num_finished=0, num_inflight=5, now=0.0)
-    pace.on_loop(num_finished=5, num_inflight=0, now=3.0)
-    pace.on_loop(num_finished=0, num_inflight=5, now=3.1)
+    pace = _pace_after((0.0, 0, 5), (3.0, 5, 0), (3.1, 0, 5))
     assert pace.seconds_of_work(5, now=4.0) == 0.0
     pace.on_loop(num_finished=2, num_inflight=5, now=4.5)
     # Busy for a whole window again; the 5 finished at 3.0 are out of it by 5.2.
