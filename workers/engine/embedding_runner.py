@@ -31,6 +31,7 @@ from transformers import AutoModel, AutoTokenizer
 from workers.engine.config import DEFAULT_MODELS_DIR
 from workers.engine.embedding_pooling import PoolingConfig, pool, read_pooling_config
 from workers.engine.registry import resolve_model
+from workers.engine.tokenizing import texts_encoder_of
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class EmbeddingRunner:
         self.dtype = _pick_dtype(dtype, self.device)
         self.pooling: PoolingConfig = read_pooling_config(self.model_dir)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        self._encode_texts = texts_encoder_of(self.tokenizer)
         self.model: Any = AutoModel.from_pretrained(
             self.model_dir, local_files_only=True, dtype=self.dtype).to(self.device).eval()
         positions = int(getattr(self.model.config, "max_position_embeddings", 512))
@@ -129,8 +131,8 @@ class EmbeddingRunner:
         texts = [(i, x) for i, x in enumerate(inputs) if isinstance(x, str)]
         encoded: dict[int, list[int]] = {}
         if texts:
-            ids = self.tokenizer([t for _, t in texts], add_special_tokens=False)["input_ids"]
-            encoded.update((i, list(row)) for (i, _), row in zip(texts, ids, strict=True))
+            ids = self._encode_texts([t for _, t in texts])
+            encoded.update((i, row) for (i, _), row in zip(texts, ids, strict=True))
         results = []
         limit = self.max_model_len - self._num_special
         for i, item in enumerate(inputs):

@@ -19,6 +19,8 @@ from typing import Any
 
 # ids, skip_special_tokens -> text
 Decode = Callable[[list[int], bool], str]
+# texts -> the ids of each, without special tokens
+EncodeTexts = Callable[[list[str]], list[list[int]]]
 
 
 def encode_ids(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -30,6 +32,32 @@ def encode_ids(tokenizer: Any, text: str, *, add_special_tokens: bool = True) ->
         ids: list[int] = backend.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
     return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+
+def texts_encoder_of(tokenizer: Any) -> EncodeTexts:
+    """A function equal to `tokenizer(texts, add_special_tokens=False).input_ids`.
+
+    The call turns its backend's truncation and padding off before it encodes (a saved
+    tokenizer.json may carry both: all-MiniLM's truncates at 128 and pads to it), so the
+    shortcut encodes with its own copy of the backend with both off, which nothing set on
+    the tokenizer's shared backend reaches. One text goes through `encode`, as
+    `encode_batch` may hand even one to a thread pool.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        def encode_slow(texts: list[str]) -> list[list[int]]:
+            return [list(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+        return encode_slow
+    own = type(backend).from_str(backend.to_str())
+    own.no_truncation()
+    own.no_padding()
+
+    def encode_fast(texts: list[str]) -> list[list[int]]:
+        own.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
+        if len(texts) == 1:
+            return [own.encode(texts[0], add_special_tokens=False).ids]
+        return [e.ids for e in own.encode_batch(texts, add_special_tokens=False)]
+    return encode_fast
 
 
 def decoder_of(tokenizer: Any) -> Decode:

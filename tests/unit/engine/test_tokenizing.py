@@ -10,7 +10,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from tests.unit.engine.tiny_models import byte_level_tokenizer, metaspace_tokenizer
-from workers.engine.tokenizing import decoder_of, encode_ids
+from workers.engine.tokenizing import decoder_of, encode_ids, texts_encoder_of
 
 TEXTS = [
     "", "hello world", "  leading and trailing  ", "<s> a </s> b</s>", "<pad><unk>x",
@@ -52,6 +52,28 @@ def test_encode_steps_aside_when_the_backend_carries_options_the_call_resets() -
     tokenizer.split_special_tokens = True  # the call would set this on the backend
     split = encode_ids(tokenizer, "a </s> b")
     assert split == tokenizer("a </s> b").input_ids
+    assert split != plain
+
+
+@pytest.mark.parametrize("make", TOKENIZERS, ids=["byte-level", "metaspace"])
+def test_texts_encode_as_the_call_encodes_whatever_the_shared_backend_carries(
+    make: Callable[[], PreTrainedTokenizerFast]
+) -> None:
+    """One text and many; truncation and padding left on the shared backend (as a saved
+    tokenizer.json carries them) reach neither the call nor the shortcut; special tokens
+    split when the tokenizer says so."""
+    tokenizer = make()
+    encode = texts_encoder_of(tokenizer)
+    tokenizer.backend_tokenizer.enable_truncation(max_length=3)
+    tokenizer.backend_tokenizer.enable_padding(length=40)
+    for texts in ([TEXTS[7]], TEXTS, [*TEXTS, *TEXTS[::-1]]):
+        expected = tokenizer(texts, add_special_tokens=False).input_ids
+        assert encode(texts) == expected
+        assert any(len(ids) > 40 for ids in expected), "long enough to show truncation"
+    plain = encode(["a </s> b"])
+    tokenizer.split_special_tokens = True
+    split = encode(["a </s> b"])
+    assert split == tokenizer(["a </s> b"], add_special_tokens=False).input_ids
     assert split != plain
 
 
