@@ -8,7 +8,14 @@ import time
 from kafka import KafkaAdminClient, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
-from core.kafka import consumer_lag, ensure_topics, make_consumer, make_producer, publish_job
+from core.kafka import (
+    consumer_lag,
+    ensure_topics,
+    fetch_position,
+    make_consumer,
+    make_producer,
+    publish_job,
+)
 from core.messages import JobMessage
 
 
@@ -136,6 +143,47 @@ def test_a_partition_paused_mid_backlog_is_drained_after_resume(settings) -> Non
     finally:
         producer.close()
     assert sorted(offsets) == list(range(320))
+
+
+def test_fetch_position_is_the_consumers_position_through_polls_and_seeks(settings) -> None:
+    """Read from the partition's state once it has a position, the consumer's own answer
+    before (no position yet: `position` runs its refresh), after each poll and after a
+    seek, on every partition."""
+    s = settings(topic_partitions=2, model="m")  # the model of _message
+    ensure_topics(s)
+    topic = s.job_topics["normal"]
+    producer = make_producer(s)
+    consumer = make_consumer(s, group_id=f"{s.topic_prefix}.position", max_poll_records=7)
+    try:
+        for i in range(40):
+            publish_job(producer, s, _message(f"job_{i}", "normal", f"prompt {i}"))
+        producer.flush(10)
+        tps = [TopicPartition(topic, 0), TopicPartition(topic, 1)]
+        consumer.assign(tps)
+        real_position = consumer.position
+        slow_calls: list[TopicPartition] = []
+
+        def counted_position(tp: TopicPartition, timeout_ms: int | None = None) -> int | None:
+            slow_calls.append(tp)
+            return real_position(tp, timeout_ms)
+
+        consumer.position = counted_position  # type: ignore[method-assign]
+        assert [fetch_position(consumer, tp) for tp in tps] == [0, 0]  # refreshed: earliest
+        assert slow_calls[:1] == tps[:1]  # its refresh gave every partition a position
+        seen = 0
+        deadline = time.monotonic() + 30
+        while seen < 40 and time.monotonic() < deadline:
+            seen += sum(len(records) for records in consumer.poll(200).values())
+            slow_calls.clear()
+            fast = [fetch_position(consumer, tp) for tp in tps]
+            assert not slow_calls, "a known position is read without the refresh"
+            assert fast == [real_position(tp) for tp in tps]
+        assert seen == 40 and sum(p or 0 for p in fast) == 40
+        consumer.seek(tps[0], 3)
+        assert fetch_position(consumer, tps[0]) == real_position(tps[0]) == 3
+    finally:
+        consumer.close()
+        producer.close()
 
 
 def test_a_record_arriving_while_an_idle_worker_polls_ends_the_poll(settings) -> None:

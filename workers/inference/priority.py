@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
 
+from core.kafka import fetch_position
+
 logger = logging.getLogger(__name__)
 
 
@@ -126,7 +128,7 @@ def _unfetched_of(consumer: KafkaConsumer, tp: TopicPartition) -> int | None:
     if highwater is None:
         return None
     try:
-        position = consumer.position(tp)
+        position = fetch_position(consumer, tp)
     except KafkaError as e:
         logger.debug("no position for %s yet: %s", tp, e)
         return None
