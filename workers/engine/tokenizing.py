@@ -41,14 +41,19 @@ def texts_encoder_of(tokenizer: Any) -> EncodeTexts:
     tokenizer.json may carry both: all-MiniLM's truncates at 128 and pads to it), so the
     shortcut encodes with its own copy of the backend with both off, which nothing set on
     the tokenizer's shared backend reaches. One text goes through `encode`, as
-    `encode_batch` may hand even one to a thread pool.
+    `encode_batch` may hand even one to a thread pool. A backend that cannot be copied (a
+    custom pre-tokenizer written in Python does not serialize) leaves the call.
     """
+    def encode_slow(texts: list[str]) -> list[list[int]]:
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        def encode_slow(texts: list[str]) -> list[list[int]]:
-            return [list(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
         return encode_slow
-    own = type(backend).from_str(backend.to_str())
+    try:
+        own = type(backend).from_str(backend.to_str())
+    except Exception:  # tokenizers raises its own Exception for what it cannot serialize
+        return encode_slow
     own.no_truncation()
     own.no_padding()
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from tokenizers import PreTokenizedString
+from tokenizers.pre_tokenizers import PreTokenizer
 from transformers import PreTrainedTokenizerFast
 
 from tests.unit.engine.tiny_models import byte_level_tokenizer, metaspace_tokenizer
@@ -75,6 +77,22 @@ def test_texts_encode_as_the_call_encodes_whatever_the_shared_backend_carries(
     split = encode(["a </s> b"])
     assert split == tokenizer(["a </s> b"], add_special_tokens=False).input_ids
     assert split != plain
+
+
+class _SpaceSplitter:
+    """A pre-tokenizer written in Python: a backend holding one cannot be serialized."""
+
+    def pre_tokenize(self, pretok: PreTokenizedString) -> None:
+        pretok.split(lambda _, piece: piece.split(" ", "isolated"))
+
+
+def test_texts_encode_through_the_call_when_the_backend_cannot_be_copied() -> None:
+    tokenizer = byte_level_tokenizer()
+    tokenizer.backend_tokenizer.pre_tokenizer = PreTokenizer.custom(_SpaceSplitter())
+    with pytest.raises(Exception, match="(?i)custom"):
+        tokenizer.backend_tokenizer.to_str()
+    assert texts_encoder_of(tokenizer)(TEXTS) == tokenizer(
+        TEXTS, add_special_tokens=False).input_ids
 
 
 def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers() -> None:
