@@ -1,7 +1,8 @@
 """Fixtures for integration tests: real PostgreSQL, Redis and Kafka-compatible broker.
 
-Each service is started once per session on a free loopback port and stopped at the end,
-unless an environment variable names one that already runs:
+Each service is started once per session (so once per pytest-xdist process) on a free
+loopback port and stopped at the end, unless an environment variable names one that
+already runs (then every process shares it):
 - BATCHINFER_TEST_POSTGRES_URL: a server's admin URL (databases are created and dropped
   on it, one per test);
 - BATCHINFER_TEST_REDIS_URL;
