@@ -19,6 +19,7 @@ from core.settings import Settings
 from tests.utils.kafka_topics import create_topic
 from workers.inference.fetch_wait import (
     BUSY_FETCH_MAX_WAIT_MS,
+    DORMANT_AFTER_S,
     LONG_FETCH_MAX_WAIT_MS,
     LONG_WAIT_WORK_FACTOR,
     FetchWait,
@@ -122,5 +123,29 @@ def test_the_long_wait_needs_work_for_four_times_its_length(consumer) -> None:
     wait.on_poll({}, seconds_of_work=1.0, now=5.3)
     assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
     wait.on_poll({}, seconds_of_work=1.0, now=7.0)
+    assert wait.current_ms == 100
+    assert consumer._fetcher.config["fetch_max_wait_ms"] == 100
+
+
+def test_a_worker_with_nothing_to_do_for_a_while_fetches_twice_a_second(consumer) -> None:
+    (tp,) = consumer.assignment()
+    wait = FetchWait(consumer)
+    wait.on_poll({}, is_idle=True, now=100.0)
+    wait.on_poll({}, is_idle=True, now=100.0 + 0.99 * DORMANT_AFTER_S)
+    assert wait.current_ms == 100
+    wait.on_poll({}, is_idle=True, now=100.0 + DORMANT_AFTER_S)
+    assert wait.current_ms == LONG_FETCH_MAX_WAIT_MS
+    assert consumer._fetcher.config["fetch_max_wait_ms"] == LONG_FETCH_MAX_WAIT_MS
+    # A record ends the lull at once, and the next one is counted from scratch.
+    wait.on_poll({tp: ["a record"]}, is_idle=True, now=200.0)
+    assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
+    wait.on_poll({}, is_idle=True, now=200.0 + 0.99 * DORMANT_AFTER_S)
+    assert wait.current_ms == 100
+    # So does work in flight, even with no record fetched meanwhile.
+    wait.on_poll({}, is_idle=True, now=300.0)
+    assert wait.current_ms == LONG_FETCH_MAX_WAIT_MS
+    wait.on_poll({}, is_idle=False, now=300.1)
+    assert wait.current_ms == 100
+    wait.on_poll({}, is_idle=True, now=300.2)
     assert wait.current_ms == 100
     assert consumer._fetcher.config["fetch_max_wait_ms"] == 100

@@ -193,7 +193,8 @@ class Worker:
                 batches, is_hungry=not len(self._prefetch)
                 and len(self._inflight) < self._max_inflight,
                 seconds_of_work=self._pace.seconds_of_work(
-                    len(self._prefetch) + len(self._inflight)))
+                    len(self._prefetch) + len(self._inflight)),
+                is_idle=not self._inflight and not len(self._prefetch))
             metrics.WORKER_INFLIGHT.set(len(self._inflight))
         self._drain()
 
