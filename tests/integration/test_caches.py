@@ -115,7 +115,8 @@ def test_semantic_hits_at_the_default_threshold_and_the_guard_refusing_blurred_o
     assert negated.result.get("cached") is None
     assert not_opted_in.result.get("cached") is None
     # Five prompts remembered (three asked, then the two refused), one answer read back.
-    worker = _published(svc, "semantic", _read_back)
+    worker = _published(svc, "semantic",
+                        lambda counters: _read_back(counters) and counters.get("misses") == 5)
     semantic = worker["caches"]["semantic"]
     assert semantic["stored_bytes"] == semantic["resident_bytes"] > semantic["loaded_bytes"]
     assert (semantic["hits"], semantic["misses"], semantic["evictions"]) == (1, 5, 0)
