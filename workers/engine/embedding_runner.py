@@ -30,6 +30,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from workers.engine.config import DEFAULT_MODELS_DIR
 from workers.engine.embedding_pooling import PoolingConfig, pool, read_pooling_config
+from workers.engine.encoder_packing import pack_encoder
 from workers.engine.registry import resolve_model
 from workers.engine.tokenizing import texts_encoder_of
 
@@ -105,6 +106,7 @@ class EmbeddingRunner:
         self._encode_texts = texts_encoder_of(self.tokenizer)
         self.model: Any = AutoModel.from_pretrained(
             self.model_dir, local_files_only=True, dtype=self.dtype).to(self.device).eval()
+        num_packed = pack_encoder(self.model, self.device, self.dtype)
         positions = int(getattr(self.model.config, "max_position_embeddings", 512))
         self.max_model_len = min(self.pooling.max_seq_length or positions, positions)
         self.dimensions = int(self.model.config.hidden_size)
@@ -119,9 +121,10 @@ class EmbeddingRunner:
         self._prefix_ids, self._suffix_ids = _special_tokens_around(self.tokenizer)
         self._num_special = len(self._prefix_ids) + len(self._suffix_ids)
         logger.info("embedding runner ready: %s, %s on %s (%d stream%s), %d dims, %d tokens, "
-                    "%s pooling%s", self.model_dir.name, self.dtype, self.device, self.streams,
-                    "s" if self.streams > 1 else "", self.dimensions, self.max_model_len,
-                    self.pooling.mode, " + normalisation" if self.pooling.normalize else "")
+                    "%s pooling%s, %d projections packed", self.model_dir.name, self.dtype,
+                    self.device, self.streams, "s" if self.streams > 1 else "", self.dimensions,
+                    self.max_model_len, self.pooling.mode,
+                    " + normalisation" if self.pooling.normalize else "", num_packed)
 
     def encode(
         self, inputs: Sequence[EmbeddingInput], *, truncate: bool = True
