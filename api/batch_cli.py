@@ -171,6 +171,18 @@ def cmd_run(args: argparse.Namespace) -> int:
                              console=console)
 
 
+def next_look(client: Any, batch_id: str, *, interval_s: float) -> dict[str, Any]:
+    """The batch an interval from now, or as soon as it ends: the service holds the read
+    open for the interval and answers when the batch ends. An answer that came early
+    without an end (a service that does not wait) is followed by the rest of the
+    interval's sleep, so the pace never exceeds one look per interval."""
+    started = time.monotonic()
+    batch: dict[str, Any] = client.get_batch(batch_id, wait=interval_s)
+    if batch["status"] not in TERMINAL_STATUSES:
+        time.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+    return batch
+
+
 def follow(client: Any, batch: dict[str, Any], *, console: Any,
            poll_interval_s: float) -> dict[str, Any]:
     """Poll until the batch ends, drawing a progress bar; returns the final object."""
@@ -194,8 +206,7 @@ def follow(client: Any, batch: dict[str, Any], *, console: Any,
                             rate=rate.describe(remaining=total - completed - failed))
             if batch["status"] in TERMINAL_STATUSES:
                 return batch
-            time.sleep(poll_interval_s)
-            batch = client.get_batch(batch["id"])
+            batch = next_look(client, batch["id"], interval_s=poll_interval_s)
 
 
 class RateMeter:

@@ -66,9 +66,11 @@ class BatchClient:
                 body[name] = value
         return _json(self._http.post("/v1/batches", json=body))
 
-    def get_batch(self, batch_id: str) -> dict[str, Any]:
-        """The batch object."""
-        return _json(self._http.get(f"/v1/batches/{batch_id}"))
+    def get_batch(self, batch_id: str, *, wait: float = 0.0) -> dict[str, Any]:
+        """The batch object; with `wait`, once the batch ends or after `wait` seconds (the
+        service holds the request open meanwhile)."""
+        params = {"wait": wait} if wait > 0 else None
+        return _json(self._http.get(f"/v1/batches/{batch_id}", params=params))
 
     def list_batches(self, *, limit: int = 20, after: str | None = None) -> dict[str, Any]:
         """One page of batches, newest first."""

@@ -9,8 +9,9 @@ Responsible for, per batch and pass:
 - `finalizing` / `cancelling` / expiring: stop unfinished jobs (queued ones are cancelled
   in the database, running ones also aborted in the engine), assemble the output and error
   files (scheduler.batch_results) and reach `completed`, `cancelled` or `expired`;
-- on every terminal status, publish `<prefix>:batches:done:<id>` on Redis and, when the
-  batch has a callback URL, enqueue its `batch.*` webhook in the same transaction.
+- on every terminal status, publish `<prefix>:batches:done:<id>` on Redis (it ends the
+  batch's long-polls, `GET /v1/batches/{id}?wait=N`) and, when the batch has a callback
+  URL, enqueue its `batch.*` webhook in the same transaction.
 
 It belongs with the reconciler (scheduler/): like it, it reads the database as the source
 of truth and writes to Kafka, it consumes no queue, and every step is idempotent — a pass
@@ -26,7 +27,6 @@ well under a second, so an interval's wait at each end was most of its time.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -47,7 +47,7 @@ from storage.batch_jobs import (
     sum_batch_usage,
 )
 from storage.batches import Batch, BatchStatus, active_batch_ids, batch_object, lock_batch
-from storage.events import publish_cancel
+from storage.events import publish_batch_done, publish_cancel
 from storage.files import FileStore, get_file
 from storage.models import utcnow
 from storage.webhook_events import BATCH_STATUS_TO_EVENT, enqueue_event
@@ -69,11 +69,6 @@ MIN_PASS_GAP_S = 0.05
 # between two saw no progress and left the batch to the next interval: 10,000 embeddings
 # were counted done 0.65 s after their last job, 1% of the batch's time.
 TAIL_PASS_S = 0.1
-
-
-def batch_done_channel(prefix: str, batch_id: str) -> str:
-    """The Redis channel that announces a batch reached a terminal status."""
-    return f"{prefix}:batches:done:{batch_id}"
 
 
 class BatchRunner:
@@ -276,11 +271,8 @@ class BatchRunner:
         """Announce a terminal status on Redis (best effort: the database is the truth)."""
         if not batch.status.is_terminal:
             return
-        payload = json.dumps({"batch_id": batch.id, "status": batch.status.value})
-        try:
-            self.redis.publish(batch_done_channel(self.settings.topic_prefix, batch.id), payload)
-        except redis.RedisError as e:
-            logger.warning("batch %s: could not publish its completion (%s)", batch.id, e)
+        publish_batch_done(self.redis, prefix=self.settings.topic_prefix, batch_id=batch.id,
+                           status=batch.status.value)
 
 def _error(code: str, message: str) -> dict[str, object]:
     return {"code": code, "line": None, "message": message, "param": None}

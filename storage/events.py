@@ -1,5 +1,5 @@
-"""Redis pub/sub events: "job finished" for long-polls, "job cancelled" for workers,
-"batch waiting" for schedulers.
+"""Redis pub/sub events: "job finished" and "batch finished" for long-polls, "job
+cancelled" for workers, "batch waiting" for schedulers.
 
 Responsible for: channel names (under the topic prefix), publishing both events (a job's
 completion on its own channel, or a worker's whole write of results as one message on a
@@ -69,6 +69,18 @@ def cancel_channel(prefix: str) -> str:
 def batches_wake_channel(prefix: str) -> str:
     """The channel that tells schedulers a batch awaits them (created, or to cancel)."""
     return f"{prefix}:batches:wake"
+
+
+def batch_done_channel(prefix: str, batch_id: str) -> str:
+    """The channel that announces a batch reached a terminal status."""
+    return f"{prefix}:batches:done:{batch_id}"
+
+
+def publish_batch_done(redis_client: redis.Redis, *, prefix: str, batch_id: str,
+                       status: str) -> None:
+    """Announce that a batch reached a terminal status (after its row is committed)."""
+    _publish(redis_client, batch_done_channel(prefix, batch_id),
+             json.dumps({"batch_id": batch_id, "status": status}))
 
 
 def publish_batches_wake(redis_client: redis.Redis, *, prefix: str, batch_id: str) -> None:
@@ -152,23 +164,32 @@ class JobDoneSubscription:
 
 
 @asynccontextmanager
-async def subscribe_job_done(
-    aredis: aioredis.Redis, *, prefix: str, job_id: str
-) -> AsyncIterator[JobDoneSubscription]:
-    """Subscribe to a job's completion; re-check the database inside, then `wait`."""
-    channels = (job_done_channel(prefix, job_id), jobs_done_channel(prefix))
+async def _subscribed(aredis: aioredis.Redis,
+                      channels: tuple[str, ...]) -> AsyncIterator[aioredis.client.PubSub]:
+    """A pub/sub connection subscribed to `channels`, confirmed by Redis before it is
+    handed over; unsubscribed and closed after."""
     pubsub = aredis.pubsub()
     try:
         await pubsub.subscribe(*channels)
         await _confirm_subscribed(pubsub, set(channels))
-        yield JobDoneSubscription(pubsub, channels[0], job_id=job_id,
-                                  grouped_channel=channels[1])
+        yield pubsub
     finally:
         try:
             await pubsub.unsubscribe(*channels)
         except redis.RedisError as e:
             logger.debug("unsubscribe from %s failed: %s", channels, e)
         await pubsub.aclose()
+
+
+@asynccontextmanager
+async def subscribe_job_done(
+    aredis: aioredis.Redis, *, prefix: str, job_id: str
+) -> AsyncIterator[JobDoneSubscription]:
+    """Subscribe to a job's completion; re-check the database inside, then `wait`."""
+    channels = (job_done_channel(prefix, job_id), jobs_done_channel(prefix))
+    async with _subscribed(aredis, channels) as pubsub:
+        yield JobDoneSubscription(pubsub, channels[0], job_id=job_id,
+                                  grouped_channel=channels[1])
 
 
 async def _confirm_subscribed(pubsub: aioredis.client.PubSub, channels: set[str]) -> None:
@@ -208,6 +229,37 @@ async def wait_job_done(
             return await subscription.wait(timeout)
     except redis.RedisError as e:
         logger.warning("job %s: Redis unavailable for long-poll (%s); polling instead", job_id, e)
+        return await poll_until_done(is_done, timeout)
+
+
+async def wait_batch_done(
+    aredis: aioredis.Redis,
+    *,
+    prefix: str,
+    batch_id: str,
+    timeout: float,
+    is_done: DoneCheck,
+) -> bool:
+    """Wait for a batch's terminal-status event or the timeout; True if the batch is known
+    done. `is_done` runs once the subscription is confirmed, as in `wait_job_done`; where
+    Redis is unreachable it is polled instead until the timeout.
+
+    A batch has one waiter or a few (its submitter's client), so each wait subscribes on
+    its own, unlike a job's long-polls, which share the API process's hub.
+    """
+    try:
+        async with _subscribed(aredis, (batch_done_channel(prefix, batch_id),)) as pubsub:
+            if await _call(is_done):
+                return True
+            deadline = time.monotonic() + max(timeout, 0.0)
+            while (remaining := deadline - time.monotonic()) > 0:
+                if await pubsub.get_message(ignore_subscribe_messages=True,
+                                            timeout=remaining) is not None:
+                    return True
+            return False
+    except redis.RedisError as e:
+        logger.warning("batch %s: Redis unavailable for long-poll (%s); polling instead",
+                       batch_id, e)
         return await poll_until_done(is_done, timeout)
 
 

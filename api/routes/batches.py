@@ -1,4 +1,5 @@
-"""OpenAI-compatible Batches API: create, retrieve, list (cursor pages), cancel.
+"""OpenAI-compatible Batches API: create, retrieve (or wait for its end), list (cursor
+pages), cancel.
 
 A created batch starts `validating`; the batch loop (scheduler.batches) validates its
 file, fans it out into low-priority jobs and moves it on, so every call here is a few
@@ -11,23 +12,22 @@ import logging
 from datetime import timedelta
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.batch_state import wait_for_batch
 from api.capabilities import check_model
-from api.deps import RedisDep, SessionDep, SettingsDep, TenantDep
+from api.deps import RedisDep, SessionDep, SettingsDep, TenantDep, resources_of
 from api.errors import Conflict, InvalidParameter, InvalidRequest, NotFound
 from api.pagination import invalid_cursor, list_page
 from api.schemas import CallbackUrl, ExpiresAfter, Metadata
 from core.topics import Priority
 from core.webhook_urls import validate_callback_url
 from storage.batches import (
-    Batch,
     IllegalBatchTransition,
     batch_object,
     completion_window_seconds,
     create_batch,
-    get_batch,
     list_batches,
     request_cancel,
 )
@@ -101,9 +101,22 @@ def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
 
 
 @router.get("/v1/batches/{batch_id}")
-def retrieve(batch_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
-    """One batch object."""
-    return batch_object(_owned_batch(session, tenant.id, batch_id))
+async def retrieve(
+    batch_id: str,
+    request: Request,
+    tenant: TenantDep,
+    wait: Annotated[float, Query(
+        ge=0, allow_inf_nan=False, description="Seconds to wait for the batch to end "
+        "(capped by the server's long_poll_max_s); returns at once when it does.")] = 0,
+) -> dict[str, Any]:
+    """One batch object; with `wait`, held open until the batch ends or `wait` seconds
+    pass (our extension: OpenAI's clients poll)."""
+    resources = resources_of(request)
+    batch = await wait_for_batch(resources, batch_id=batch_id, tenant_id=tenant.id,
+                                 timeout=min(wait, resources.settings.long_poll_max_s))
+    if batch is None:
+        raise NotFound(f"No such batch: '{batch_id}'.", param="batch_id")
+    return batch
 
 
 @router.get("/v1/batches")
@@ -133,10 +146,3 @@ def cancel(batch_id: str, session: SessionDep, tenant: TenantDep, settings: Sett
     session.commit()
     publish_batches_wake(redis_client, prefix=settings.topic_prefix, batch_id=batch.id)
     return batch_object(batch)
-
-
-def _owned_batch(session: SessionDep, tenant_id: str, batch_id: str) -> Batch:
-    batch = get_batch(session, batch_id=batch_id, tenant_id=tenant_id)
-    if batch is None:
-        raise NotFound(f"No such batch: '{batch_id}'.", param="batch_id")
-    return batch

@@ -19,10 +19,12 @@ from redis.retry import Retry
 
 from storage.events import (
     CancelSubscription,
+    publish_batch_done,
     publish_cancel,
     publish_job_done,
     publish_jobs_done,
     subscribe_job_done,
+    wait_batch_done,
     wait_job_done,
 )
 from storage.job_done_hub import JobDoneHub, ViewReader
@@ -170,10 +172,86 @@ def test_unreachable_redis_falls_back_to_polling_the_check(prefix: str) -> None:
     assert len(polls) == 3
 
 
+def test_a_batch_wait_ends_on_its_own_batch_event_only(
+    redis_url: str, client: redis.Redis, prefix: str
+) -> None:
+    """Another batch's end leaves the wait running; its own ends it at once. The check
+    runs after the subscription is confirmed, once."""
+    checks: list[float] = []
+
+    def still_running() -> bool:
+        checks.append(time.monotonic())
+        return False
+
+    def publish(batch_id: str, delay_s: float) -> threading.Thread:
+        def run() -> None:
+            time.sleep(delay_s)
+            publish_batch_done(client, prefix=prefix, batch_id=batch_id, status="completed")
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    async def scenario() -> tuple[bool, float]:
+        aredis = aioredis.Redis.from_url(redis_url)
+        try:
+            publishers = [publish("batch_other", 0.1), publish("batch_a", 0.6)]
+            start = time.monotonic()
+            done = await wait_batch_done(aredis, prefix=prefix, batch_id="batch_a",
+                                         timeout=10, is_done=still_running)
+            elapsed = time.monotonic() - start
+            for thread in publishers:
+                thread.join(10)
+            return done, elapsed
+        finally:
+            await aredis.aclose()
+
+    done, elapsed = asyncio.run(scenario())
+    assert done and 0.5 < elapsed < 5
+    assert len(checks) == 1
+
+
+def test_a_batch_wait_times_out_or_ends_on_the_check(redis_url: str, prefix: str) -> None:
+    async def scenario(is_done: bool) -> tuple[bool, float]:
+        aredis = aioredis.Redis.from_url(redis_url)
+        try:
+            start = time.monotonic()
+            done = await wait_batch_done(aredis, prefix=prefix, batch_id="batch_a",
+                                         timeout=0.6, is_done=lambda: is_done)
+            return done, time.monotonic() - start
+        finally:
+            await aredis.aclose()
+
+    done, elapsed = asyncio.run(scenario(False))
+    assert not done and 0.5 < elapsed < 3
+    done, elapsed = asyncio.run(scenario(True))
+    assert done and elapsed < 0.5
+
+
+def test_a_batch_wait_polls_the_check_without_redis(prefix: str) -> None:
+    polls: list[float] = []
+
+    def done_on_third_poll() -> bool:
+        polls.append(time.monotonic())
+        return len(polls) >= 3
+
+    async def scenario() -> bool:
+        aredis = aioredis.Redis(host="127.0.0.1", port=1, retry=AsyncRetry(NoBackoff(), 0))
+        try:
+            return await wait_batch_done(aredis, prefix=prefix, batch_id="batch_a",
+                                         timeout=5, is_done=done_on_third_poll)
+        finally:
+            await aredis.aclose()
+
+    assert asyncio.run(scenario())
+    assert len(polls) == 3
+
+
 def test_publishing_to_an_unreachable_redis_does_not_raise(prefix: str) -> None:
     dead = redis.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))
     publish_job_done(dead, prefix=prefix, job_id="job_a", status=JobStatus.FAILED)
     publish_cancel(dead, prefix=prefix, job_id="job_a")
+    publish_batch_done(dead, prefix=prefix, batch_id="batch_a", status="completed")
 
 
 def test_workers_hear_every_cancel(client: redis.Redis, redis_url: str, prefix: str) -> None:

@@ -1,14 +1,17 @@
-"""The batch CLI's pure parts: argument parsing, endpoint detection, rate and ETA."""
+"""The batch CLI's pure parts: argument parsing, endpoint detection, rate and ETA, the
+pace of its looks at a running batch."""
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
-from api.batch_cli import RateMeter, add_batch_parser, cmd_run
-from api.batch_client import DEFAULT_ENDPOINT, endpoint_of
+from api.batch_cli import RateMeter, add_batch_parser, cmd_run, next_look
+from api.batch_client import DEFAULT_ENDPOINT, BatchClient, endpoint_of
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -55,3 +58,24 @@ def test_rate_and_eta_from_observations() -> None:
     meter.observe(150, at=20.0)
     assert meter.per_s == 5.0
     assert meter.describe(remaining=3600 * 5) == "5.0 req/s · ETA 1:00:00"
+
+
+def test_each_look_asks_the_service_to_wait_and_keeps_the_pace() -> None:
+    """A look asks for `wait=interval`; an ended batch returns at once; a service that
+    answers early without an end (one that ignores `wait`) costs the rest of the interval
+    in a sleep, so the CLI never looks more than once an interval."""
+    statuses = iter(["in_progress", "completed"])
+    asked: list[str | None] = []
+
+    def service(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.params.get("wait"))
+        return httpx.Response(200, json={"id": "batch_a", "status": next(statuses)})
+
+    with BatchClient("http://service", "key", transport=httpx.MockTransport(service)) as client:
+        started = time.monotonic()
+        assert next_look(client, "batch_a", interval_s=0.3)["status"] == "in_progress"
+        assert time.monotonic() - started >= 0.3
+        started = time.monotonic()
+        assert next_look(client, "batch_a", interval_s=5.0)["status"] == "completed"
+        assert time.monotonic() - started < 1.0
+    assert asked == ["0.3", "5.0"]

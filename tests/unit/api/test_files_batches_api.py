@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from typing import Any
 
+import redis
 from fastapi.testclient import TestClient
 from openai.types import Batch, FileObject
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from storage.batches import BatchStatus, get_batch
+from storage.events import publish_batch_done
 from tests.unit.api.conftest import MODEL, ClientFactory
 from tests.utils.api import TenantKey
 
@@ -169,3 +174,56 @@ def test_cancelling_a_finished_batch_is_a_conflict(client: TestClient, acme: Ten
     response = client.post(f"/v1/batches/{batch_id}/cancel", headers=acme.headers)
     assert response.status_code == 409
     assert client.post("/v1/batches/batch_nope/cancel", headers=acme.headers).status_code == 404
+
+
+def end_later(sessions: sessionmaker[Session], settings: Settings, batch_id: str,
+              delay_s: float) -> threading.Thread:
+    """Fail the batch after `delay_s` and announce it, as the batch loop does."""
+    def run() -> None:
+        time.sleep(delay_s)
+        with sessions() as session:
+            stored = get_batch(session, batch_id=batch_id)
+            assert stored is not None
+            stored.move_to(BatchStatus.FAILED)
+            session.commit()
+        publisher = redis.Redis.from_url(settings.redis_url)
+        publish_batch_done(publisher, prefix=settings.topic_prefix, batch_id=batch_id,
+                           status="failed")
+        publisher.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_batch_long_poll_answers_when_the_batch_ends(
+        client: TestClient, acme: TenantKey, globex: TenantKey,
+        sessions: sessionmaker[Session]) -> None:
+    """GET ?wait=N answers within moments of the batch loop's commit and announcement;
+    a wait that ends first answers the batch as it is; unknown and other tenants' batches
+    are 404 at once, waiting or not."""
+    settings: Settings = client.app.state.resources.settings  # type: ignore[attr-defined]
+    batch_id = create(client, acme, upload(client, acme).json()["id"]).json()["id"]
+
+    started = time.monotonic()
+    still = client.get(f"/v1/batches/{batch_id}?wait=0.5", headers=acme.headers)
+    assert still.status_code == 200 and still.json()["status"] == "validating"
+    assert 0.4 < time.monotonic() - started < 3
+
+    thread = end_later(sessions, settings, batch_id, delay_s=0.5)
+    started = time.monotonic()
+    ended = client.get(f"/v1/batches/{batch_id}?wait=20", headers=acme.headers)
+    elapsed = time.monotonic() - started
+    thread.join(10)
+    assert ended.status_code == 200 and ended.json()["status"] == "failed"
+    assert 0.4 < elapsed < 3
+
+    started = time.monotonic()
+    assert client.get(f"/v1/batches/{batch_id}?wait=20",
+                      headers=acme.headers).json()["status"] == "failed"
+    for tenant, some_id in ((acme, "batch_nope"), (globex, batch_id)):
+        missing = client.get(f"/v1/batches/{some_id}?wait=20", headers=tenant.headers)
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "batch_id"
+    assert time.monotonic() - started < 2
+    refused = client.get(f"/v1/batches/{batch_id}?wait=-1", headers=acme.headers)
+    assert refused.status_code == 422

@@ -1,0 +1,50 @@
+"""A batch's state as routes need it: read it now, or wait for it to end.
+
+A wait subscribes to the batch's terminal-status event (`storage.events.wait_batch_done`),
+which the batch loop publishes after its commit, and re-reads the batch once it is heard
+or the wait is over: a client following a batch learns that it ended within moments,
+instead of up to one polling interval later, and asks far less often while it runs.
+Each read uses a session of its own on the thread pool, so a long wait never holds a
+database transaction open.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from api.resources import Resources
+from storage.batches import BatchStatus, batch_object, get_batch
+from storage.events import wait_batch_done
+
+
+def load_batch(resources: Resources, *, batch_id: str, tenant_id: str) -> dict[str, Any] | None:
+    """The tenant's batch object as the database has it now; None if missing or not theirs."""
+    with resources.sessions() as session:
+        batch = get_batch(session, batch_id=batch_id, tenant_id=tenant_id)
+        return None if batch is None else batch_object(batch)
+
+
+async def wait_for_batch(
+    resources: Resources, *, batch_id: str, tenant_id: str, timeout: float
+) -> dict[str, Any] | None:
+    """The batch object once the batch ends, or as it is when `timeout` seconds have passed."""
+    async def read() -> dict[str, Any] | None:
+        return await run_in_threadpool(load_batch, resources, batch_id=batch_id,
+                                       tenant_id=tenant_id)
+
+    async def has_ended() -> bool:
+        fresh = await read()
+        return fresh is None or _has_ended(fresh)
+
+    batch = await read()
+    if batch is None or _has_ended(batch) or timeout <= 0:
+        return batch
+    await wait_batch_done(resources.aredis, prefix=resources.settings.topic_prefix,
+                          batch_id=batch_id, timeout=timeout, is_done=has_ended)
+    return await read()
+
+
+def _has_ended(batch: dict[str, Any]) -> bool:
+    return BatchStatus(batch["status"]).is_terminal
