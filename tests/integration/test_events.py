@@ -152,7 +152,9 @@ def test_is_done_check_runs_after_subscribing(redis_url: str, prefix: str) -> No
     assert done and calls == ["checked"] and elapsed < 2
 
 
-def test_unreachable_redis_falls_back_to_polling_the_check(prefix: str) -> None:
+@pytest.mark.parametrize("waiting_for", ["job", "batch"])
+def test_unreachable_redis_falls_back_to_polling_the_check(prefix: str,
+                                                           waiting_for: str) -> None:
     polls: list[float] = []
 
     def done_on_third_poll() -> bool:
@@ -162,6 +164,9 @@ def test_unreachable_redis_falls_back_to_polling_the_check(prefix: str) -> None:
     async def scenario() -> bool:
         aredis = aioredis.Redis(host="127.0.0.1", port=1, retry=AsyncRetry(NoBackoff(), 0))
         try:
+            if waiting_for == "batch":
+                return await wait_batch_done(aredis, prefix=prefix, batch_id="batch_a",
+                                             timeout=5, is_done=done_on_third_poll)
             return await wait_job_done(
                 aredis, prefix=prefix, job_id="job_a", timeout=5, is_done=done_on_third_poll
             )
@@ -226,25 +231,6 @@ def test_a_batch_wait_times_out_or_ends_on_the_check(redis_url: str, prefix: str
     assert not done and 0.5 < elapsed < 3
     done, elapsed = asyncio.run(scenario(True))
     assert done and elapsed < 0.5
-
-
-def test_a_batch_wait_polls_the_check_without_redis(prefix: str) -> None:
-    polls: list[float] = []
-
-    def done_on_third_poll() -> bool:
-        polls.append(time.monotonic())
-        return len(polls) >= 3
-
-    async def scenario() -> bool:
-        aredis = aioredis.Redis(host="127.0.0.1", port=1, retry=AsyncRetry(NoBackoff(), 0))
-        try:
-            return await wait_batch_done(aredis, prefix=prefix, batch_id="batch_a",
-                                         timeout=5, is_done=done_on_third_poll)
-        finally:
-            await aredis.aclose()
-
-    assert asyncio.run(scenario())
-    assert len(polls) == 3
 
 
 def test_publishing_to_an_unreachable_redis_does_not_raise(prefix: str) -> None:
