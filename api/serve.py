@@ -37,7 +37,8 @@ def api_server(app: FastAPI, settings: Settings) -> tuple[uvicorn.Server, socket
     """A uvicorn server for the app and the socket to run it on (`server.run([sock])`)."""
     sock = listening_socket(settings.api_host, settings.api_port,
                             reuse_port=settings.api_reuse_port)
-    config = uvicorn.Config(app, log_level=settings.log_level.lower(), lifespan="on")
+    config = uvicorn.Config(app, log_level=settings.log_level.lower(), lifespan="on",
+                            access_log=settings.api_access_log)
     return uvicorn.Server(config), sock
 
 

@@ -190,6 +190,11 @@ class Settings(BaseSettings):
     embedded_restart_backoff_s: float = Field(default=0.5, ge=0, le=30)
 
     log_level: str = "INFO"
+    # uvicorn's access log, one line per HTTP request. Off unless asked for: at thousands
+    # of submissions and long-polls a second it is a line formatted and written per
+    # request on the API's one event loop, and batchinfer_http_request_seconds already
+    # counts every request by route and status.
+    api_access_log: bool = False
 
     @field_validator(
         "served_models",
