@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
+import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +36,11 @@ _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-
 # in the same runtime and thread pool as torch's own ops (one team, one wait policy).
 _LDFLAGS = ["-fopenmp"]
 DEFAULT_BUILD_ROOT = Path.home() / ".cache" / "batchinfer" / "kernels"
+
+# A build no process has loaded for this long is removed when another build loads: each
+# change to the kernel sources, each checkout and each torch upgrade leaves one behind
+# (~2 MB), and nothing else ever cleans them up.
+STALE_BUILD_S = 14 * 24 * 3600
 
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # "error": None once loaded, else why not
@@ -112,7 +120,35 @@ def _build_and_load() -> str | None:
     except Exception as exc:  # no compiler, no headers, a full disk: all mean "fall back"
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         return f"building the CPU kernels in {target} failed: {first_line}"
+    prune_stale_builds(target)
     return None
+
+
+def prune_stale_builds(loaded: Path, *, max_age_s: float = STALE_BUILD_S) -> list[Path]:
+    """Mark `loaded` as used now and remove its siblings unused for `max_age_s`; the
+    directories removed. A build another process still has loaded keeps working: its
+    library stays mapped until that process ends."""
+    now = time.time()
+    try:
+        os.utime(loaded, (now, now))
+        siblings = [d for d in loaded.parent.iterdir() if d.is_dir() and d != loaded]
+    except OSError as exc:
+        logger.debug("cannot look for stale kernel builds beside %s: %s", loaded, exc)
+        return []
+    removed = []
+    for directory in siblings:
+        try:
+            if now - directory.stat().st_mtime < max_age_s:
+                continue
+            shutil.rmtree(directory)
+        except OSError as exc:  # another process removing it too, or not ours to remove
+            logger.debug("left stale kernel build %s: %s", directory, exc)
+            continue
+        removed.append(directory)
+    if removed:
+        logger.info("removed %d kernel build(s) unused for %d days from %s", len(removed),
+                    max_age_s // 86400, loaded.parent)
+    return removed
 
 
 if __name__ == "__main__":
