@@ -126,6 +126,11 @@ WORKER_FETCH_STALLS = Counter(
     "committed offset.",
     ["topic"],
 )
+WORKER_DATABASE_ERRORS = Counter(
+    "batchinfer_worker_database_errors",
+    "Claims and result writes a worker could not make because the database was "
+    "unreachable (each tried again after a back-off).",
+)
 AUTOSCALER_DESIRED_WORKERS = Gauge(
     "batchinfer_autoscaler_desired_workers",
     "Inference workers the autoscaler asks for (after clamping and the scale-down cooldown), "

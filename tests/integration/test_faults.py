@@ -392,13 +392,16 @@ def _pg_start(cluster: PostgresCluster) -> None:
 def test_postgres_killed_mid_stream(tiny_up: Callable[[str], Stack],
                                     own_postgres: PostgresCluster) -> None:
     """Crash PostgreSQL (immediate shutdown) and start it again: 503s while it is down,
-    then every accepted job runs once."""
+    then every accepted job runs once; the worker rides the outage out with its model
+    loaded, never restarted."""
     stack = tiny_up(create_database(own_postgres.admin_url))
+    worker = stack.up.child("workers.inference")
     _survive(
         stack, fault="postgres",
         inject=lambda: _pg_ctl(own_postgres, "-m", "immediate", "stop"),
         restore=lambda: _pg_start(own_postgres),
         expect_refusals=True)
+    assert stack.up.child("workers.inference").pid == worker.pid, stack.up.log_tail(12000)
     _stop(stack)
 
 

@@ -13,6 +13,8 @@ Responsible for, on the polling thread (the engine steps on its own, see engine_
   up to its first unpersisted offset; a partition silent with records waiting is
   restarted (`stall_watchdog`), and records kafka-python parked are released
   (`parked_records`);
+- a database that cannot be reached: results kept and stored again, nothing new started,
+  the tries backing off, until it answers (`db_outage`), instead of leaving the process;
 - cancellations (Redis) abort the job in the engine;
 - after a rebalance, restarting each partition from its committed offset (as a new owner
   would) and releasing in-flight jobs whose partitions went to another worker;
@@ -31,6 +33,7 @@ import redis
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import KafkaError
+from sqlalchemy.exc import SQLAlchemyError
 
 from core import metrics
 from core.messages import JobMessage
@@ -39,6 +42,7 @@ from core.topics import Priority
 from storage.events import CancelSubscription
 from workers.engine import RequestOutput
 from workers.engine.embedding_engine import EmbeddingEngine
+from workers.inference.db_outage import DatabaseOutage
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
 from workers.inference.fetch_wait import FetchWait, WorkPace
 from workers.inference.job_starter import Candidate, InFlightJob, JobStarter
@@ -136,6 +140,11 @@ class Worker:
         self._lock = threading.Lock()
         self._tracker = OffsetTracker()
         self._inflight: dict[str, InFlightJob] = {}
+        # Finished in the engine, not yet stored (the database was away), and jobs taken
+        # from prefetch whose start met the same: both tried again once it answers.
+        self._unstored: list[FinishedRequest] = []
+        self._unstarted: dict[str, Candidate] = {}
+        self._database = DatabaseOutage()
         self._max_inflight = max_inflight(settings, engine_loop.engine)
         topic_rank = {topic: Priority(p).rank for p, topic in settings.job_topics.items()}
         self._pauser = PriorityPauser(topic_rank)
@@ -199,9 +208,12 @@ class Worker:
         self._drain()
 
     def _start_prefetched(self) -> None:
-        """Start prefetched jobs, most urgent first, a batch at a time while there is room."""
+        """Start prefetched jobs, most urgent first, a batch at a time while there is room;
+        none while results wait for the database (see db_outage)."""
+        if self._unstored or not self._database.may_try():
+            return
         while (room := self._max_inflight - len(self._inflight)) > 0:
-            candidates: dict[str, Candidate] = {}
+            candidates, self._unstarted = self._unstarted, {}
             while len(candidates) < room:
                 item = self._prefetch.pop_most_urgent()
                 if item is None:
@@ -209,8 +221,16 @@ class Worker:
                 self._take_record(*item, candidates)
             if not candidates:
                 return
-            self._inflight.update(
-                (job.message.job_id, job) for job in self._starter.start(candidates))
+            try:
+                started = self._starter.start(candidates)
+            except SQLAlchemyError as e:
+                self._database.failed(e, doing="starting jobs")
+                # Nothing of theirs reached the engine; what was settled is settled again
+                # (idempotently) on the next try.
+                self._unstarted = candidates
+                return
+            self._database.succeeded()
+            self._inflight.update((job.message.job_id, job) for job in started)
 
     def _check_engine(self) -> None:
         if not self._engine.is_healthy:
@@ -218,7 +238,8 @@ class Worker:
 
     def _housekeeping(self, finished_wait_s: float = 0.0) -> None:
         finished = self._engine.take_finished(finished_wait_s)
-        self._handle_finished(finished)
+        self._unstored.extend(finished)
+        self._store_finished()
         self._pace.on_loop(num_finished=len(finished), num_inflight=len(self._inflight))
         self._handle_cancels()
         self._on_new_assignment()
@@ -268,12 +289,27 @@ class Worker:
             return
         candidates[message.job_id] = Candidate(message, {(tp, record.offset)})
 
+    def _store_finished(self) -> None:
+        """Store what finished, unless the database is away and not due for a try."""
+        if not self._unstored or not self._database.may_try():
+            return
+        try:
+            self._handle_finished(self._unstored)
+        except SQLAlchemyError as e:
+            self._database.failed(e, doing="storing results")
+            return
+        self._database.succeeded()
+        self._unstored = []
+
     def _handle_finished(self, finished: list[FinishedRequest]) -> None:
-        """Store how these requests ended (successes in one transaction), then ack them."""
+        """Store how these requests ended (successes in one transaction), then ack them and
+        forget them. Raises on a database error with nothing forgotten: a second call with
+        the same requests stores what is missing (the writes are idempotent)."""
         successes: list[tuple[JobMessage, RequestOutput, datetime]] = []
         settled: list[set[tuple[TopicPartition, int]]] = []
+        cancelled: list[str] = []  # their priorities, counted once all is stored
         for done in finished:
-            job = self._inflight.pop(done.request_id, None)
+            job = self._inflight.get(done.request_id)
             if job is None:
                 continue
             if job.is_released:
@@ -282,7 +318,7 @@ class Worker:
                 done.output is not None and done.output.finish_reason == "abort"
             )
             if aborted and job.is_cancelled:
-                metrics.JOBS_CANCELLED.labels(job.message.priority).inc()
+                cancelled.append(job.message.priority)
             elif aborted or done.error is not None or done.output is None:
                 self._outcomes.failed(job.message, done.error or "the engine aborted the request")
             else:
@@ -294,6 +330,10 @@ class Worker:
             settled.append(job.records)
         if successes:
             self._outcomes.succeeded(successes)
+        for done in finished:
+            self._inflight.pop(done.request_id, None)
+        for priority in cancelled:
+            metrics.JOBS_CANCELLED.labels(priority).inc()
         for records in settled:
             self._ack(records)
 
@@ -326,6 +366,7 @@ class Worker:
         if assignment is None:
             return False
         self._prefetch.clear()
+        self._unstarted = {}  # fetched again from the committed offsets
         self._restart_from_committed(assignment)
         self._watchdog.on_assigned(assignment)
         moved: list[str] = []
