@@ -34,15 +34,20 @@ async def wait_for_batch(
         return await run_in_threadpool(load_batch, resources, batch_id=batch_id,
                                        tenant_id=tenant_id)
 
-    async def has_ended() -> bool:
-        fresh = await read()
-        return fresh is None or _has_ended(fresh)
+    if timeout <= 0:
+        return await read()
+    # The check after subscribing is the first read: an ended (or unknown) batch is
+    # answered with it, one that runs on is read again when the wait is over.
+    checked: list[dict[str, Any] | None] = []
 
-    batch = await read()
-    if batch is None or _has_ended(batch) or timeout <= 0:
-        return batch
+    async def has_ended() -> bool:
+        checked.append(await read())
+        return checked[-1] is None or _has_ended(checked[-1])
+
     await wait_batch_done(resources.aredis, prefix=resources.settings.topic_prefix,
                           batch_id=batch_id, timeout=timeout, is_done=has_ended)
+    if checked and (checked[-1] is None or _has_ended(checked[-1])):
+        return checked[-1]
     return await read()
 
 
