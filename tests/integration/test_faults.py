@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -368,25 +367,11 @@ def own_postgres() -> Iterator[PostgresCluster]:
     cluster = PostgresCluster(bin_dir)
     cluster.start()
     try:
-        _pg_ctl(cluster, "-m", "fast", "-w", "stop")
-        _pg_start(cluster)
+        cluster.pg_ctl("-m", "fast", "-w", "stop")
+        cluster.start_durable()
         yield cluster
     finally:
         cluster.stop()
-
-
-def _pg_ctl(cluster: PostgresCluster, *args: str) -> None:
-    subprocess.run([str(cluster.bin_dir / "pg_ctl"), "-D", str(cluster.data_dir), *args],
-                   check=True, user=cluster.user, stdout=subprocess.PIPE,
-                   stderr=subprocess.STDOUT, cwd=cluster.root)
-
-
-def _pg_start(cluster: PostgresCluster) -> None:
-    """Start the cluster on its port with PostgreSQL's durable defaults."""
-    options = (f"-p {cluster.port} -k {cluster.socket_dir} -c listen_addresses=127.0.0.1 "
-               "-c max_connections=200")
-    _pg_ctl(cluster, "-l", str(cluster.root / "postgres.log"), "-o", options, "-w", "-t", "60",
-            "start")
 
 
 def test_postgres_killed_mid_stream(tiny_up: Callable[[str], Stack],
@@ -398,8 +383,8 @@ def test_postgres_killed_mid_stream(tiny_up: Callable[[str], Stack],
     worker = stack.up.child("workers.inference")
     _survive(
         stack, fault="postgres",
-        inject=lambda: _pg_ctl(own_postgres, "-m", "immediate", "stop"),
-        restore=lambda: _pg_start(own_postgres),
+        inject=lambda: own_postgres.pg_ctl("-m", "immediate", "stop"),
+        restore=own_postgres.start_durable,
         expect_refusals=True)
     assert stack.up.child("workers.inference").pid == worker.pid, stack.up.log_tail(12000)
     _stop(stack)

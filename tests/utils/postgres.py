@@ -89,6 +89,18 @@ class PostgresCluster:
         self._wait_ready()
         logger.info("PostgreSQL test cluster on port %d (%s)", self.port, self.root)
 
+    def pg_ctl(self, *args: str) -> None:
+        """Run `pg_ctl` on this cluster (`"-m", "immediate", "stop"` crashes it)."""
+        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), *args)
+
+    def start_durable(self) -> None:
+        """Start the stopped cluster with PostgreSQL's durable defaults (fsync on), so a
+        crash keeps every committed transaction; returns once it accepts connections."""
+        options = (f"-p {self.port} -k {self.socket_dir} -c listen_addresses=127.0.0.1 "
+                   "-c max_connections=200")
+        self.pg_ctl("-l", str(self.root / "postgres.log"), "-o", options, "-w", "-t", "60",
+                    "start")
+
     def _wait_ready(self, timeout: float = 30.0) -> None:
         engine = sa.create_engine(self.admin_url)
         deadline = time.monotonic() + timeout
