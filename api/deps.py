@@ -13,7 +13,7 @@ from typing import Annotated
 
 import redis
 import redis.asyncio as aioredis
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Header, Query, Request
 from sqlalchemy.orm import Session
 
 from api.auth import CurrentTenant, authenticate
@@ -63,6 +63,18 @@ async def get_redis(resources: ResourcesDep) -> redis.Redis:
 async def get_async_redis(resources: ResourcesDep) -> aioredis.Redis:
     """The asyncio Redis client (long-poll subscriptions)."""
     return resources.aredis
+
+
+# `?wait=N` of a long-poll (a job, a batch): held open until what it reads ends or N
+# seconds pass, at most the server's long_poll_max_s (see `long_poll_s`).
+WaitQuery = Annotated[float, Query(
+    ge=0, allow_inf_nan=False, description="Seconds to wait for it to end (capped by the "
+    "server's long_poll_max_s); returns at once when it does.")]
+
+
+def long_poll_s(resources: Resources, wait: float) -> float:
+    """A long-poll's `wait` within the server's cap."""
+    return min(wait, resources.settings.long_poll_max_s)
 
 
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]

@@ -17,7 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.batch_state import wait_for_batch
 from api.capabilities import check_model
-from api.deps import RedisDep, SessionDep, SettingsDep, TenantDep, resources_of
+from api.deps import (
+    RedisDep,
+    SessionDep,
+    SettingsDep,
+    TenantDep,
+    WaitQuery,
+    long_poll_s,
+    resources_of,
+)
 from api.errors import Conflict, InvalidParameter, InvalidRequest, NotFound
 from api.pagination import invalid_cursor, list_page
 from api.schemas import CallbackUrl, ExpiresAfter, Metadata
@@ -105,15 +113,13 @@ async def retrieve(
     batch_id: str,
     request: Request,
     tenant: TenantDep,
-    wait: Annotated[float, Query(
-        ge=0, allow_inf_nan=False, description="Seconds to wait for the batch to end "
-        "(capped by the server's long_poll_max_s); returns at once when it does.")] = 0,
+    wait: WaitQuery = 0,
 ) -> dict[str, Any]:
     """One batch object; with `wait`, held open until the batch ends or `wait` seconds
     pass (our extension: OpenAI's clients poll)."""
     resources = resources_of(request)
     batch = await wait_for_batch(resources, batch_id=batch_id, tenant_id=tenant.id,
-                                 timeout=min(wait, resources.settings.long_poll_max_s))
+                                 timeout=long_poll_s(resources, wait))
     if batch is None:
         raise NotFound(f"No such batch: '{batch_id}'.", param="batch_id")
     return batch

@@ -16,6 +16,8 @@ from api.deps import (
     ResourcesDep,
     SessionDep,
     TenantDep,
+    WaitQuery,
+    long_poll_s,
     resources_of,
 )
 from api.errors import Conflict, NotFound
@@ -80,14 +82,12 @@ async def read_job(
     job_id: str,
     request: Request,
     tenant: TenantDep,
-    wait: Annotated[float, Query(
-        ge=0, allow_inf_nan=False, description="Seconds to wait for the job to finish "
-        "(capped by the server's long_poll_max_s); returns at once when it does.")] = 0,
+    wait: WaitQuery = 0,
 ) -> Response:
     """A job; with `wait`, held open until it finishes or `wait` seconds pass."""
     resources = resources_of(request)
     view = await wait_for_job(resources, job_id=job_id, tenant_id=tenant.id,
-                              timeout=min(wait, resources.settings.long_poll_max_s))
+                              timeout=long_poll_s(resources, wait))
     if view is None:
         raise job_not_found(job_id)
     return model_response(view)
