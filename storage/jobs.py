@@ -10,7 +10,6 @@ transaction.
 from __future__ import annotations
 
 import logging
-import secrets
 from datetime import datetime
 from typing import Any
 
@@ -22,6 +21,7 @@ from sqlalchemy import (
     and_,
     bindparam,
     func,
+    insert,
     or_,
     select,
     update,
@@ -30,6 +30,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.messages import JobMessage
+from core.random_hex import random_hex
 from core.topics import PRIORITIES, Priority
 from storage.job_batches import Completion, complete_jobs
 from storage.models import Job, JobStatus, utcnow
@@ -49,7 +50,7 @@ class IdempotencyKeyTaken(ValueError):
 
 def new_job_id() -> str:
     """`job_` + 24 random hex characters."""
-    return f"job_{secrets.token_hex(12)}"
+    return f"job_{random_hex(24)}"
 
 
 def create_job(session: Session, **fields: Any) -> Job:
@@ -127,6 +128,25 @@ def new_job_values(
         "created_at": now,
         "queued_at": now if published else None,
     }
+
+
+# The attributes `new_job_values` sets: what storing a new job writes.
+NEW_JOB_FIELDS = (
+    "id", "tenant_id", "status", "priority", "model", "kind", "request", "callback_url",
+    "metadata_", "idempotency_key", "request_hash", "batch_id", "custom_id", "cache_key",
+    "attempts", "created_at", "queued_at",
+)
+
+
+def insert_new_jobs(session: Session, jobs: list[Job]) -> None:
+    """INSERT new jobs (from `new_job`) in one statement; they stay out of the session.
+
+    The unit of work's flush costs ~35 us a row more than one bulk INSERT of their values
+    (bookkeeping each object's state, which a row written once and answered at once never
+    needs). Raises IntegrityError as a flush would.
+    """
+    session.execute(insert(Job), [{key: getattr(job, key) for key in NEW_JOB_FIELDS}
+                                  for job in jobs])
 
 
 def find_by_idempotency_key(session: Session, *, tenant_id: str, key: str) -> Job | None:

@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 import storage.jobs
@@ -295,3 +296,40 @@ def test_job_views_reads_many_jobs_in_chunks_with_their_tenants(
     assert all(v.status is JobStatus.QUEUED and "request" not in v._fields
                for v in views.values())
     assert job_views(session.connection(), []) == {}
+
+
+def test_new_jobs_inserted_together_read_back_as_created(session: Session,
+                                                         tenant: Tenant) -> None:
+    """`insert_new_jobs` writes every field `new_job_values` sets, and nothing else."""
+    jobs = [
+        storage.jobs.new_job(tenant_id=tenant.id, priority="high", model="m",
+                             kind="chat.completion", request=BODY, published=True,
+                             metadata={"n": n}, idempotency_key=f"k{n}", request_hash="h",
+                             callback_url="https://example.com/hook", cache_key="c")
+        for n in range(3)
+    ]
+    storage.jobs.insert_new_jobs(session, jobs)
+    session.commit()
+    assert set(storage.jobs.NEW_JOB_FIELDS) == set(storage.jobs.new_job_values(
+        tenant_id=tenant.id, priority="low", model="m", kind="embedding", request={}))
+    with Session(session.get_bind()) as fresh:
+        for job in jobs:
+            stored = fresh.get(Job, job.id)
+            assert stored is not None
+            assert {k: getattr(stored, k) for k in storage.jobs.NEW_JOB_FIELDS} == {
+                k: getattr(job, k) for k in storage.jobs.NEW_JOB_FIELDS}
+            assert stored.status is JobStatus.QUEUED and stored.result is None
+
+
+def test_new_jobs_inserted_together_refuse_a_taken_idempotency_key(
+        session: Session, tenant: Tenant) -> None:
+    """A clash fails the whole statement, as a flush would, and stores none of it."""
+    new_job(session, tenant, idempotency_key="taken")
+    session.commit()
+    jobs = [storage.jobs.new_job(tenant_id=tenant.id, priority="normal", model="m",
+                                 kind="chat.completion", request=BODY, idempotency_key=key)
+            for key in ("fresh", "taken")]
+    with pytest.raises(IntegrityError):
+        storage.jobs.insert_new_jobs(session, jobs)
+    session.rollback()
+    assert find_by_idempotency_key(session, tenant_id=tenant.id, key="fresh") is None
