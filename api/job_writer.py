@@ -40,7 +40,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.kafka import publish_job
 from core.settings import Settings
-from storage.jobs import IdempotencyKeyTaken, job_message
+from storage.jobs import IdempotencyKeyTaken, insert_new_jobs, job_message
 from storage.models import Job, JobStatus
 
 logger = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class JobWriter:
         """Commit the group's rows together; on a key clash, row by row. The ones stored."""
         try:
             with self._sessions() as session:
-                session.add_all([p.job for p in group])
+                insert_new_jobs(session, [p.job for p in group])
                 session.commit()
             return group
         except IntegrityError:
@@ -225,7 +225,7 @@ class JobWriter:
         for pending in group:
             try:
                 with self._sessions() as session:
-                    session.add(pending.job)
+                    insert_new_jobs(session, [pending.job])
                     session.commit()
                 stored.append(pending)
             except IntegrityError as e:
