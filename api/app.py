@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
+from api.hot_path import HotPath
 from api.job_state import read_finished_views
 from api.metrics import HTTPMetricsMiddleware
 from api.resources import Resources
@@ -78,7 +79,9 @@ def create_app(settings: Settings | None = None, *, serving: bool = False) -> Fa
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    # Added last is outermost: latency covers everything, 413s included.
+    # Added last is outermost: latency covers everything, 413s included. The hot path
+    # is innermost, so the body limit and the metrics hold for what it answers too.
+    app.add_middleware(HotPath, api=app)
     app.add_middleware(
         BodyLimitMiddleware,
         default_limit=app_settings.max_request_bytes,

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from api.auth import CurrentTenant
 from api.deps import (
     IdempotencyKeyDep,
     ProducerDep,
@@ -23,6 +24,7 @@ from api.deps import (
 from api.errors import Conflict, NotFound
 from api.job_state import cancel_and_announce, wait_for_job
 from api.pagination import invalid_cursor
+from api.resources import LazyProducer, Resources
 from api.schemas import JobCreate, JobListPublic, JobPublic, job_path, model_response
 from api.submission import submit
 from core.embedding_requests import EmbeddingJobCreate
@@ -50,13 +52,25 @@ async def create_job(
     """Queue a job; 202 with its id and links (200 when an Idempotency-Key replays one).
 
     A body with `input` is an embeddings request; any other a chat or text completion.
+    Ordinary requests are answered by `api.hot_path` with the same `accept_job`; this route
+    documents the endpoint and takes the ones it hands over (see there).
+    """
+    return await accept_job(raw, tenant=tenant, idempotency_key=idempotency_key,
+                            resources=resources_of(request), producer=producer)
+
+
+async def accept_job(raw: dict[str, Any], *, tenant: CurrentTenant,
+                     idempotency_key: str | None, resources: Resources,
+                     producer: LazyProducer) -> Response:
+    """`POST /v1/jobs`'s answer to a parsed body from an authenticated tenant.
+
     On the event loop: `api.submission.submit` hands to threads only what waits on I/O.
     The hottest route answers with its own Response (see `model_response`).
     """
     body = _job_request(raw)
     submission = await submit(request=body, priority=body.priority, tenant=tenant,
-                              idempotency_key=idempotency_key,
-                              resources=resources_of(request), producer=producer)
+                              idempotency_key=idempotency_key, resources=resources,
+                              producer=producer)
     headers = {"Location": job_path(submission.job.id)}
     if submission.is_replay:
         headers["Idempotent-Replayed"] = "true"
@@ -84,8 +98,16 @@ async def read_job(
     tenant: TenantDep,
     wait: WaitQuery = 0,
 ) -> Response:
-    """A job; with `wait`, held open until it finishes or `wait` seconds pass."""
-    resources = resources_of(request)
+    """A job; with `wait`, held open until it finishes or `wait` seconds pass.
+
+    Ordinary requests are answered by `api.hot_path` with the same `job_response`.
+    """
+    return await job_response(resources_of(request), job_id=job_id, tenant=tenant, wait=wait)
+
+
+async def job_response(resources: Resources, *, job_id: str, tenant: CurrentTenant,
+                       wait: float) -> Response:
+    """`GET /v1/jobs/{job_id}`'s answer: the job's view, once done or after `wait` s."""
     view = await wait_for_job(resources, job_id=job_id, tenant_id=tenant.id,
                               timeout=long_poll_s(resources, wait))
     if view is None:

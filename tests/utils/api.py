@@ -59,8 +59,9 @@ class _Acked:
 class RecordingProducer:
     """Stands in for the Kafka producer in tests that assert nothing about Kafka.
 
-    Implements what the API uses of the producer handle (`get()`, `close()`) and of the
-    producer (`send(topic, key=, value=)` returning a future with `get(timeout)`).
+    Implements what the API uses of the producer handle (`get()`, `unavailable_reason`,
+    `close()`) and of the producer (`send(topic, key=, value=)` returning a future with
+    `get(timeout)`).
     """
 
     records: list[tuple[str, bytes | None, bytes | None]] = field(default_factory=list)
@@ -69,6 +70,11 @@ class RecordingProducer:
     def get(self) -> RecordingProducer:
         """The producer itself (the handle's connect step)."""
         return self
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why sends are refused, as the handle says it (readiness checks read it)."""
+        return "broker unreachable (test)" if self.is_down else None
 
     def send(self, topic: str, key: bytes | None = None, value: bytes | None = None) -> _Acked:
         """Record one record, or fail as an unreachable broker would."""

@@ -17,7 +17,6 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
-from api.deps import get_producer
 from core.settings import Settings
 from scheduler.embedded_services import free_port, redis_service
 from storage.db import create_db_engine, session_factory
@@ -84,9 +83,11 @@ def make_client(
 
     def make(**overrides: Any) -> TestClient:
         app = create_app(make_settings(**overrides))
-        app.dependency_overrides[get_producer] = lambda: producer
         client = TestClient(app, raise_server_exceptions=False)
         client.__enter__()
+        # Every route and the hot path take the producer from here (the real one is
+        # lazy: it never connected).
+        app.state.resources.producer = producer
         clients.append(client)
         return client
 

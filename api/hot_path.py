@@ -1,0 +1,180 @@
+"""The two requests every job makes, answered without FastAPI's per-request machinery.
+
+`POST /v1/jobs` and `GET /v1/jobs/{job_id}` (the long-poll) carry every job of the
+service. Through FastAPI each costs ~100 us of the API's one event loop before and after
+the route's own work (routing, ~15 dependency and middleware layers, parameter models),
+a sixth of a submission's CPU; at thousands of jobs a second that loop is the API's
+ceiling. `HotPath` sits inside the app's own middleware (error pages, body limit,
+metrics) and answers an ordinary request to either route itself, with the routes' own
+functions (`api.routes.jobs.accept_job`, `job_response`), the same authentication and
+the same exception handlers.
+
+Anything out of the ordinary goes on to FastAPI unchanged, which answers it as it always
+has: a body that is not a JSON object sent as `application/json` (another or no content
+type, broken JSON, an array), a body that could not be read (over the size limit, a
+client gone), an empty or over-long Idempotency-Key, a query other than one plain
+`wait=<seconds>`, a trailing slash. The rules are `ordinary_submission` and
+`ordinary_read`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.auth import authenticate, bearer_scheme
+from api.deps import MAX_IDEMPOTENCY_KEY_CHARS
+from api.routes.jobs import accept_job, job_response, router
+
+JOBS_PATH = "/v1/jobs"
+_JOB_PREFIX = JOBS_PATH + "/"
+# What pydantic reads as a finite, non-negative float the same way: plain decimals only.
+_PLAIN_WAIT = re.compile(r"wait=(\d{1,9}(?:\.\d{1,9})?)")
+
+
+class HotPath:
+    """ASGI middleware: ordinary job submissions and reads here, everything else on."""
+
+    def __init__(self, app: ASGIApp, *, api: FastAPI) -> None:
+        self.app = app
+        self.api = api
+        self._submit_route = _route(JOBS_PATH, "POST")
+        self._read_route = _route(_JOB_PREFIX + "{job_id}", "GET")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer an ordinary submission or read; pass anything else to the app."""
+        if scope["type"] == "http" and not scope.get("root_path"):
+            path = scope["path"]
+            if path == JOBS_PATH and scope["method"] == "POST":
+                await self._submit(scope, receive, send)
+                return
+            if path.startswith(_JOB_PREFIX) and scope["method"] == "GET":
+                job_id = path[len(_JOB_PREFIX):]
+                wait = ordinary_read(job_id, scope["query_string"])
+                if wait is not None:
+                    scope["route"] = self._read_route
+                    request = Request(scope, receive)
+                    await self._answer(request, send, self._read(request, job_id, wait))
+                    return
+        await self.app(scope, receive, send)
+
+    async def _submit(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        headers = request.headers
+        key = headers.get("idempotency-key")
+        try:
+            body = await request.body()
+        except Exception as e:  # over the size limit, a client gone: FastAPI's to answer
+            await self.app(scope, _raising(e), send)
+            return
+        raw = ordinary_submission(headers.get("content-type"), key, body)
+        if raw is None:
+            await self.app(scope, _replaying(body, receive), send)
+            return
+        scope["route"] = self._submit_route
+        await self._answer(request, send, self._accept(request, raw, key))
+
+    async def _accept(self, request: Request, raw: dict[str, Any], key: str | None
+                      ) -> Response:
+        tenant = await authenticate(request, await bearer_scheme(request))
+        resources = self.api.state.resources
+        return await accept_job(raw, tenant=tenant, idempotency_key=key, resources=resources,
+                                producer=resources.producer)
+
+    async def _read(self, request: Request, job_id: str, wait: float) -> Response:
+        tenant = await authenticate(request, await bearer_scheme(request))
+        return await job_response(self.api.state.resources, job_id=job_id, tenant=tenant,
+                                  wait=wait)
+
+    async def _answer(self, request: Request, send: Send, answering: Any) -> None:
+        """Send what `answering` returns, or what the app's handler makes of its error.
+
+        An error no handler takes (the 500s) goes up to the app's outer error middleware,
+        as it would from a route.
+        """
+        try:
+            response = await answering
+        except Exception as e:
+            handler = self._handler_for(e)
+            if handler is None:
+                raise
+            response = await handler(request, e)
+        await response(request.scope, request.receive, send)
+
+    def _handler_for(self, error: Exception) -> Any:
+        handlers = self.api.exception_handlers
+        for cls in type(error).__mro__:
+            if cls is Exception:
+                return None
+            if cls in handlers:
+                return handlers[cls]
+        return None
+
+
+def ordinary_submission(content_type: str | None, idempotency_key: str | None,
+                        body: bytes) -> dict[str, Any] | None:
+    """The JSON object a submission carries, or None when FastAPI should judge it.
+
+    Ordinary: `application/json` by its content type (FastAPI reads a body without one
+    as bytes, and refuses it), an Idempotency-Key absent or of an accepted length, and a
+    body that is a JSON object. It is parsed as FastAPI parses it (`json.loads`: orjson
+    would read an integer past 64 bits as a float, and refuse NaN and lone surrogates).
+    """
+    if (content_type is None
+            or content_type.partition(";")[0].strip().lower() != "application/json"):
+        return None
+    if idempotency_key is not None and not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
+        return None
+    try:
+        raw = json.loads(body)
+    except ValueError:  # JSONDecodeError, or bytes in no encoding JSON may have
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def ordinary_read(job_id: str, query_string: bytes) -> float | None:
+    """The `wait` of a plain job read (0 without one), or None when FastAPI should judge it."""
+    if not job_id or "/" in job_id:
+        return None
+    if not query_string:
+        return 0.0
+    found = _PLAIN_WAIT.fullmatch(query_string.decode("latin-1"))
+    return float(found.group(1)) if found else None
+
+
+def _route(path: str, method: str) -> APIRoute:
+    """The jobs route for path and method: metrics label requests by its template."""
+    for route in router.routes:
+        if isinstance(route, APIRoute) and route.path == path and method in (route.methods or ()):
+            return route
+    raise LookupError(f"no {method} {path} route among the jobs routes")
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands out the already-read body first, then the connection's own."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if replayed:
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+def _raising(error: Exception) -> Receive:
+    """A receive that fails as the connection's did, for FastAPI to meet it again."""
+
+    async def fail() -> Message:
+        raise error
+
+    return fail
