@@ -10,9 +10,9 @@ transaction open.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -72,20 +72,8 @@ async def look_up_key_shared(resources: Resources, key: str, key_hash: str
     under load) missed together and each ran its own SELECT on the thread pool. The
     answer they share was read after the first of them arrived, as fresh as a cache hit.
     """
-    pending = resources.key_lookups.get(key_hash)
-    if pending is None:
-        pending = asyncio.ensure_future(run_in_threadpool(look_up_key, resources, key))
-        resources.key_lookups[key_hash] = pending
-
-        def settled(done: asyncio.Future[CurrentTenant | None]) -> None:
-            if resources.key_lookups.get(key_hash) is done:
-                del resources.key_lookups[key_hash]
-            if not done.cancelled():
-                done.exception()  # retrieved here too, in case every waiter left
-
-        pending.add_done_callback(settled)
-    # Shielded: a client that leaves cancels its own wait, not the others' lookup.
-    return await asyncio.shield(pending)
+    return await resources.key_lookups.run(
+        key_hash, partial(run_in_threadpool, look_up_key, resources, key))
 
 
 def look_up_key(resources: Resources, key: str) -> CurrentTenant | None:

@@ -31,6 +31,7 @@ from api.active_jobs import ActiveJobGate
 from api.job_writer import JobWriter
 from api.key_cache import ApiKeyCache
 from api.rate_limit import TokenBucketLimiter
+from api.single_flight import SingleFlight
 from core.kafka import ensure_topics, make_producer
 from core.settings import Settings
 from storage.db import create_db_engine, session_factory
@@ -261,7 +262,9 @@ class Resources:
     # Unix time the app started: the `created` of the models it serves.
     started_at: float = field(default_factory=time.time)
     # Key lookups under way, by key hash, shared by the requests that wait on them.
-    key_lookups: dict[str, asyncio.Future[CurrentTenant | None]] = field(default_factory=dict)
+    key_lookups: SingleFlight[CurrentTenant | None] = field(default_factory=SingleFlight)
+    # Active-job counts under way, by tenant id (see api.submission._admit).
+    active_counts: SingleFlight[None] = field(default_factory=SingleFlight)
 
     @classmethod
     def open(cls, settings: Settings) -> Resources:

@@ -12,6 +12,7 @@ import pytest
 
 import api.auth
 from api.auth import CurrentTenant, look_up_key_shared
+from api.single_flight import SingleFlight
 
 ACME = CurrentTenant(id="ten_1", name="acme")
 
@@ -37,7 +38,7 @@ def test_concurrent_misses_of_one_key_share_a_lookup_and_the_next_miss_asks_agai
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     asked = _counting_lookup(monkeypatch, ACME)
-    resources: Any = SimpleNamespace(key_lookups={})
+    resources: Any = SimpleNamespace(key_lookups=SingleFlight())
 
     async def main() -> None:
         first = await asyncio.gather(*(look_up_key_shared(resources, "bi_a", "ha")
@@ -45,7 +46,7 @@ def test_concurrent_misses_of_one_key_share_a_lookup_and_the_next_miss_asks_agai
                                      look_up_key_shared(resources, "bi_b", "hb"))
         assert first == [ACME] * 21
         assert sorted(asked) == ["bi_a", "bi_b"]
-        assert resources.key_lookups == {}  # nothing kept once answered
+        assert len(resources.key_lookups) == 0  # nothing kept once answered
         assert await look_up_key_shared(resources, "bi_a", "ha") == ACME
         assert asked.count("bi_a") == 2
 
@@ -55,7 +56,7 @@ def test_concurrent_misses_of_one_key_share_a_lookup_and_the_next_miss_asks_agai
 def test_a_waiter_that_leaves_does_not_cancel_the_others_and_errors_reach_every_waiter(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    resources: Any = SimpleNamespace(key_lookups={})
+    resources: Any = SimpleNamespace(key_lookups=SingleFlight())
 
     async def leave_early() -> None:
         leaving = asyncio.ensure_future(look_up_key_shared(resources, "bi_a", "ha"))
@@ -71,7 +72,7 @@ def test_a_waiter_that_leaves_does_not_cancel_the_others_and_errors_reach_every_
         results = await asyncio.gather(*(look_up_key_shared(resources, "bi_a", "ha")
                                          for _ in range(3)), return_exceptions=True)
         assert [str(r) for r in results] == ["database down"] * 3
-        assert resources.key_lookups == {}
+        assert len(resources.key_lookups) == 0
 
     _counting_lookup(monkeypatch, ConnectionError("database down"))
     asyncio.run(fail_together())
