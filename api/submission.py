@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from functools import partial
 
 from kafka.errors import KafkaError
 from starlette.concurrency import run_in_threadpool
@@ -168,15 +169,32 @@ async def _admit(tenant: CurrentTenant, resources: Resources) -> None:
         raise RateLimited(
             f"Rate limit reached: at most {resources.limiter.rate_per_s:g} submissions per "
             "second per tenant.", retry_after_s=retry_after)
-    cap = resources.settings.tenant_max_active_jobs
-    if not (resources.active_jobs.admit_without_count(tenant_id=tenant.id)
-            or await run_in_threadpool(_admit_by_count, resources, tenant)):
+    gate, cap = resources.active_jobs, resources.settings.tenant_max_active_jobs
+    if gate.admit_without_count(tenant_id=tenant.id):
+        if gate.wants_recount(tenant_id=tenant.id):
+            resources.active_counts.start(tenant.id, partial(_recount, resources, tenant))
+        return
+    # Every request in flight needs the count now: one count, shared.
+    await resources.active_counts.run(tenant.id, partial(_count, resources, tenant))
+    if not gate.admit_counted(tenant_id=tenant.id):
         raise RateLimited(
             f"Too many active jobs: at most {cap} may be queued or running at once; wait for "
             "some to finish.", retry_after_s=ACTIVE_JOBS_RETRY_AFTER_S,
             code="too_many_active_jobs")
 
 
-def _admit_by_count(resources: Resources, tenant: CurrentTenant) -> bool:
+async def _count(resources: Resources, tenant: CurrentTenant) -> None:
+    await run_in_threadpool(_count_now, resources, tenant)
+
+
+async def _recount(resources: Resources, tenant: CurrentTenant) -> None:
+    """A refresh nobody waits for: a failure is the next needed count's to report."""
+    try:
+        await _count(resources, tenant)
+    except Exception as e:
+        logger.warning("recounting tenant %s's active jobs failed: %s", tenant.id, e)
+
+
+def _count_now(resources: Resources, tenant: CurrentTenant) -> None:
     with resources.sessions() as session:
-        return resources.active_jobs.admit(session, tenant_id=tenant.id)
+        resources.active_jobs.count(session, tenant_id=tenant.id)

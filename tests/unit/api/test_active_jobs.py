@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.active_jobs import MAX_AGE_S, ActiveJobGate
+from api.active_jobs import MAX_AGE_S, REFRESH_AFTER_S, ActiveJobGate
+from api.auth import CurrentTenant
+from api.errors import RateLimited
+from api.single_flight import SingleFlight
+from api.submission import _admit
 from storage.jobs import create_job
 from storage.tenants import create_tenant
 from tests.utils.clock import ManualClock
@@ -91,3 +98,90 @@ def test_admission_without_a_count_needs_a_recent_one_far_from_the_cap(
     with sessions() as session:
         assert near.admit(session, tenant_id=w.tenant_id)
     assert not near.admit_without_count(tenant_id=w.tenant_id)
+
+
+def test_requests_sharing_a_count_are_admitted_one_by_one_against_it(
+    sessions: sessionmaker[Session],
+) -> None:
+    """8 active, cap 10, five requests on one count: two slots, whoever asks first."""
+    w = _watched(sessions, num_jobs=8, cap=10)
+    with sessions() as session:
+        w.gate.count(session, tenant_id=w.tenant_id)
+    assert [w.gate.admit_counted(tenant_id=w.tenant_id) for _ in range(5)] == [
+        True, True, False, False, False]
+    assert w.num_counts == 1
+
+
+def test_a_count_wants_refreshing_at_half_life_while_still_used(
+    sessions: sessionmaker[Session],
+) -> None:
+    w = _watched(sessions, num_jobs=3, cap=1000)
+    assert not w.gate.wants_recount(tenant_id=w.tenant_id)  # nothing to refresh yet
+    with sessions() as session:
+        w.gate.count(session, tenant_id=w.tenant_id)
+    w.clock.now += REFRESH_AFTER_S - 0.01
+    assert not w.gate.wants_recount(tenant_id=w.tenant_id)
+    w.clock.now += 0.01
+    assert w.gate.wants_recount(tenant_id=w.tenant_id)
+    assert w.gate.admit_without_count(tenant_id=w.tenant_id)  # still good to use
+    with sessions() as session:
+        w.gate.count(session, tenant_id=w.tenant_id)
+    assert not w.gate.wants_recount(tenant_id=w.tenant_id)
+
+
+class _Admitting:
+    """What `api.submission._admit` uses of the app's resources, on a real database."""
+
+    def __init__(self, sessions: sessionmaker[Session], gate: ActiveJobGate) -> None:
+        self.sessions = sessions
+        self.active_jobs = gate
+        self.active_counts: SingleFlight[None] = SingleFlight()
+        self.settings = SimpleNamespace(tenant_max_active_jobs=gate.cap)
+        self.limiter = self  # the rate limit is not under test: it admits everyone
+
+    async def retry_after_s(self, tenant_id: str) -> None:
+        return None
+
+
+def test_submissions_in_flight_share_one_count_and_never_wait_for_a_refresh(
+    sessions: sessionmaker[Session],
+) -> None:
+    w = _watched(sessions, num_jobs=5, cap=1000)
+    resources: Any = _Admitting(sessions, w.gate)
+    tenant = CurrentTenant(id=w.tenant_id, name="acme")
+
+    async def submissions(num: int) -> None:
+        await asyncio.gather(*(_admit(tenant, resources) for _ in range(num)))
+
+    asyncio.run(submissions(32))  # no count yet: all 32 wait for one
+    assert w.num_counts == 1
+    w.clock.now += REFRESH_AFTER_S
+
+    async def refreshed_behind() -> None:
+        await submissions(32)  # admitted on the aging count; one recount starts
+        assert w.num_counts == 1 and len(resources.active_counts) == 1
+        while len(resources.active_counts):
+            await asyncio.sleep(0.01)
+
+    asyncio.run(refreshed_behind())
+    assert w.num_counts == 2
+    assert not w.gate.wants_recount(tenant_id=w.tenant_id)
+
+
+def test_the_cap_refuses_with_429_once_the_shared_count_is_spent(
+    sessions: sessionmaker[Session],
+) -> None:
+    w = _watched(sessions, num_jobs=8, cap=10)
+    resources: Any = _Admitting(sessions, w.gate)
+    tenant = CurrentTenant(id=w.tenant_id, name="acme")
+
+    async def submissions() -> list[Any]:
+        return await asyncio.gather(*(_admit(tenant, resources) for _ in range(5)),
+                                    return_exceptions=True)
+
+    outcomes = asyncio.run(submissions())
+    assert outcomes.count(None) == 2
+    refused = [o for o in outcomes if o is not None]
+    assert len(refused) == 3 and all(isinstance(o, RateLimited) for o in refused)
+    assert refused[0].code == "too_many_active_jobs"
+    assert w.num_counts == 1
