@@ -4,10 +4,11 @@
 service. Through FastAPI each costs ~100 us of the API's one event loop before and after
 the route's own work (routing, ~15 dependency and middleware layers, parameter models;
 measured in-process around a route that does nothing), against ~0.7 ms of API CPU per
-submission in all; at thousands of jobs a second that loop is the API's ceiling. `HotPath` sits inside the app's own middleware (error pages, body limit,
-metrics) and answers an ordinary request to either route itself, with the routes' own
-functions (`api.routes.jobs.accept_job`, `job_response`), the same authentication and
-the same exception handlers.
+submission in all; at thousands of jobs a second that loop is the API's ceiling.
+`HotPath` sits inside the app's own middleware (error pages, body limit, metrics) and
+answers an ordinary request to either route itself, with the routes' own functions
+(`api.routes.jobs.accept_job`, `job_response`), the same authentication and the same
+exception handlers.
 
 Anything out of the ordinary goes on to FastAPI unchanged, which answers it as it always
 has: a body that is not a JSON object sent as `application/json` (another or no content
