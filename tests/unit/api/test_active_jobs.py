@@ -142,23 +142,27 @@ class _Admitting:
     async def retry_after_s(self, tenant_id: str) -> None:
         return None
 
+    async def submit(self, tenant_id: str, num: int) -> list[Any]:
+        """`num` concurrent admissions: None for each admitted, else what refused it."""
+        tenant = CurrentTenant(id=tenant_id, name="acme")
+        resources: Any = self
+        return await asyncio.gather(*(_admit(tenant, resources) for _ in range(num)),
+                                    return_exceptions=True)
+
 
 def test_submissions_in_flight_share_one_count_and_never_wait_for_a_refresh(
     sessions: sessionmaker[Session],
 ) -> None:
     w = _watched(sessions, num_jobs=5, cap=1000)
-    resources: Any = _Admitting(sessions, w.gate)
-    tenant = CurrentTenant(id=w.tenant_id, name="acme")
-
-    async def submissions(num: int) -> None:
-        await asyncio.gather(*(_admit(tenant, resources) for _ in range(num)))
-
-    asyncio.run(submissions(32))  # no count yet: all 32 wait for one
+    resources = _Admitting(sessions, w.gate)
+    # No count yet: all 32 wait for one.
+    assert asyncio.run(resources.submit(w.tenant_id, 32)) == [None] * 32
     assert w.num_counts == 1
     w.clock.now += REFRESH_AFTER_S
 
     async def refreshed_behind() -> None:
-        await submissions(32)  # admitted on the aging count; one recount starts
+        # Admitted on the aging count; one recount starts.
+        assert await resources.submit(w.tenant_id, 32) == [None] * 32
         assert w.num_counts == 1 and len(resources.active_counts) == 1
         while len(resources.active_counts):
             await asyncio.sleep(0.01)
@@ -172,14 +176,7 @@ def test_the_cap_refuses_with_429_once_the_shared_count_is_spent(
     sessions: sessionmaker[Session],
 ) -> None:
     w = _watched(sessions, num_jobs=8, cap=10)
-    resources: Any = _Admitting(sessions, w.gate)
-    tenant = CurrentTenant(id=w.tenant_id, name="acme")
-
-    async def submissions() -> list[Any]:
-        return await asyncio.gather(*(_admit(tenant, resources) for _ in range(5)),
-                                    return_exceptions=True)
-
-    outcomes = asyncio.run(submissions())
+    outcomes = asyncio.run(_Admitting(sessions, w.gate).submit(w.tenant_id, 5))
     assert outcomes.count(None) == 2
     refused = [o for o in outcomes if o is not None]
     assert len(refused) == 3 and all(isinstance(o, RateLimited) for o in refused)
