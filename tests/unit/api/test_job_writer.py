@@ -41,7 +41,8 @@ def tenant_id(sessions: sessionmaker[Session]) -> str:
 @pytest.fixture
 def writer(make_settings: Callable[..., Settings], sessions: sessionmaker[Session]):
     # A long window, so concurrent writes on a loaded machine still meet in one group.
-    writer = JobWriter(make_settings(), sessions, publish_timeout_s=5.0, window_s=0.2)
+    writer = JobWriter(make_settings(), sessions, publish_timeout_s=5.0, window_s=0.2,
+                       quiet_s=0.2)
     yield writer
     writer.close()
 
@@ -146,3 +147,47 @@ def test_a_request_that_stops_waiting_leaves_its_group_answered(
     # The cancelled request's job was stored and produced all the same (it had been taken).
     assert _num_jobs(sessions) == 4
     assert len(producer.records) == 4
+
+
+def test_a_group_closes_once_no_more_submissions_arrive(
+    make_settings: Callable[..., Settings], sessions: sessionmaker[Session],
+    producer: RecordingProducer, tenant_id: str,
+) -> None:
+    """A lone job is written after the quiet gap, not held for the whole window."""
+    writer = JobWriter(make_settings(), sessions, publish_timeout_s=5.0, window_s=3600.0,
+                       quiet_s=0.01)
+    try:
+        job = _job(tenant_id, 0)
+        assert writer.enqueue(job, producer).result(timeout=60) is job
+    finally:
+        writer.close()
+
+
+def test_submissions_waiting_while_the_writer_is_busy_form_one_group(
+    make_settings: Callable[..., Settings], sessions: sessionmaker[Session],
+    producer: RecordingProducer, tenant_id: str,
+) -> None:
+    """However short the quiet gap, what queued meanwhile is written as one group."""
+    writer = JobWriter(make_settings(), sessions, publish_timeout_s=5.0, quiet_s=0.0)
+    first_insert, release = threading.Event(), threading.Event()
+    commits = []
+    engine = sessions.kw["bind"]
+
+    def hold_the_first(*args: object) -> None:
+        if not first_insert.is_set():
+            first_insert.set()
+            release.wait(60)
+
+    event.listen(engine, "before_cursor_execute", hold_the_first)
+    event.listen(engine, "commit", lambda conn: commits.append(1))
+    jobs = [_job(tenant_id, i) for i in range(1 + NUM_CONCURRENT)]
+    try:
+        answers = [writer.enqueue(jobs[0], producer)]
+        assert first_insert.wait(60)
+        answers += [writer.enqueue(job, producer) for job in jobs[1:]]
+        release.set()
+        assert [a.result(timeout=60) for a in answers] == jobs
+    finally:
+        release.set()
+        writer.close()
+    assert len(commits) == 2
