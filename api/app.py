@@ -12,8 +12,10 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
@@ -44,6 +46,22 @@ logger = logging.getLogger(__name__)
 MULTIPART_OVERHEAD_BYTES = 1 << 20
 
 
+class ServiceApp(FastAPI):
+    """The API app: FastAPI, with `api.hot_path.HotPath` in front of its whole stack.
+
+    `max_jobs_body_bytes`: the body limit of `POST /v1/jobs`, which the hot path checks
+    itself (the app's body-limit middleware is behind it).
+    """
+
+    def __init__(self, *, max_jobs_body_bytes: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hot_path = HotPath(super().__call__, api=self, max_body_bytes=max_jobs_body_bytes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Every request, and the lifespan, enter through the hot path."""
+        await self.hot_path(scope, receive, send)
+
+
 def create_app(settings: Settings | None = None, *, serving: bool = False) -> FastAPI:
     """A new API app on `settings` (default: the process's `get_settings()`).
 
@@ -72,16 +90,15 @@ def create_app(settings: Settings | None = None, *, serving: bool = False) -> Fa
         finally:
             await resources.aclose()
 
-    app = FastAPI(
+    app = ServiceApp(
+        max_jobs_body_bytes=app_settings.max_request_bytes,
         title="batchinfer",
         summary="Asynchronous batch inference for LLMs, with an OpenAI-compatible API.",
         version="0.1.0",
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    # Added last is outermost: latency covers everything, 413s included. The hot path
-    # is innermost, so the body limit and the metrics hold for what it answers too.
-    app.add_middleware(HotPath, api=app)
+    # Added last is outermost: latency covers everything, 413s included.
     app.add_middleware(
         BodyLimitMiddleware,
         default_limit=app_settings.max_request_bytes,

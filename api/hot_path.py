@@ -1,37 +1,41 @@
-"""The two requests every job makes, answered without FastAPI's per-request machinery.
+"""The two requests every job makes, answered in front of FastAPI's per-request machinery.
 
 `POST /v1/jobs` and `GET /v1/jobs/{job_id}` (the long-poll) carry every job of the
 service. Through FastAPI each costs ~100 us of the API's one event loop before and after
 the route's own work (routing, ~15 dependency and middleware layers, parameter models;
 measured in-process around a route that does nothing), against ~0.7 ms of API CPU per
 submission in all; at thousands of jobs a second that loop is the API's ceiling.
-`HotPath` sits inside the app's own middleware (error pages, body limit, metrics) and
-answers an ordinary request to either route itself, with the routes' own functions
+`HotPath` is the app's outermost layer (`api.app.ServiceApp` calls it first) and answers
+an ordinary request to either route itself, with the routes' own functions
 (`api.routes.jobs.accept_job`, `job_response`), the same authentication and the same
-exception handlers.
+exception handlers. It does for them what the app's middleware does for every other
+request: the latency metric by route template, the body limit (by Content-Length), the
+last-resort 500.
 
 Anything out of the ordinary goes on to FastAPI unchanged, which answers it as it always
-has: a body that is not a JSON object sent as `application/json` (another or no content
-type, broken JSON, an array), a body that could not be read (over the size limit, a
-client gone), an empty or over-long Idempotency-Key, a query other than one plain
-`wait=<seconds>`, a trailing slash. The rules are `ordinary_submission` and
-`ordinary_read`.
+has: a body without a Content-Length within the limit (chunked, or too large: FastAPI's
+413), a body that is not a JSON object sent as `application/json` (another or no content
+type, broken JSON, an array), a body that could not be read (a client gone), an empty or
+over-long Idempotency-Key, a query other than one plain `wait=<seconds>`, a trailing
+slash. The rules are `ordinary_submission` and `ordinary_read`.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.auth import authenticate, bearer_scheme
 from api.deps import MAX_IDEMPOTENCY_KEY_CHARS
+from api.metrics import observe_request
 from api.routes.jobs import accept_job, job_response, router
 
 JOBS_PATH = "/v1/jobs"
@@ -41,46 +45,69 @@ _PLAIN_WAIT = re.compile(r"wait=(\d{1,9}(?:\.\d{1,9})?)")
 
 
 class HotPath:
-    """ASGI middleware: ordinary job submissions and reads here, everything else on."""
+    """ASGI layer: ordinary job submissions and reads here, everything else on to `app`.
 
-    def __init__(self, app: ASGIApp, *, api: FastAPI) -> None:
+    `app` is the FastAPI app's own ASGI entry (its middleware stack), `api` the app whose
+    state, exception handlers and telemetry settings apply, `max_body_bytes` the body
+    limit of `/v1/jobs`.
+    """
+
+    def __init__(self, app: ASGIApp, *, api: FastAPI, max_body_bytes: int) -> None:
         self.app = app
         self.api = api
+        self.max_body_bytes = max_body_bytes
         self._submit_route = _route(JOBS_PATH, "POST")
         self._read_route = _route(_JOB_PREFIX + "{job_id}", "GET")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer an ordinary submission or read; pass anything else to the app."""
-        if scope["type"] == "http" and not scope.get("root_path"):
+        if scope["type"] == "http" and not scope.get("root_path") and not self._traced():
+            started = time.perf_counter()
             path = scope["path"]
             if path == JOBS_PATH and scope["method"] == "POST":
-                await self._submit(scope, receive, send)
+                await self._submit(scope, receive, send, started)
                 return
             if path.startswith(_JOB_PREFIX) and scope["method"] == "GET":
                 job_id = path[len(_JOB_PREFIX):]
                 wait = ordinary_read(job_id, scope["query_string"])
                 if wait is not None:
-                    scope["route"] = self._read_route
-                    request = Request(scope, receive)
-                    await self._answer(request, send, self._read(request, job_id, wait))
+                    request = self._request(scope, receive, self._read_route)
+                    await self._answer(request, send, self._read(request, job_id, wait),
+                                       started)
                     return
         await self.app(scope, receive, send)
 
-    async def _submit(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def _traced(self) -> bool:
+        """Whether FastAPI's own OpenTelemetry instrumentation is on (a provider is
+        configured): then every request goes through FastAPI, which records its span."""
+        telemetry = getattr(self.api, "_native_telemetry", None)
+        return telemetry is not None and telemetry.enabled()
+
+    def _request(self, scope: Scope, receive: Receive, route: APIRoute) -> Request:
+        scope["app"] = self.api
+        scope["route"] = route
+        return Request(scope, receive)
+
+    async def _submit(self, scope: Scope, receive: Receive, send: Send, started: float
+                      ) -> None:
         request = Request(scope, receive)
         headers = request.headers
+        declared = headers.get("content-length")
+        if declared is None or not declared.isdigit() or int(declared) > self.max_body_bytes:
+            await self.app(scope, receive, send)  # chunked, or FastAPI's 413
+            return
         key = headers.get("idempotency-key")
         try:
             body = await request.body()
-        except Exception as e:  # over the size limit, a client gone: FastAPI's to answer
+        except Exception as e:  # a client gone: FastAPI's to answer
             await self.app(scope, _raising(e), send)
             return
         raw = ordinary_submission(headers.get("content-type"), key, body)
         if raw is None:
             await self.app(scope, _replaying(body, receive), send)
             return
-        scope["route"] = self._submit_route
-        await self._answer(request, send, self._accept(request, raw, key))
+        request = self._request(scope, receive, self._submit_route)
+        await self._answer(request, send, self._accept(request, raw, key), started)
 
     async def _accept(self, request: Request, raw: dict[str, Any], key: str | None
                       ) -> Response:
@@ -94,19 +121,33 @@ class HotPath:
         return await job_response(self.api.state.resources, job_id=job_id, tenant=tenant,
                                   wait=wait)
 
-    async def _answer(self, request: Request, send: Send, answering: Any) -> None:
+    async def _answer(self, request: Request, send: Send, answering: Any, started: float
+                      ) -> None:
         """Send what `answering` returns, or what the app's handler makes of its error.
 
-        An error no handler takes (the 500s) goes up to the app's outer error middleware,
-        as it would from a route.
+        An error no handler takes is answered with the app's 500 and then raised for the
+        server to log, as Starlette's ServerErrorMiddleware does for every other route.
         """
+        status = 500
         try:
-            response = await answering
-        except Exception as e:
-            handler = self._handler_for(e)
-            if handler is None:
-                raise
-            response = await handler(request, e)
+            try:
+                response = await answering
+            except Exception as e:
+                handler = self._handler_for(e)
+                if handler is None:
+                    await self._server_error(request, send, e)
+                    raise
+                response = await handler(request, e)
+            status = response.status_code
+            await response(request.scope, request.receive, send)
+        finally:
+            observe_request(request.scope["method"], request.scope["route"].path, status,
+                            time.perf_counter() - started)
+
+    async def _server_error(self, request: Request, send: Send, error: Exception) -> None:
+        handler: Any = self.api.exception_handlers.get(Exception)
+        response = (await handler(request, error) if handler is not None
+                    else PlainTextResponse("Internal Server Error", status_code=500))
         await response(request.scope, request.receive, send)
 
     def _handler_for(self, error: Exception) -> Any:

@@ -156,6 +156,53 @@ def test_metrics_label_hot_requests_by_their_route(client: TestClient, acme: Ten
     assert 'method="GET",route="/v1/jobs/{job_id}",status="200"' in text
 
 
+def test_an_unexpected_error_is_the_apps_500_and_counted(
+        client: TestClient, acme: TenantKey, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What no handler takes is the one error shape's 500, as the routes' would be."""
+
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(api.hot_path, "accept_job", broken)
+    response = client.post("/v1/jobs", content=_json(VALID),
+                           headers={**acme.headers, "Content-Type": HOT})
+    assert response.status_code == 500
+    assert response.json()["error"]["code"] == "internal_error"
+    assert 'method="POST",route="/v1/jobs",status="500"' in client.get("/metrics").text
+
+
+def test_a_chunked_body_goes_to_the_route(
+        client: TestClient, acme: TenantKey, hot_calls: list[str]) -> None:
+    """Without a Content-Length the body limit is the route's to count."""
+    response = client.post("/v1/jobs", content=iter([_json(VALID)]),
+                           headers={**acme.headers, "Content-Type": HOT})
+    assert response.status_code == 202
+    assert "content-length" not in response.request.headers
+    assert hot_calls == []
+
+
+def test_with_fastapis_telemetry_on_everything_goes_through_fastapi(
+        client: TestClient, acme: TenantKey, hot_calls: list[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A configured OpenTelemetry provider gets its spans for these routes too."""
+    app = client.app
+    telemetry = getattr(app, "_native_telemetry", None)
+    if telemetry is None:
+        pytest.skip("this FastAPI has no native telemetry")
+    monkeypatch.setattr(telemetry, "enabled", lambda: True)
+    monkeypatch.setattr(type(telemetry), "__call__", _untraced)
+    response = client.post("/v1/jobs", content=_json(VALID),
+                           headers={**acme.headers, "Content-Type": HOT})
+    assert response.status_code == 202
+    assert hot_calls == []
+
+
+async def _untraced(self: Any, *, app: Any, scope: Any, receive: Any, send: Any,
+                    legacy_otel: bool) -> None:
+    """FastAPI's telemetry wrapper, minus the spans (no provider is configured here)."""
+    await app(scope, receive, send)
+
+
 @pytest.mark.parametrize(("content_type", "key", "body", "expected"), [
     ("application/json", None, b'{"a": 1}', {"a": 1}),
     ("Application/JSON; charset=utf-8", "k", b'{"a": 1}', {"a": 1}),
