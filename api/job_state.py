@@ -11,7 +11,9 @@ wake-up: the hub reads every announced job's view in one query (`read_finished_v
 A wait reads the job's view first, not its status: the view leaves the request out
 (`storage.jobs.JOB_VIEW`), so it costs about what the status alone does, and a job
 that finished before its long-poll arrived (the common case once the engine is fast) is
-answered in one read instead of two.
+answered in one read instead of two. A wait for a job this process stored, of which the
+hub has heard nothing since, skips that read: the job has not finished, and its
+completion will wake the wait (see the hub's "Jobs expected").
 """
 
 from __future__ import annotations
@@ -79,12 +81,14 @@ async def wait_for_job(
         return await _wait_alone(resources, job_id=job_id, tenant_id=tenant_id,
                                  timeout=timeout)
     deadline = time.monotonic() + timeout
-    # Registered before the read: a completion committed after it wakes this wait.
+    # Registered before the read: a completion committed after it wakes this wait. A job
+    # this process stored and has heard nothing of since is unfinished: nothing to read.
     woken = hub.register(job_id)
     try:
-        view = await _read_view(resources, job_id=job_id, tenant_id=tenant_id)
-        if view is None or view.status.is_terminal:
-            return view
+        if not hub.unheard(job_id, tenant_id):
+            view = await _read_view(resources, job_id=job_id, tenant_id=tenant_id)
+            if view is None or view.status.is_terminal:
+                return view
         try:
             heard = await asyncio.wait_for(woken, max(0.0, deadline - time.monotonic()))
         except TimeoutError:

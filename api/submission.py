@@ -115,8 +115,7 @@ async def submit(
         published=True,
     )
     try:
-        await asyncio.wait_for(asyncio.wrap_future(resources.writer.enqueue(job, producer)),
-                               WRITE_TIMEOUT_S)
+        await _store(job, resources, producer)
     except IdempotencyKeyTaken:
         # A concurrent request with the same key committed first: answer as its replay.
         assert idempotency_key is not None and digest is not None
@@ -129,6 +128,22 @@ async def submit(
     JOBS_SUBMITTED.labels(priority=job.priority).inc()
     logger.debug("job %s queued (%s, %s)", job.id, job.priority, job.model)
     return Submission(job=job, is_replay=False)
+
+
+async def _store(job: Job, resources: Resources, producer: LazyProducer) -> None:
+    """Have the writer store and produce the job; raises what refused it.
+
+    The done hub expects the job from before its row exists, so before any completion of
+    it can be announced; its long-polls then skip their first read (`storage.job_done_hub`).
+    """
+    hub = resources.done_hub
+    hub.expect(job.id, job.tenant_id)
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(resources.writer.enqueue(job, producer)),
+                               WRITE_TIMEOUT_S)
+    except BaseException:
+        hub.forget(job.id)  # not stored, or not known to be: its long-polls read first
+        raise
 
 
 def check(request: AnyRequest | EmbeddingRequest, resources: Resources) -> None:

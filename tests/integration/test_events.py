@@ -9,6 +9,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
 
 import pytest
 import redis
@@ -407,5 +409,57 @@ def test_an_announcement_wakes_its_waiters_with_views_read_in_one_call(
                                     statuses={"job_e": JobStatus.SUCCEEDED})
             assert await asyncio.wait_for(e, 5) is True
             assert 0.9 < time.monotonic() - started < 3 and len(reads) == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_job_is_expected_until_anything_of_it_is_heard(
+    redis_url: str, client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`unheard` holds for the tenant's expected job until its own or a grouped
+    announcement names it, `forget` or EXPECT_S ends it, MAX_EXPECTED bounds how many, and
+    losing the subscription forgets them all (what was missed meanwhile is unknown)."""
+    async def heard_of(hub: JobDoneHub, job_id: str, announce: Any = None) -> None:
+        """Until the hub has heard what `announce` publishes of the job (or lost Redis)."""
+        woken = hub.register(job_id)
+        if announce is not None:
+            await asyncio.to_thread(announce)
+        await asyncio.wait_for(woken, 5)
+        hub.unregister(job_id, woken)
+
+    async def scenario() -> None:
+        aredis = aioredis.Redis.from_url(redis_url)
+        idle = JobDoneHub(aredis, prefix=prefix)
+        idle.expect("job_a", "t1")  # not listening: nothing it does not hear is known
+        assert not idle.unheard("job_a", "t1")
+        await aredis.aclose()
+        async with running_hub(redis_url, prefix) as hub:
+            monkeypatch.setattr("storage.job_done_hub.EXPECT_S", 0.0)
+            hub.expect("job_g", "t1")
+            assert not hub.unheard("job_g", "t1")
+            monkeypatch.undo()
+            for job_id in ("job_a", "job_b", "job_c", "job_d"):
+                hub.expect(job_id, "t1")
+            assert hub.unheard("job_a", "t1") and not hub.unheard("job_a", "t2")
+            assert not hub.unheard("job_x", "t1")
+            await heard_of(hub, "job_a", partial(
+                publish_job_done, client, prefix=prefix, job_id="job_a",
+                status=JobStatus.SUCCEEDED))
+            await heard_of(hub, "job_b", partial(
+                publish_jobs_done, client, prefix=prefix, statuses={"job_b": JobStatus.FAILED}))
+            assert not hub.unheard("job_a", "t1") and not hub.unheard("job_b", "t1")
+            hub.forget("job_c")
+            assert not hub.unheard("job_c", "t1") and hub.unheard("job_d", "t1")
+            monkeypatch.setattr("storage.job_done_hub.MAX_EXPECTED", 2)
+            hub.expect("job_e", "t1")
+            hub.expect("job_f", "t1")
+            assert not hub.unheard("job_d", "t1")  # the oldest went
+            assert hub.unheard("job_e", "t1") and hub.unheard("job_f", "t1")
+            monkeypatch.undo()
+            hub.expect("job_h", "t1")
+            await heard_of(hub, "job_never", partial(client.client_kill_filter, _type="pubsub"))
+            assert not hub.unheard("job_h", "t1")
+            await listening(hub)
+            assert not hub.unheard("job_h", "t1")
 
     asyncio.run(scenario())

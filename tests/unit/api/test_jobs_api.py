@@ -226,8 +226,9 @@ def test_a_grouped_announcement_answers_its_long_polls_from_one_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A worker's write announced as one message: the hub reads the waiting jobs' views in
-    one query and each long-poll answers with its view, without a read of its own after
-    the wake-up (one read per job in all: the one before waiting)."""
+    one query and each long-poll answers with its view, without a read of its own: not
+    after the wake-up, and not before waiting either, as the jobs were stored by this
+    process and nothing was heard of them since."""
     client = make_client()
     settings: Settings = client.app.state.resources.settings  # type: ignore[attr-defined]
     job_ids = [client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
@@ -265,7 +266,7 @@ def test_a_grouped_announcement_answers_its_long_polls_from_one_read(
         poll.join(10)
     assert {job_id: (a["status"], a["result"]) for job_id, a in answers.items()} == (
         dict.fromkeys(job_ids, ("succeeded", CHAT_RESULT)))
-    assert sorted(single_reads) == sorted(job_ids)
+    assert single_reads == []
     assert grouped_reads == [sorted(job_ids)]
 
 
@@ -277,6 +278,7 @@ def test_on_sqlite_a_long_poll_reads_the_job_on_the_event_loop(
     back from the one read a finished job needs."""
     job_id = client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
     finish(sessions, job_id)
+    announce_done(client, job_id)
 
     def no_hop(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the read went to the thread pool")
@@ -287,6 +289,61 @@ def test_on_sqlite_a_long_poll_reads_the_job_on_the_event_loop(
         "succeeded", CHAT_RESULT, {"cached_tokens": 1})
     assert job["finished_at"] >= job["created_at"]
     assert client.get(f"/v1/jobs/{job_id}", headers=acme.headers).json() == job
+
+
+def test_a_long_poll_reads_first_only_what_may_have_finished(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job stored here and unheard of since is waited for without a read before; once
+    its completion was heard, a long-poll reads it at once, as does one of a job this
+    process did not store (a restarted API, another process)."""
+    hub = client.app.state.resources.done_hub  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while not hub.is_listening:  # before, the hub expects nothing
+        assert time.monotonic() < deadline, "the hub never started listening"
+        time.sleep(0.01)
+    unheard, heard = (client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+                      for _ in range(2))
+    reads: list[str] = []
+    load_job = api.job_state.load_job
+
+    def counted_load(*args: Any, **kwargs: Any) -> Any:
+        reads.append(kwargs["job_id"])
+        return load_job(*args, **kwargs)
+
+    monkeypatch.setattr("api.job_state.load_job", counted_load)
+    finish(sessions, heard)
+    announce_done(client, heard)
+    while hub.unheard(heard, acme.tenant_id):  # the hub hears it on the app's loop
+        assert time.monotonic() < deadline, "the hub never heard the announcement"
+        time.sleep(0.01)
+    assert client.get(f"/v1/jobs/{heard}?wait=20", headers=acme.headers).json()["status"] == (
+        "succeeded")
+    assert reads == [heard]
+    timer = threading.Timer(0.3, announce_done, (client, unheard))
+    timer.start()
+    assert client.get(f"/v1/jobs/{unheard}?wait=20", headers=acme.headers).json()["status"] == (
+        "queued")  # woken by the (test's false) announcement, then read once
+    timer.join()
+    assert reads == [heard, unheard]
+    other = client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+    hub.forget(other)
+    finish(sessions, other)
+    assert client.get(f"/v1/jobs/{other}?wait=20", headers=acme.headers).json()["status"] == (
+        "succeeded")
+    assert reads == [heard, unheard, other]
+
+
+def announce_done(client: TestClient, job_id: str) -> None:
+    """Publish the job's completion as a worker does after its commit."""
+    settings: Settings = client.app.state.resources.settings  # type: ignore[attr-defined]
+    publisher = redis.Redis.from_url(settings.redis_url)
+    try:
+        publish_job_done(publisher, prefix=settings.topic_prefix, job_id=job_id,
+                         status=JobStatus.SUCCEEDED)
+    finally:
+        publisher.close()
 
 
 def test_long_poll_is_capped_and_returns_the_unfinished_job(
