@@ -127,7 +127,8 @@ class CacheLedger:
         self._client = client
 
     def queue(self, pipe: redis.client.Pipeline, changes: list[LedgerChange]) -> None:
-        """Add the ledger call for `changes` to a pipeline (its reply: `report(...)`)."""
+        """Add the ledger call for `changes` to a pipeline (its reply: `report(...)`); run
+        the pipeline with `storage.redis_scripts.execute`."""
         self._script(keys=self.keys, args=self._args(changes), client=pipe)
 
     def apply(self, changes: list[LedgerChange]) -> LedgerReport:

@@ -24,6 +24,7 @@ import orjson
 import redis
 
 from core import metrics
+from storage import redis_scripts
 from storage.cache_ledger import CacheLedger, LedgerChange
 from storage.db import ORJSON_OPTIONS, stdlib_json_default
 
@@ -174,7 +175,7 @@ class ResultCache:
         self.ledger.queue(pipe, [LedgerChange("set", key, len(payload), 1, ttl)
                                  for key, (payload, ttl) in payloads.items()])
         try:
-            replies = pipe.execute()
+            replies = redis_scripts.execute(pipe)
         except redis.RedisError as e:
             metrics.CACHE_ERRORS.labels(self.KIND).inc()
             logger.warning("result cache write failed (%s); %d results not cached", e,

@@ -47,6 +47,7 @@ import numpy as np
 import redis
 
 from core import metrics
+from storage import redis_scripts
 from storage.cache_ledger import CacheLedger, LedgerChange
 from storage.semantic_cache import (
     KIND,
@@ -208,7 +209,7 @@ class ExactSemanticCache:
                                         ttl_s))
         self.ledger.queue(pipe, changes)
         try:
-            replies = pipe.execute()
+            replies = redis_scripts.execute(pipe)
             drops = [LedgerChange("drop", change.unit, int(reply[4]), int(reply[3]))
                      for change, reply in zip(changes, replies, strict=False) if int(reply[3])]
             reports = [self.ledger.report(replies[-1])]

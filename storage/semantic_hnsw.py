@@ -30,6 +30,7 @@ from redis.commands.search.index_definition import IndexDefinition, IndexType
 from redis.commands.search.query import Query
 
 from core import metrics
+from storage import redis_scripts
 from storage.cache_ledger import CacheLedger, LedgerChange
 from storage.semantic_cache import (
     KIND,
@@ -160,7 +161,7 @@ class HnswSemanticCache:
             return
         self.ledger.queue(pipe, changes)
         try:
-            report = self.ledger.report(pipe.execute()[-1])
+            report = self.ledger.report(redis_scripts.execute(pipe)[-1])
         except redis.RedisError as e:
             count_failed_write(e, len(changes))
             return
