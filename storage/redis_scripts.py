@@ -19,7 +19,7 @@ from redis.exceptions import NoScriptError
 def execute(pipe: redis.client.Pipeline) -> list[Any]:
     """`pipe.execute()` of a pipeline without a transaction, without the SCRIPT EXISTS
     round trip; raises the first error reply as it would."""
-    if pipe.transaction:
+    if pipe.transaction is True:  # the flag Pipeline sets, not Redis.transaction()
         raise ValueError("a transaction's NOSCRIPT aborts all of it: use pipe.execute()")
     scripts = {script.sha: script for script in pipe.scripts}
     stack = list(pipe.command_stack)
