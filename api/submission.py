@@ -101,6 +101,26 @@ async def submit(
         if earlier is not None:
             return _replay(earlier, digest, idempotency_key)
     await _admit(tenant, resources)
+    try:
+        return await _queue(request, priority=priority, tenant=tenant,
+                            idempotency_key=idempotency_key, digest=digest,
+                            resources=resources, producer=producer)
+    finally:
+        resources.active_jobs.settle(tenant_id=tenant.id)
+
+
+async def _queue(
+    request: AnyRequest | EmbeddingRequest,
+    *,
+    priority: Priority,
+    tenant: CurrentTenant,
+    idempotency_key: str | None,
+    digest: str | None,
+    resources: Resources,
+    producer: LazyProducer,
+) -> Submission:
+    """`submit` of an admitted request: its new job stored and published, or the replay
+    of a concurrent request's with the same Idempotency-Key."""
     job = new_job(
         tenant_id=tenant.id,
         priority=priority,

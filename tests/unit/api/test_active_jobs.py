@@ -182,3 +182,55 @@ def test_the_cap_refuses_with_429_once_the_shared_count_is_spent(
     assert len(refused) == 3 and all(isinstance(o, RateLimited) for o in refused)
     assert refused[0].code == "too_many_active_jobs"
     assert w.num_counts == 1
+
+
+def _add_jobs(sessions: sessionmaker[Session], tenant_id: str, num: int) -> None:
+    """Rows of admitted jobs, as the writer stores them."""
+    with sessions() as session:
+        for i in range(num):
+            create_job(session, tenant_id=tenant_id, priority="normal", model="m",
+                       kind="text_completion", request={"prompt": f"stored {i}"})
+        session.commit()
+
+
+def test_a_count_adds_the_admitted_jobs_it_cannot_see_yet(
+    sessions: sessionmaker[Session],
+) -> None:
+    """5 active, cap 10, 3 admitted whose rows are not written yet: the next count sees 5
+    rows and still leaves 2 slots, not 5. Once their rows are written and settled, a count
+    sees them as rows instead."""
+    w = _watched(sessions, num_jobs=5, cap=10)
+    with sessions() as session:
+        w.gate.count(session, tenant_id=w.tenant_id)
+        assert [w.gate.admit_counted(tenant_id=w.tenant_id) for _ in range(3)] == [True] * 3
+        w.clock.now += MAX_AGE_S
+        w.gate.count(session, tenant_id=w.tenant_id)
+        assert [w.gate.admit_counted(tenant_id=w.tenant_id) for _ in range(3)] == [
+            True, True, False]
+        _add_jobs(sessions, w.tenant_id, 5)
+        for _ in range(5):
+            w.gate.settle(tenant_id=w.tenant_id)
+        w.clock.now += MAX_AGE_S
+        w.gate.count(session, tenant_id=w.tenant_id)
+        assert not w.gate.admit_counted(tenant_id=w.tenant_id)  # 10 rows, none unseen
+
+
+def test_a_count_adds_the_jobs_admitted_while_it_ran(sessions: sessionmaker[Session]) -> None:
+    """Two admissions during the COUNT itself (rows not written): 5 + 2, three slots left."""
+    w = _watched(sessions, num_jobs=5, cap=10)
+    with sessions() as session:
+        w.gate.count(session, tenant_id=w.tenant_id)
+    admitted_meanwhile: list[bool] = []
+
+    def admit_twice(conn: Any, cursor: Any, sql: str, *args: Any) -> None:
+        if "count" in sql.lower() and not admitted_meanwhile:
+            admitted_meanwhile.extend(w.gate.admit_counted(tenant_id=w.tenant_id)
+                                      for _ in range(2))
+
+    event.listen(sessions.kw["bind"], "before_cursor_execute", admit_twice)
+    w.clock.now += MAX_AGE_S
+    with sessions() as session:
+        w.gate.count(session, tenant_id=w.tenant_id)
+    assert admitted_meanwhile == [True, True]
+    assert [w.gate.admit_counted(tenant_id=w.tenant_id) for _ in range(4)] == [
+        True, True, True, False]
