@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import sqlalchemy as sa
 
 from core.kafka import ensure_topics
@@ -81,6 +82,16 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                             persist=False, prefer_system=True)
     with service:
         yield f"redis://127.0.0.1:{port}/0"
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    """A synchronous client of the session's Redis (as workers use), closed afterwards."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -40,13 +40,9 @@ def prefix() -> str:
 
 
 @pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
+def client(redis_client: redis.Redis) -> redis.Redis:
     """A synchronous client, as workers use."""
-    client = redis.Redis.from_url(redis_url)
-    try:
-        yield client
-    finally:
-        client.close()
+    return redis_client
 
 
 def publish_later(
