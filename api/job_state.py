@@ -13,7 +13,9 @@ A wait reads the job's view first, not its status: the view leaves the request o
 that finished before its long-poll arrived (the common case once the engine is fast) is
 answered in one read instead of two. A wait for a job this process stored, of which the
 hub has heard nothing since, skips that read: the job has not finished, and its
-completion will wake the wait (see the hub's "Jobs expected").
+completion will wake the wait (see the hub's "Jobs expected"). Whatever it read first, a
+wait that hears nothing reads its job again every RECHECK_S, so a lost announcement costs
+seconds, not the rest of the wait.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from storage.events import (
 from storage.jobs import cancel_job, job_view, job_views
 from storage.models import Job, JobStatus
 from storage.webhook_events import enqueue_job_event
+
+# How often a long-poll woken by nothing reads its job anyway (see `_heard_or_done`).
+RECHECK_S = 5.0
 
 
 def load_job(resources: Resources, *, job_id: str, tenant_id: str) -> JobPublic | None:
@@ -89,10 +94,8 @@ async def wait_for_job(
             view = await _read_view(resources, job_id=job_id, tenant_id=tenant_id)
             if view is None or view.status.is_terminal:
                 return view
-        try:
-            heard = await asyncio.wait_for(woken, max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            heard = True  # the wait is over: read the job as it is
+        heard = await _heard_or_done(resources, woken, job_id=job_id, tenant_id=tenant_id,
+                                     deadline=deadline)
         if heard is False:  # the hub lost Redis meanwhile: poll for what is left of the wait
             await poll_until_done(lambda: _is_done(resources, job_id, tenant_id),
                                   deadline - time.monotonic())
@@ -101,6 +104,24 @@ async def wait_for_job(
         return await _read_view(resources, job_id=job_id, tenant_id=tenant_id)
     finally:
         hub.unregister(job_id, woken)
+
+
+async def _heard_or_done(resources: Resources, woken: asyncio.Future[Any], *, job_id: str,
+                         tenant_id: str, deadline: float) -> Any:
+    """What the hub woke the wait with; True once the database shows the job finished, or
+    the deadline passed (read it as it is).
+
+    Every RECHECK_S the database is asked: an announcement can be lost without the hub
+    losing its subscription (a worker's publish failing alone), and the wait would then
+    last until its deadline however long ago the job finished.
+    """
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.shield(woken), min(remaining, RECHECK_S))
+        except TimeoutError:
+            if remaining <= RECHECK_S or await _is_done(resources, job_id, tenant_id):
+                return True
 
 
 async def _wait_alone(

@@ -335,6 +335,21 @@ def test_a_long_poll_reads_first_only_what_may_have_finished(
     assert reads == [heard, unheard, other]
 
 
+def test_a_long_poll_whose_announcement_is_lost_reads_the_job_meanwhile(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job finished with no announcement heard (a worker's publish failed alone): the
+    long-poll answers within RECHECK_S, not at the end of its wait."""
+    monkeypatch.setattr("api.job_state.RECHECK_S", 0.2)
+    job_id = client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
+    threading.Timer(0.3, finish, (sessions, job_id)).start()
+    started = time.monotonic()
+    response = client.get(f"/v1/jobs/{job_id}?wait=30", headers=acme.headers)
+    assert response.json()["status"] == "succeeded"
+    assert time.monotonic() - started < 10
+
+
 def announce_done(client: TestClient, job_id: str) -> None:
     """Publish the job's completion as a worker does after its commit."""
     settings: Settings = client.app.state.resources.settings  # type: ignore[attr-defined]
