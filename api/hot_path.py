@@ -86,8 +86,8 @@ class HotPath:
         """Whether FastAPI's own OpenTelemetry instrumentation is on (a provider is
         configured): then every request goes through FastAPI, which records its span.
 
-        Asked once a TRACED_CHECK_S: the question costs ~10 us (each provider is looked up
-        anew), ~2% of the API's event loop end to end.
+        Asked once a TRACED_CHECK_S: each asking looks every provider up anew, ~3 us
+        (timeit) and ~2% of the API's event loop's samples end to end (py-spy).
         """
         now = time.monotonic()
         if now >= self._traced_until:
