@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from api.batch_cli import POLL_INTERVAL_S, TERMINAL_STATUSES
+from cli.batch import POLL_INTERVAL_S, TERMINAL_STATUSES
 from workers.engine.embedding_runner import EmbeddingRunner
 
 WORDS = (

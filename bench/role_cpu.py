@@ -8,7 +8,7 @@ import psutil
 from tests.utils.up_process import UpProcess
 
 # Which role a process of the `batchinfer up` tree plays, by a piece of its command line.
-ROLES = {"workers.inference": "worker", "core.cli": "api+scheduler", "tansu": "broker",
+ROLES = {"workers.inference": "worker", "-m cli": "api+scheduler", "tansu": "broker",
          "redis": "redis", "workers.callbacks": "callbacks", "-m api": "more api processes"}
 
 

@@ -285,7 +285,7 @@ def e2e_python_phase(up: UpProcess, model: str, num_jobs: int) -> None:
 def batch_phase(up: UpProcess, model: str, num_lines: int) -> None:
     """Upload a JSONL batch of 1-token requests, wait for it, download its output."""
     api = next(p for p in [psutil.Process(up.process.pid), *up.descendants()]
-               if "core.cli" in " ".join(p.cmdline()))
+               if "-m cli" in " ".join(p.cmdline()))
     rss_before = api.memory_info().rss
     lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
                                 "body": job_body(model, "batch", i)}) + "\n"

@@ -55,7 +55,7 @@ class ServedModel:
 
 def prepare_model(model: str, name: str, models_dir: Path) -> ServedModel:
     """Pull (known names) or check (paths) one model in a child process; its card."""
-    command = [sys.executable, "-m", "core.cli", "models", "prepare", model,
+    command = [sys.executable, "-m", "cli", "models", "prepare", model,
                "--served-model-name", name, "--models-dir", str(models_dir)]
     result = subprocess.run(command, stdout=subprocess.PIPE, stderr=None, text=True,
                             check=False)

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from api.batch_client import BatchClient
+from cli.batch_client import BatchClient
 from core.settings import Settings
 from tests.unit.engine.tiny_models import save_tiny_llama
 from tests.utils.batch_service import BatchService, batch_service, chat_line, jsonl, parse_jsonl
@@ -53,7 +53,7 @@ def service(settings: Callable[..., Settings], tmp_path: Path,
 
 def cli(svc: BatchService, *args: str) -> list[str]:
     """argv of `batchinfer batch ...` against this service."""
-    return [sys.executable, "-m", "core.cli", "batch", *args, "--url", svc.url,
+    return [sys.executable, "-m", "cli", "batch", *args, "--url", svc.url,
             "--api-key", svc.api_key]
 
 

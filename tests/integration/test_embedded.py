@@ -167,7 +167,7 @@ def test_up_refuses_a_port_in_use(tmp_path: Path) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "core.cli", "up", "--port", str(port), "--data-dir",
+            [sys.executable, "-m", "cli", "up", "--port", str(port), "--data-dir",
              str(tmp_path / "data")], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 2
     assert f"port {port}" in result.stderr and "already in use" in result.stderr

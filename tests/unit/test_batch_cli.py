@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.batch_cli import RateMeter, add_batch_parser, cmd_run, next_look
-from api.batch_client import DEFAULT_ENDPOINT, BatchClient, endpoint_of
+from cli.batch import RateMeter, add_batch_parser, cmd_run, next_look
+from cli.batch_client import DEFAULT_ENDPOINT, BatchClient, endpoint_of
 
 
 def parse(*argv: str) -> argparse.Namespace:

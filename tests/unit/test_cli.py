@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from core.cli import build_parser, main
+from cli.main import build_parser, main
 from core.settings import get_settings
 
 

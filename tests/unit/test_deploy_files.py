@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from core.cli import build_parser
+from cli.main import build_parser
 from core.settings import Settings
 from core.topics import PRIORITIES
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.cli import build_parser, served_models_of
+from cli.main import build_parser, served_models_of
 from core.settings import Settings
 from core.topics import PRIORITIES, job_topic_names, model_slug
 from scheduler.autoscale_loop import LagReader
@@ -62,7 +62,7 @@ def test_cli_pairs_models_with_names_in_order() -> None:
 
 def test_worker_refuses_a_name_without_a_model(capsys: pytest.CaptureFixture[str]) -> None:
     """`worker --served-model-name` alone is an error naming the missing option."""
-    from core.cli import main
+    from cli.main import main
 
     assert main(["worker", "--served-model-name", "a"]) == 2
     assert "add --model" in capsys.readouterr().err

@@ -13,10 +13,10 @@ from tests.utils.child_process import ChildProcess
 
 
 class CliProcess(ChildProcess):
-    """`python -m core.cli ARGS...` on the given settings, logging to a file."""
+    """`python -m cli ARGS...` on the given settings, logging to a file."""
 
     def __init__(self, args: list[str], settings: Settings, log_path: Path) -> None:
-        super().__init__(["core.cli", *args], settings, log_path)
+        super().__init__(["cli", *args], settings, log_path)
 
     @property
     def rss_bytes(self) -> int:

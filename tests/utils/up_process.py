@@ -134,7 +134,7 @@ def start_up(data_dir: Path, port: int, *, num_workers: int, log_path: Path,
         env["BATCHINFER_MODELS_DIR"] = os.environ["BATCHINFER_MODELS_DIR"]
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra_env or {})
-    argv = [sys.executable, "-m", "core.cli", "up", "--port", str(port), "--data-dir",
+    argv = [sys.executable, "-m", "cli", "up", "--port", str(port), "--data-dir",
             str(data_dir), "--workers", str(num_workers)]
     if max_workers is not None:
         argv += ["--max-workers", str(max_workers)]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from core.cli import main
+from cli.main import main
 from core.settings import get_settings
 from storage.db import create_db_engine, session_factory
 from storage.tenants import tenant_by_name

@@ -66,7 +66,7 @@ def _reporting_errors(func: Callable[[argparse.Namespace], int]
     def run(args: argparse.Namespace) -> int:
         import httpx
 
-        from api.batch_client import BatchAPIError
+        from cli.batch_client import BatchAPIError
 
         try:
             return func(args)
@@ -79,7 +79,7 @@ def _reporting_errors(func: Callable[[argparse.Namespace], int]
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from api.batch_client import BatchClient
+    from cli.batch_client import BatchClient
     from core.settings import get_settings
 
     settings = get_settings()
@@ -143,7 +143,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Upload and create (or reattach), follow progress, write the results."""
     from rich.console import Console
 
-    from api.batch_client import endpoint_of
+    from cli.batch_client import endpoint_of
 
     console = Console(stderr=True)
     with _client(args) as client:

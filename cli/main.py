@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     reconcile.set_defaults(func=cmd_reconcile)
 
     # The batch client imports only argparse-level code until one of its actions runs.
-    from api.batch_cli import add_batch_parser
+    from cli.batch import add_batch_parser
 
     add_batch_parser(sub)
     return parser
