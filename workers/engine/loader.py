@@ -21,6 +21,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from workers.engine.attention import AttentionBackend
 from workers.engine.models import CausalLM, model_class_for
+from workers.engine.models.experts import ExpertWeights
 from workers.engine.models.linear import FusedLinear
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,9 @@ def _target_of(name: str, model: CausalLM) -> tuple[str, int | None] | None:
     if name.endswith(_IGNORED_SUFFIXES) or (model.tie_word_embeddings and name == "lm_head.weight"):
         return None
     parts = name.split(".")
+    expert = _expert_target(parts, model)
+    if expert is not None:
+        return expert
     mapping = model.packed_modules_mapping
     if len(parts) >= 2 and parts[-2] in mapping:
         fused, shard = mapping[parts[-2]]
@@ -102,10 +106,29 @@ def _target_of(name: str, model: CausalLM) -> tuple[str, int | None] | None:
     return name, None
 
 
+def _expert_target(parts: list[str], model: CausalLM) -> tuple[str, int] | None:
+    """`<block>.experts.<e>.<proj>.weight` -> (`<block>.experts.<stacked>.weight`, shard).
+
+    Expert e's matrix j of a stacked projection is shard e * (matrices per expert) + j:
+    with gate/up stacked in w13, expert 3's up_proj is shard 7.
+    """
+    mapping = model.expert_modules_mapping
+    if len(parts) < 4 or parts[-4] != "experts" or parts[-2] not in mapping:
+        return None
+    stacked, index = mapping[parts[-2]]
+    param_name = ".".join([*parts[:-3], stacked, parts[-1]])
+    module = model.get_submodule(".".join([*parts[:-3], stacked]))
+    if not (isinstance(module, ExpertWeights) and parts[-3].isdigit()
+            and int(parts[-3]) < module.num_experts):
+        raise ValueError(f"model checkpoint has an unexpected weight {'.'.join(parts)!r}")
+    per_expert = len(module.output_sizes) // module.num_experts
+    return param_name, int(parts[-3]) * per_expert + index
+
+
 def _output_sizes(model: CausalLM, param_name: str) -> list[int] | None:
     """Row sizes of the checkpoint matrices stacked in a fused parameter, else None."""
     module = model.get_submodule(param_name.rsplit(".", 1)[0])
-    return module.output_sizes if isinstance(module, FusedLinear) else None
+    return module.output_sizes if isinstance(module, FusedLinear | ExpertWeights) else None
 
 
 def _copy_into(

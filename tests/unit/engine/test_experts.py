@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from workers.engine.experts import experts_grouped, route
 from workers.engine.kernels.grouped_gemm import align_pairs
 from workers.engine.kernels.moe_reference import moe_reference
+from workers.engine.models.experts import experts_grouped, route
 
 
 def test_alignment_gives_every_tile_one_expert_and_every_pair_one_row() -> None:

@@ -31,6 +31,9 @@ class CausalLM(nn.Module):
 
     # Read by the loader: checkpoint module name -> (fused module here, shard index).
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = SEPARATE_QKV_GATE_UP
+    # Read by the loader for `...experts.<i>.<name>.weight`: an expert's checkpoint
+    # projection -> (our stacked projection, matrix index within the expert's rows).
+    expert_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {}
     # The family's own stack (Hugging Face's `model.*` weights): embed_tokens, layers, norm.
     model: Any
     lm_head: nn.Linear | None

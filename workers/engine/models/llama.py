@@ -38,7 +38,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden = hf_config.hidden_size
         self.input_layernorm = RMSNorm(hidden, eps)
         # Qwen2 biases q/k/v only; Llama's attention_bias covers all four projections.
-        is_qwen2 = hf_config.model_type == "qwen2"
+        is_qwen2 = hf_config.model_type in ("qwen2", "qwen2_moe")
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         self.self_attn = Attention(
             hf_config, backend,

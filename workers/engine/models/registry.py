@@ -6,12 +6,16 @@ from transformers import PretrainedConfig
 
 from workers.engine.models.base import CausalLM
 from workers.engine.models.llama import LlamaForCausalLM
+from workers.engine.models.mixtral import MixtralForCausalLM
+from workers.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from workers.engine.models.rotary import rope_inv_freq
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
 }
 SUPPORTED_MODEL_TYPES = frozenset(MODEL_CLASSES)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.engine.experts import experts_grouped, experts_triton, route
 from workers.engine.kernels.grouped_gemm import align_pairs, grouped_gemm
 from workers.engine.kernels.moe_reference import moe_reference
+from workers.engine.models.experts import experts_grouped, experts_triton, route
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 

@@ -8,7 +8,7 @@ tokens it received (a grouped loop: E small matmuls instead of N * top_k tiny on
 Both are held to `kernels/moe_reference.py`, which runs every expert on every token.
 
 Weights: `w13` (E, 2 I, H), each expert's gate rows then up rows (the fused gate_up of the
-dense MLP, per expert); `w2` (E, H, I).
+dense MLP, per expert); `w2` (E, H, I); stored 2-D for the loader (`ExpertWeights`).
 """
 
 from __future__ import annotations
@@ -93,19 +93,39 @@ def experts_triton(
     return per_pair.view(num_tokens, top_k, -1).float().sum(1).to(x.dtype)
 
 
+class ExpertWeights(nn.Module):
+    """One projection of every expert, stacked: `weight` (E * sum(rows), in) holds expert
+    0's matrices (gate then up, for w13), then expert 1's, and so on.
+
+    Kept 2-D with `output_sizes` (one entry per checkpoint matrix, expert after expert) so
+    the loader fills it the way it fills any fused projection: checkpoint matrix j of
+    expert e is shard e * len(rows) + j.
+    """
+
+    def __init__(self, num_experts: int, rows: list[int], in_features: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.output_sizes = rows * num_experts
+        self.weight = nn.Parameter(torch.empty(num_experts * sum(rows), in_features))
+
+    def stacked(self) -> torch.Tensor:
+        """The weight as (E, sum(rows), in): a view, no copy."""
+        return self.weight.view(self.num_experts, -1, self.weight.shape[1])
+
+
 class FusedExperts(nn.Module):
-    """E SwiGLU experts in two stacked tensors, run on the tokens routed to each."""
+    """E SwiGLU experts in two stacked projections, run on the tokens routed to each."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13 = ExpertWeights(num_experts, [intermediate_size, intermediate_size], hidden_size)
+        self.w2 = ExpertWeights(num_experts, [hidden_size], intermediate_size)
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """x (N, H) -> (N, H)."""
         run = experts_triton if x.is_cuda else experts_grouped
-        return run(x, self.w13, self.w2, topk_ids, topk_weights)
+        return run(x, self.w13.stacked(), self.w2.stacked(), topk_ids, topk_weights)
