@@ -20,7 +20,7 @@ import logging
 import torch
 
 from workers.engine.attention import AttentionBackend
-from workers.engine.model import LlamaForCausalLM
+from workers.engine.models import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         backend: AttentionBackend,
         kv_cache: torch.Tensor,
         *,
@@ -57,7 +57,7 @@ class DecodeGraphs:
         self.scratch_slot = scratch_block * block_size
         device = kv_cache.device
         n = self.sizes[-1]
-        hidden_size = model.model.embed_tokens.weight.shape[1]
+        hidden_size = model.embed_tokens.weight.shape[1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)

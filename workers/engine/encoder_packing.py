@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import GELUActivation
 
-from workers.engine.model import pack_weight
+from workers.engine.models.linear import pack_weight
 from workers.engine.placement import packing_dtype
 
 

@@ -1,6 +1,10 @@
 """Loading weights into the decoder: Hugging Face safetensors directories, and GGUF files
 dequantized once through transformers into such a directory (the cache that makes the
-second load fast)."""
+second load fast).
+
+The loader knows no family: the registry names the class, and the class's
+`packed_modules_mapping` says which checkpoint matrices stack into which fused projection.
+"""
 
 from __future__ import annotations
 
@@ -16,19 +20,12 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, PretrainedConfig
 
 from workers.engine.attention import AttentionBackend
-from workers.engine.model import FusedLinear, LlamaForCausalLM
+from workers.engine.models import CausalLM, model_class_for
+from workers.engine.models.experts import ExpertWeights
+from workers.engine.models.linear import FusedLinear
 
 logger = logging.getLogger(__name__)
 
-# Hugging Face keeps these projections apart; our decoder runs each group as one matmul.
-# checkpoint name -> (our fused module, shard index within its output rows)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 # model_type → the transformers class a dequantized GGUF of that family loads as.
 _CAUSAL_LM_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "mistral": "MistralForCausalLM"}
@@ -64,21 +61,22 @@ def load_model(
     backend: AttentionBackend,
     dtype: torch.dtype,
     device: torch.device,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Build the decoder on `device` in `dtype` and fill it from the directory's safetensors."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model directory {model_dir} has no .safetensors files")
+    model_class = model_class_for(hf_config)
     with torch.device("meta"):  # no init work or memory for weights about to be overwritten
-        model = LlamaForCausalLM(hf_config, backend)
+        model = model_class(hf_config, backend)
     model = model.to(dtype).to_empty(device=device)
-    model.rotary.reset_table(device, dtype)
+    model.reset_buffers(device, dtype)
     params = dict(model.named_parameters())
     loaded: set[tuple[str, int | None]] = set()
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                target = _target_of(name, model.tie_word_embeddings)
+                target = _target_of(name, model)
                 if target is None:
                     continue
                 param_name, shard = target
@@ -93,21 +91,44 @@ def load_model(
     return model
 
 
-def _target_of(name: str, tied: bool) -> tuple[str, int | None] | None:
+def _target_of(name: str, model: CausalLM) -> tuple[str, int | None] | None:
     """Map a checkpoint tensor name to (our parameter name, shard) or None to skip it."""
-    if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+    if name.endswith(_IGNORED_SUFFIXES) or (model.tie_word_embeddings and name == "lm_head.weight"):
         return None
     parts = name.split(".")
-    if len(parts) >= 2 and parts[-2] in _FUSED:
-        fused, shard = _FUSED[parts[-2]]
+    expert = _expert_target(parts, model)
+    if expert is not None:
+        return expert
+    mapping = model.packed_modules_mapping
+    if len(parts) >= 2 and parts[-2] in mapping:
+        fused, shard = mapping[parts[-2]]
         return ".".join([*parts[:-2], fused, parts[-1]]), shard
     return name, None
 
 
-def _output_sizes(model: LlamaForCausalLM, param_name: str) -> list[int] | None:
+def _expert_target(parts: list[str], model: CausalLM) -> tuple[str, int] | None:
+    """`<block>.experts.<e>.<proj>.weight` -> (`<block>.experts.<stacked>.weight`, shard).
+
+    Expert e's matrix j of a stacked projection is shard e * (matrices per expert) + j:
+    with gate/up stacked in w13, expert 3's up_proj is shard 7.
+    """
+    mapping = model.expert_modules_mapping
+    if len(parts) < 4 or parts[-4] != "experts" or parts[-2] not in mapping:
+        return None
+    stacked, index = mapping[parts[-2]]
+    param_name = ".".join([*parts[:-3], stacked, parts[-1]])
+    module = model.get_submodule(".".join([*parts[:-3], stacked]))
+    if not (isinstance(module, ExpertWeights) and parts[-3].isdigit()
+            and int(parts[-3]) < module.num_experts):
+        raise ValueError(f"model checkpoint has an unexpected weight {'.'.join(parts)!r}")
+    per_expert = len(module.output_sizes) // module.num_experts
+    return param_name, int(parts[-3]) * per_expert + index
+
+
+def _output_sizes(model: CausalLM, param_name: str) -> list[int] | None:
     """Row sizes of the checkpoint matrices stacked in a fused parameter, else None."""
     module = model.get_submodule(param_name.rsplit(".", 1)[0])
-    return module.output_sizes if isinstance(module, FusedLinear) else None
+    return module.output_sizes if isinstance(module, FusedLinear | ExpertWeights) else None
 
 
 def _copy_into(
@@ -131,7 +152,7 @@ def _copy_into(
 
 
 def _check_complete(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     params: dict[str, torch.nn.Parameter],
     loaded: set[tuple[str, int | None]],
 ) -> None:

@@ -21,7 +21,7 @@ from workers.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from workers.engine.cpu_threads import CpuThreadGovernor
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.loader import load_hf_config, load_model, read_eos_token_ids
-from workers.engine.model import check_supported, head_dim_of
+from workers.engine.models import check_supported, head_dim_of
 from workers.engine.placement import (
     packing_dtype,
     pick_backend,

@@ -23,7 +23,7 @@ from workers.engine.flash_attention import (
     MIN_FLASH_CAPABILITY,
     FlashAttentionBackend,
 )
-from workers.engine.model import head_dim_of
+from workers.engine.models import head_dim_of
 from workers.engine.triton_attention import HAS_TRITON, TritonAttentionBackend
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from transformers import LlamaConfig
 from tests.unit.engine.checkpoints import TINY
 from workers.engine.attention import AttentionBackend, BatchLayout
 from workers.engine.cuda_graphs import DecodeGraphs
-from workers.engine.model import LlamaForCausalLM
+from workers.engine.models.llama import LlamaForCausalLM
 
 
 @dataclass(slots=True)
@@ -56,7 +56,7 @@ class DecodeCase:
             self.model = LlamaForCausalLM(config, self.backend).eval()
         if dtype != torch.float32:
             self.model = self.model.to(dtype)
-        self.model.rotary.reset_table(device, dtype)
+        self.model.reset_buffers(device, dtype)
         for p in self.model.parameters():  # larger weights: differences show in the output
             p.data.normal_(0, 0.3)
         self.block_size = block_size

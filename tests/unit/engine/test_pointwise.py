@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from workers.engine import cpu_kernels
-from workers.engine.model import RMSNorm, RotaryEmbedding
+from workers.engine.models.norm import RMSNorm
+from workers.engine.models.rotary import RotaryEmbedding
 from workers.engine.pointwise import CPU_POINTWISE, TORCH_POINTWISE
 
 pytestmark = pytest.mark.skipif(

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.engine.model import linear_packed, pack_weight
+from workers.engine.models.linear import linear_packed, pack_weight
 from workers.engine.placement import packing_dtype
 
 NATIVE = {

@@ -1,0 +1,57 @@
+"""The attention layer of a decoder: fused q/k/v projection, rotary, attention over the
+paged KV cache (through the step's attention backend) and the output projection."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from workers.engine.attention import AttentionBackend
+from workers.engine.models.hf_config import head_dim_of, num_kv_heads_of
+from workers.engine.models.linear import FusedLinear, Linear
+
+
+class Attention(nn.Module):
+    """Fused q/k/v projection, RoPE, paged attention and output projection."""
+
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        backend: AttentionBackend,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+    ) -> None:
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = num_kv_heads_of(hf_config)
+        self.head_dim = head_dim_of(hf_config)
+        hidden = hf_config.hidden_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
+        self.backend = backend
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Any,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+    ) -> torch.Tensor:
+        """x (N, hidden) -> (N, hidden); rope is what RotaryEmbedding made of the positions."""
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)  # (N, (H + 2 Hkv) * D)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # Rotate q and k together: one kernel chain for H + Hkv heads. (N, H + Hkv, D)
+        qk = self.backend.pointwise.rotate(
+            qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, metadata)  # (N, H * D)
+        return self.o_proj(out)

@@ -1,0 +1,39 @@
+"""Which `model_type` each family class serves: the one place that decides support."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from workers.engine.models.base import CausalLM
+from workers.engine.models.llama import LlamaForCausalLM
+from workers.engine.models.mixtral import MixtralForCausalLM
+from workers.engine.models.qwen2_moe import Qwen2MoeForCausalLM
+from workers.engine.models.rotary import rope_inv_freq
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+}
+SUPPORTED_MODEL_TYPES = frozenset(MODEL_CLASSES)
+
+
+def model_class_for(hf_config: PretrainedConfig) -> type[CausalLM]:
+    """The class that runs this config; ValueError naming the reason when none can."""
+    check_supported(hf_config)
+    return MODEL_CLASSES[hf_config.model_type]
+
+
+def check_supported(hf_config: PretrainedConfig) -> None:
+    """Raise ValueError naming `model` for architectures this engine cannot run."""
+    model_type = getattr(hf_config, "model_type", None)
+    model_class = MODEL_CLASSES.get(model_type) if isinstance(model_type, str) else None
+    if model_class is None:
+        raise ValueError(
+            f"model architecture {model_type!r} is not supported; "
+            f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    model_class.check_config(hf_config)
+    rope_inv_freq(hf_config)  # raises for unsupported rope scaling
