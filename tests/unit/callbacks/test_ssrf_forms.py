@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+from collections.abc import Callable
 
 import pytest
 
@@ -38,7 +39,7 @@ def _nat64(v4: str) -> str:
 PRIVATE_V4 = ["127.0.0.1", "127.8.9.10", "10.0.0.1", "172.16.0.1", "192.168.1.1",
               "169.254.169.254", "169.254.1.1", "0.0.0.0", "100.64.0.1", "224.0.0.1",
               "255.255.255.255"]
-V6_FORMS = {
+V6_FORMS: dict[str, Callable[[str], str]] = {
     "mapped": lambda v4: f"::ffff:{v4}",
     "mapped-hex": lambda v4: str(ipaddress.IPv6Address(f"::ffff:{v4}")).replace(
         "::ffff:", "0:0:0:0:0:ffff:"),
