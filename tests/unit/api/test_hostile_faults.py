@@ -123,3 +123,22 @@ def _metric(client: TestClient, series: str) -> float:
         if line.startswith(series + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def test_readyz_names_what_is_down_never_where_it_lives(
+    make_client: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Unauthenticated: no host, port, URL or error text in the answer (the log has them)."""
+    monkeypatch.setattr("api.routes.health.READY_CHECK_TIMEOUT_S", 0.3)
+    client = make_client(redis_url="redis://10.255.255.1:6390/0",
+                         kafka_bootstrap_servers="broker.internal.example:9")
+    with caplog.at_level(logging.WARNING):
+        response = client.get("/readyz")
+    assert response.status_code == 503
+    body = response.json()
+    assert body["checks"]["database"] == "ok"
+    assert body["checks"]["broker"] != "ok" and body["checks"]["redis"] != "ok"
+    text = response.text
+    for secret in ("10.255.255.1", "6390", "broker.internal", "redis://", ":9"):
+        assert secret not in text, text
+    assert "redis" in body["error"]["param"] and "broker" in body["error"]["param"]
