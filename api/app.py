@@ -21,6 +21,8 @@ from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
 from api.hot_path import HotPath
 from api.job_state import read_finished_views
+from api.json_guard import JSONGuardMiddleware
+from api.last_resort import LastResortMiddleware
 from api.metrics import HTTPMetricsMiddleware
 from api.resources import Resources
 from api.routes import (
@@ -98,12 +100,15 @@ def create_app(settings: Settings | None = None, *, serving: bool = False) -> Fa
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    # Added last is outermost: latency covers everything, 413s included.
+    # Added last is outermost: latency covers everything, 413s included. The JSON guard
+    # reads bodies the body limit has counted; the last resort answers what escapes both.
+    app.add_middleware(JSONGuardMiddleware)
     app.add_middleware(
         BodyLimitMiddleware,
         default_limit=app_settings.max_request_bytes,
         limits_by_prefix={"/v1/files": app_settings.max_file_bytes + MULTIPART_OVERHEAD_BYTES},
     )
+    app.add_middleware(LastResortMiddleware)
     app.add_middleware(HTTPMetricsMiddleware)
     for module in (jobs, completions, embeddings, models, health, metrics, files, batches,
                    deliveries, cache_stats):

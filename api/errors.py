@@ -26,11 +26,15 @@ from fastapi.responses import JSONResponse
 from kafka.errors import KafkaError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.metrics import UNEXPECTED_ERRORS
+from core.error_log import ErrorLog
 from core.request_checks import describe_errors, first_error
 from core.request_checks import param_from_loc as param_from_loc
 from core.requests import printable
 
 logger = logging.getLogger(__name__)
+# Unexpected errors: one traceback per type and route a minute, the rest counted.
+unexpected_errors = ErrorLog(logger)
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
@@ -249,11 +253,25 @@ async def _data_handler(request: Request, exc: Exception) -> JSONResponse:
     ).to_response()
 
 
-async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+def note_unexpected(error: BaseException, *, method: str, route: str) -> None:
+    """Count an error no handler took; log its traceback unless one like it was just
+    logged (`route` is the template, so a client cannot vary the key by URL)."""
+    UNEXPECTED_ERRORS.labels(type(error).__name__).inc()
+    unexpected_errors.exception(error, "unhandled error on %s %s", method, route,
+                                place=f"{method} {route}")
+
+
+def internal_error_response() -> JSONResponse:
+    """The last-resort 500: the error shape, nothing of the error itself."""
     body = error_body("The server had an error while processing your request.",
                       type=SERVER_ERROR, code="internal_error")
     return JSONResponse(body, status_code=500)
+
+
+async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
+    route = getattr(request.scope.get("route"), "path", "unmatched")
+    note_unexpected(exc, method=request.method, route=route)
+    return internal_error_response()
 
 
 def install_error_handlers(app: FastAPI) -> None:

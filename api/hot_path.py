@@ -10,14 +10,15 @@ an ordinary request to either route itself, with the routes' own functions
 (`api.routes.jobs.accept_job`, `job_response`), the same authentication and the same
 exception handlers. It does for them what the app's middleware does for every other
 request: the latency metric by route template, the body limit (by Content-Length), the
-last-resort 500.
+bounds on the JSON's depth and size (`core.json_bounds`), the last-resort 500.
 
 Anything out of the ordinary goes on to FastAPI unchanged, which answers it as it always
 has: a body without a Content-Length within the limit (chunked, or too large: FastAPI's
 413), a body that is not a JSON object sent as `application/json` (another or no content
-type, broken JSON, an array), a body that could not be read (a client gone), an empty or
-over-long Idempotency-Key, a query other than one plain `wait=<seconds>`, a trailing
-slash. The rules are `ordinary_submission` and `ordinary_read`.
+type, broken JSON, an array, JSON nested too deep: `api.json_guard` answers that), a
+body that could not be read (a client gone), an empty or over-long Idempotency-Key, a
+query other than one plain `wait=<seconds>`, a trailing slash. The rules are
+`ordinary_submission` and `ordinary_read`.
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.auth import authenticate, bearer_scheme
 from api.deps import MAX_IDEMPOTENCY_KEY_CHARS
+from api.errors import internal_error_response, note_unexpected
 from api.metrics import observe_request
 from api.routes.jobs import accept_job, job_response, router
+from core.json_bounds import json_bounds_error
 
 JOBS_PATH = "/v1/jobs"
 _JOB_PREFIX = JOBS_PATH + "/"
@@ -138,39 +141,30 @@ class HotPath:
                       ) -> None:
         """Send what `answering` returns, or what the app's handler makes of its error.
 
-        An error no handler takes is answered with the app's 500 and then raised for the
-        server to log, as Starlette's ServerErrorMiddleware does for every other route.
+        An error no handler takes is answered with the app's 500, counted and logged at
+        most once a minute per error type (`api.errors.note_unexpected`), as
+        `api.last_resort` does for every other route: never raised for the server to
+        print a traceback per request.
         """
         status = 500
         try:
             try:
                 response = await answering
             except Exception as e:
-                handler = self._handler_for(e)
-                if handler is None:
-                    await self._server_error(request, send, e)
-                    raise
-                response = await handler(request, e)
+                response = await self._handler_for(e)(request, e)
             status = response.status_code
             await response(request.scope, request.receive, send)
         finally:
             observe_request(request.scope["method"], request.scope["route"].path, status,
                             time.perf_counter() - started)
 
-    async def _server_error(self, request: Request, send: Send, error: Exception) -> None:
-        handler: Any = self.api.exception_handlers.get(Exception)
-        response = (await handler(request, error) if handler is not None
-                    else PlainTextResponse("Internal Server Error", status_code=500))
-        await response(request.scope, request.receive, send)
-
     def _handler_for(self, error: Exception) -> Any:
+        """The app's handler for `error`'s class, else its last-resort (`Exception`) one."""
         handlers = self.api.exception_handlers
         for cls in type(error).__mro__:
-            if cls is Exception:
-                return None
             if cls in handlers:
                 return handlers[cls]
-        return None
+        return _unexpected
 
 
 def ordinary_submission(content_type: str | None, idempotency_key: str | None,
@@ -187,9 +181,11 @@ def ordinary_submission(content_type: str | None, idempotency_key: str | None,
         return None
     if idempotency_key is not None and not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
         return None
+    if json_bounds_error(body) is not None:
+        return None  # FastAPI's layers answer it (`api.json_guard`'s 400)
     try:
         raw = json.loads(body)
-    except ValueError:  # JSONDecodeError, or bytes in no encoding JSON may have
+    except (ValueError, RecursionError):  # JSONDecodeError, bytes in no encoding JSON has
         return None
     return raw if isinstance(raw, dict) else None
 
@@ -210,6 +206,12 @@ def _route(path: str, method: str) -> APIRoute:
         if isinstance(route, APIRoute) and route.path == path and method in (route.methods or ()):
             return route
     raise LookupError(f"no {method} {path} route among the jobs routes")
+
+
+async def _unexpected(request: Request, error: Exception) -> Response:
+    """The 500 of an app without a handler for `Exception` (the service's has one)."""
+    note_unexpected(error, method=request.method, route=request.scope["route"].path)
+    return internal_error_response()
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

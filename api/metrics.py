@@ -11,7 +11,7 @@ import time
 from functools import lru_cache
 from typing import Any
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Plain requests take milliseconds; long-polls and synchronous completions up to minutes.
@@ -25,6 +25,12 @@ HTTP_REQUEST_SECONDS = Histogram(
     "HTTP request latency at the API, by method, route template and status code.",
     ["method", "route", "status"],
     buckets=HTTP_LATENCY_BUCKETS_S,
+)
+
+UNEXPECTED_ERRORS = Counter(
+    "batchinfer_http_unexpected_errors_total",
+    "Exceptions no handler took (answered 500), by exception type.",
+    ["error"],
 )
 
 

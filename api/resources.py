@@ -98,6 +98,11 @@ class LazyProducer:
         """Why jobs are refused right now (broker down, service stopping), else None."""
         return self._refusal or self._down_reason
 
+    @property
+    def is_refusing(self) -> bool:
+        """Whether jobs are refused because the service is stopping (not a broker fault)."""
+        return self._refusal is not None
+
     def get(self) -> KafkaProducer:
         """The connected producer; BrokerUnavailable at once while jobs cannot be handed over."""
         with self._lock:

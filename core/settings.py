@@ -168,6 +168,9 @@ class Settings(BaseSettings):
     # Webhook callbacks (`batchinfer callbacks`, a Celery worker on redis_url).
     # Hosts or CIDRs a callback URL may resolve into although private (e.g. 127.0.0.1).
     webhook_allowlist: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Tenants (by name or id) whose keys see service-wide views, such as every worker's
+    # cache counters; other tenants see their own figures only.
+    admin_tenants: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Seconds before each retry; its length is the number of retries (~3 days in all).
     webhook_retry_schedule: Annotated[list[float], NoDecode] = Field(
         default_factory=lambda: [5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 36000.0],
@@ -202,6 +205,7 @@ class Settings(BaseSettings):
         "batch_completion_windows",
         "webhook_allowlist",
         "webhook_retry_schedule",
+        "admin_tenants",
         mode="before",
     )
     @classmethod

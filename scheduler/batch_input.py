@@ -1,7 +1,8 @@
 """Streaming validation and parsing of a batch input file (OpenAI's JSONL request format).
 
 Responsible for: reading lines with a bounded buffer (a line longer than the limit is
-reported, never held whole), checking each line — JSON object, `custom_id` present,
+reported, never held whole), checking each line — JSON object within the nesting and
+size bounds of `core.json_bounds` (checked before it is parsed), `custom_id` present,
 valid text and unique, `method` POST, `url` equal to the batch endpoint, a `body` object
 without `stream: true`, one known model across the file, at most `max_requests` lines,
 and a body of the endpoint's request schema (the API's own: types, ranges, roles, valid
@@ -25,6 +26,7 @@ from typing import Any, BinaryIO
 
 from pydantic_core import PydanticCustomError
 
+from core.json_bounds import json_bounds_error
 from core.model_context import ModelContext, model_contexts
 from core.request_checks import RequestRefused
 from core.requests import check_key, printable
@@ -95,6 +97,9 @@ def parse_request(raw: bytes, *, line: int, endpoint: str, model_override: str |
     `join_content` joins chat content parts into one string, as the worker takes them;
     validation keeps them apart so that an error can name the part.
     """
+    too_complex = json_bounds_error(raw)
+    if too_complex is not None:
+        raise InputLineError("invalid_json_line", f"line {line}: {too_complex}")
     try:
         item = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -9,6 +9,9 @@ Responsible for, per batch and pass:
 - `finalizing` / `cancelling` / expiring: stop unfinished jobs (queued ones are cancelled
   in the database, running ones also aborted in the engine), assemble the output and error
   files (scheduler.batch_results) and reach `completed`, `cancelled` or `expired`;
+- an error that is no dependency outage (those are retried): the batch fails with its
+  kind as the reason, at once while validating, else after MAX_UNEXPECTED_PASSES passes
+  in a row, so that no batch is retried forever (tracebacks: one per kind a minute);
 - on every terminal status, publish `<prefix>:batches:done:<id>` on Redis (it ends the
   batch's long-polls, `GET /v1/batches/{id}?wait=N`) and, when the batch has a callback
   URL, enqueue its `batch.*` webhook in the same transaction.
@@ -31,9 +34,13 @@ import logging
 import time
 
 import redis
+import redis.exceptions
+import sqlalchemy.exc
 from kafka import KafkaProducer
+from kafka.errors import KafkaError
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.error_log import ErrorLog
 from core.settings import Settings
 from scheduler.batch_fanout import fan_out
 from scheduler.batch_input import validate_input
@@ -61,6 +68,14 @@ FANOUT_BUDGET_S = 5.0
 # scheduler's time there, beside the worker it shares the cores with. The final figure is
 # summed when the batch ends.
 USAGE_REFRESH_S = 10.0
+# Passes in a row an unexpected error may stop a batch before the batch is failed (one
+# for a batch that is validating: reading its file again meets the same error).
+MAX_UNEXPECTED_PASSES = 3
+# Dependency outages: the batch is not at fault, so the next pass simply retries.
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
+    sqlalchemy.exc.OperationalError, sqlalchemy.exc.TimeoutError,
+    redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, KafkaError,
+)
 # Shortest gap a batch's expected end may put between two passes.
 MIN_PASS_GAP_S = 0.05
 # Longest gap between passes once a batch is expected to end within an interval, for as
@@ -88,6 +103,9 @@ class BatchRunner:
         # batch id -> (when its finished count last grew, that count, expected to end
         # within an interval then)
         self._last_count: dict[str, tuple[float, int, bool]] = {}
+        # batch id -> passes in a row that failed unexpectedly on it
+        self._num_unexpected: dict[str, int] = {}
+        self.errors = ErrorLog(logger)
 
     def step(self) -> int:
         """One pass over every unfinished batch; returns how many were looked at."""
@@ -97,12 +115,61 @@ class BatchRunner:
         active = set(batch_ids)
         self._usage_summed_at = {b: t for b, t in self._usage_summed_at.items() if b in active}
         self._last_count = {b: c for b, c in self._last_count.items() if b in active}
+        self._num_unexpected = {b: n for b, n in self._num_unexpected.items() if b in active}
         for batch_id in batch_ids:
             try:
                 self.advance(batch_id)
-            except Exception:
-                logger.exception("batch %s: step failed; retrying next pass", batch_id)
+            except TRANSIENT_ERRORS as e:
+                self.errors.exception(e, "batch %s: a dependency failed; retrying next pass",
+                                      batch_id, place="dependency")
+            except Exception as e:
+                self._on_unexpected(batch_id, e)
+            else:
+                self._num_unexpected.pop(batch_id, None)
         return len(batch_ids)
+
+    def _on_unexpected(self, batch_id: str, error: Exception) -> None:
+        """Log (rate-limited) an error no dependency outage explains; fail the batch once
+        it cannot be validated, or once it failed MAX_UNEXPECTED_PASSES passes in a row.
+
+        Such an error comes from the batch itself (its file, its jobs) or from a bug, and
+        the next pass meets it again: retried forever, one batch re-read its whole input
+        file every second and logged a traceback each time, and its client never heard.
+        """
+        num_passes = self._num_unexpected.get(batch_id, 0) + 1
+        self._num_unexpected[batch_id] = num_passes
+        self.errors.exception(error, "batch %s: step failed unexpectedly (pass %d of %d)",
+                              batch_id, num_passes, MAX_UNEXPECTED_PASSES, place="step")
+        try:
+            self._fail(batch_id, error, is_out_of_passes=num_passes >= MAX_UNEXPECTED_PASSES)
+        except Exception as e:
+            self.errors.exception(e, "batch %s: could not be failed; retrying next pass",
+                                  batch_id, place="fail")
+
+    def _fail(self, batch_id: str, error: Exception, *, is_out_of_passes: bool) -> None:
+        """Move the batch to `failed` with the error's kind as its reason, stopping its
+        unfinished jobs, if it is validating or out of passes."""
+        with self.sessions() as session:
+            batch = lock_batch(session, batch_id=batch_id)
+            if batch is None or batch.status.is_terminal:
+                return
+            if not (is_out_of_passes or batch.status == BatchStatus.VALIDATING):
+                return
+            running_ids = stop_batch_jobs(session, batch_id=batch_id)
+            batch.errors = [_error(
+                "internal_error",
+                f"The batch could not be processed ({type(error).__name__} while it was "
+                f"{batch.status.value}); it was stopped rather than retried. Check the "
+                "input file, or report the batch id to the operator.")]
+            batch.move_to(BatchStatus.FAILED)
+            self._on_terminal(session, batch)
+            session.commit()
+        for job_id in running_ids:
+            publish_cancel(self.redis, prefix=self.settings.topic_prefix, job_id=job_id)
+        self._num_unexpected.pop(batch_id, None)
+        self._publish_done(batch)
+        logger.warning("batch %s: failed after an unexpected %s", batch_id,
+                       type(error).__name__)
 
     def advance(self, batch_id: str) -> None:
         """Move one batch as far as it can go now."""

@@ -59,17 +59,19 @@ _TERMINAL = frozenset(
 )
 ACTIVE_STATUSES: tuple[BatchStatus, ...] = tuple(s for s in BatchStatus if s not in _TERMINAL)
 
-# old status → the statuses it may move to.
+# old status → the statuses it may move to. Any active batch may fail: validation fails
+# it, and so does the batch loop when the same unexpected error stops it pass after pass.
 BATCH_TRANSITIONS: dict[BatchStatus, frozenset[BatchStatus]] = {
     BatchStatus.VALIDATING: frozenset(
         {BatchStatus.IN_PROGRESS, BatchStatus.FAILED, BatchStatus.CANCELLING,
          BatchStatus.EXPIRED}
     ),
     BatchStatus.IN_PROGRESS: frozenset(
-        {BatchStatus.FINALIZING, BatchStatus.CANCELLING, BatchStatus.EXPIRED}
+        {BatchStatus.FINALIZING, BatchStatus.CANCELLING, BatchStatus.EXPIRED,
+         BatchStatus.FAILED}
     ),
-    BatchStatus.FINALIZING: frozenset({BatchStatus.COMPLETED}),
-    BatchStatus.CANCELLING: frozenset({BatchStatus.CANCELLED}),
+    BatchStatus.FINALIZING: frozenset({BatchStatus.COMPLETED, BatchStatus.FAILED}),
+    BatchStatus.CANCELLING: frozenset({BatchStatus.CANCELLED, BatchStatus.FAILED}),
     BatchStatus.FAILED: frozenset(),
     BatchStatus.COMPLETED: frozenset(),
     BatchStatus.EXPIRED: frozenset(),

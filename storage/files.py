@@ -128,24 +128,45 @@ class FileWriter:
         self._handle.write(data)
 
     def commit(self) -> int:
-        """Flush to disk and rename into place; returns the file's size in bytes."""
+        """Flush to disk and rename into place; returns the file's size in bytes.
+
+        A failure (a full disk meets the buffered tail at the flush or the fsync) leaves
+        nothing behind: the part file is removed and the error raised.
+        """
         if self._handle is None:
             raise RuntimeError("commit after commit or abort")
+        try:
+            self._handle.flush()
+            # The database row that follows must never point at bytes a crash could lose.
+            os.fsync(self._handle.fileno())
+        except BaseException:
+            self.abort()
+            raise
         handle, self._handle = self._handle, None
-        handle.flush()
-        # The database row that follows must never point at bytes a crash could lose.
-        os.fsync(handle.fileno())
         handle.close()
-        os.replace(self._part_path, self._final_path)
+        try:
+            os.replace(self._part_path, self._final_path)
+        except BaseException:
+            self._part_path.unlink(missing_ok=True)
+            raise
         return self.num_bytes
 
     def abort(self) -> None:
-        """Drop what was written; safe to call after commit (then it does nothing)."""
+        """Drop what was written; safe to call after commit (then it does nothing).
+
+        Closing flushes the buffer, which fails on a full disk: the part file is removed
+        whatever the close says.
+        """
         if self._handle is None:
             return
-        self._handle.close()
-        self._handle = None
-        self._part_path.unlink(missing_ok=True)
+        handle, self._handle = self._handle, None
+        try:
+            handle.close()
+        except OSError:
+            logger.debug("closing %s failed; removing it anyway", self._part_path,
+                         exc_info=True)
+        finally:
+            self._part_path.unlink(missing_ok=True)
 
     def __enter__(self) -> FileWriter:
         return self

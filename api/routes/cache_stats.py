@@ -12,21 +12,33 @@ Workers publish their counters to Redis every `cache_stats_interval_s` (see
 `exact` (a numpy scan of the scope), per worker and overall (`mixed` while they differ).
 Counters are totals since each listed worker started; a stopped worker drops out after a
 few intervals. Redis down answers 503 like every other route that needs it.
+
+Those are service-wide figures (every tenant's lookups, every worker): only keys of an
+admin tenant (`admin_tenants`) see them, `scope: service`. Any other key sees its own
+jobs' figures over the last day, `scope: tenant` (`storage.tenant_cache_stats`).
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from fastapi import APIRouter
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from api.auth import CurrentTenant
 from api.deps import ResourcesDep, TenantDep
 from api.resources import Resources
+from core.settings import Settings
 from storage.cache_stats import CACHE_KINDS, read_cache_stats
+from storage.models import utcnow
+from storage.tenant_cache_stats import TenantCacheCounts, tenant_cache_counts
 
 router = APIRouter(prefix="/v1/cache", tags=["cache"])
+
+# A tenant's figures cover its jobs created this long ago at most.
+TENANT_WINDOW_S = 86_400
 
 
 class CacheKindStats(BaseModel):
@@ -56,6 +68,8 @@ class CacheStatsPublic(BaseModel):
     """Totals per kind over the live workers, then each worker."""
 
     object: str = "cache.stats"
+    scope: str = "service"  # service (an admin key: every worker) or tenant (its own jobs)
+    window_s: int | None = None  # a tenant's figures cover its jobs of this many seconds
     semantic_backend: str | None = None  # hnsw, exact, or mixed; None without workers
     totals: dict[str, CacheKindStats]
     workers: list[WorkerCacheStats]
@@ -63,7 +77,11 @@ class CacheStatsPublic(BaseModel):
 
 @router.get("/stats", response_model=CacheStatsPublic)
 async def cache_stats(tenant: TenantDep, resources: ResourcesDep) -> CacheStatsPublic:
-    """Cache counters of every live worker and their totals per cache kind."""
+    """For an admin tenant, cache counters of every live worker and their totals per cache
+    kind; for any other, its own jobs' figures over the last TENANT_WINDOW_S."""
+    if not is_admin(tenant, resources.settings):
+        counts = await run_in_threadpool(_read_tenant, resources, tenant.id)
+        return _tenant_view(counts)
     published = await run_in_threadpool(_read, resources)
     workers = [
         WorkerCacheStats(worker_id=worker_id, model=entry["model"],
@@ -76,6 +94,33 @@ async def cache_stats(tenant: TenantDep, resources: ResourcesDep) -> CacheStatsP
     backends = {w.semantic_backend for w in workers if w.semantic_backend is not None}
     backend = backends.pop() if len(backends) == 1 else ("mixed" if backends else None)
     return CacheStatsPublic(semantic_backend=backend, totals=_totals(workers), workers=workers)
+
+
+def is_admin(tenant: CurrentTenant, settings: Settings) -> bool:
+    """Whether the tenant may see service-wide figures (`admin_tenants`, name or id)."""
+    return tenant.name in settings.admin_tenants or tenant.id in settings.admin_tenants
+
+
+def _read_tenant(resources: Resources, tenant_id: str) -> TenantCacheCounts:
+    since = utcnow() - timedelta(seconds=TENANT_WINDOW_S)
+    with resources.sessions() as session:
+        return tenant_cache_counts(session, tenant_id=tenant_id, since=since)
+
+
+def _tenant_view(counts: TenantCacheCounts) -> CacheStatsPublic:
+    """A tenant's figures in the same shape: result-cache hits per kind, with every other
+    finished job a miss of both; KV hits and misses in prompt tokens."""
+    num_missed = counts.num_jobs - counts.num_exact_hits - counts.num_semantic_hits
+    totals = {
+        "exact": CacheKindStats(hits=counts.num_exact_hits, misses=num_missed),
+        "semantic": CacheKindStats(hits=counts.num_semantic_hits, misses=num_missed),
+        "kv": CacheKindStats(hits=counts.num_cached_tokens,
+                             misses=counts.num_prompt_tokens - counts.num_cached_tokens),
+    }
+    for stats in totals.values():
+        stats.hit_rate = _rate(stats.hits, stats.misses)
+    return CacheStatsPublic(scope="tenant", window_s=TENANT_WINDOW_S, totals=totals,
+                            workers=[])
 
 
 def _read(resources: Resources) -> dict[str, dict[str, Any]]:

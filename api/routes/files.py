@@ -3,14 +3,17 @@
 The objects and field names are OpenAI's (`openai.types.FileObject`, `FileDeleted`), so
 the official client works unchanged. Uploads are parsed as they arrive and written to the
 file store chunk by chunk (api.uploads); downloads stream from an open handle. Neither
-direction holds a file in memory.
+direction holds a file in memory. A full store answers 507 and any other failure of it
+503, with nothing of the upload left behind; a download's name goes out per RFC 6266.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Iterator
 from typing import Annotated, Any, BinaryIO, Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
@@ -19,11 +22,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from api.deps import ResourcesDep, SessionDep, SettingsDep, TenantDep
-from api.errors import APIError, Conflict, InvalidRequest, NotFound, validation_error
+from api.errors import (
+    SERVER_ERROR,
+    APIError,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    ServiceUnavailable,
+    validation_error,
+)
 from api.pagination import invalid_cursor, list_page
 from api.resources import Resources
 from api.schemas import ExpiresAfter
-from api.uploads import UploadError, read_multipart
+from api.uploads import DEFAULT_FILENAME, UploadError, read_multipart
 from storage.batches import is_file_in_use
 from storage.files import (
     CHUNK_BYTES,
@@ -49,6 +60,14 @@ MAX_LIST_LIMIT = 10_000
 EXPIRES_AFTER_FIELDS = {"anchor": "expires_after[anchor]", "seconds": "expires_after[seconds]"}
 
 
+class InsufficientStorage(APIError):
+    """507: the file store has no room for the upload; nothing of it was kept."""
+
+    status_code = 507
+    type = SERVER_ERROR
+    code = "insufficient_storage"
+
+
 class FileTooLargeError(APIError):
     """413: the upload passed `max_file_bytes`."""
 
@@ -64,28 +83,32 @@ async def upload_file(request: Request, tenant: TenantDep, settings: SettingsDep
     An optional `expires_after[anchor]=created_at` and `expires_after[seconds]` make the
     file expire (read as deleted) that long after its creation.
     """
-    store = FileStore.from_settings(settings)
     file_id = new_file_id()
-    with store.writer(file_id, max_bytes=settings.max_file_bytes) as writer:
-        try:
-            form = await read_multipart(request.headers.get("content-type"), request.stream(),
-                                        writer)
-        except UploadError as e:
-            raise InvalidRequest(str(e), param=e.param, code="invalid_upload") from e
-        except FileTooLarge as e:
-            raise FileTooLargeError(
-                f"The file is larger than {settings.max_file_bytes} bytes, the most "
-                "this deployment accepts.", param="file") from e
-        except ClientDisconnect as e:
-            raise InvalidRequest("The upload was interrupted.", code="upload_interrupted") from e
-        purpose = form.fields.get("purpose")
-        if purpose != FilePurpose.BATCH.value:
-            raise InvalidRequest(f"purpose must be 'batch' (the only one served here), "
-                                 f"got {purpose!r}.", param="purpose", code="invalid_value")
-        expires_after = _expires_after(form.fields)
-        expires_after_s = expires_after.seconds if expires_after else None
-        num_bytes = await run_in_threadpool(writer.commit)
-    filename = (form.filename or "upload.jsonl")[:255]
+    try:
+        store = FileStore.from_settings(settings)
+        with store.writer(file_id, max_bytes=settings.max_file_bytes) as writer:
+            try:
+                form = await read_multipart(request.headers.get("content-type"),
+                                            request.stream(), writer)
+            except UploadError as e:
+                raise InvalidRequest(str(e), param=e.param, code="invalid_upload") from e
+            except FileTooLarge as e:
+                raise FileTooLargeError(
+                    f"The file is larger than {settings.max_file_bytes} bytes, the most "
+                    "this deployment accepts.", param="file") from e
+            except ClientDisconnect as e:
+                raise InvalidRequest("The upload was interrupted.",
+                                     code="upload_interrupted") from e
+            purpose = form.fields.get("purpose")
+            if purpose != FilePurpose.BATCH.value:
+                raise InvalidRequest(f"purpose must be 'batch' (the only one served here), "
+                                     f"got {purpose!r}.", param="purpose", code="invalid_value")
+            expires_after = _expires_after(form.fields)
+            expires_after_s = expires_after.seconds if expires_after else None
+            num_bytes = await run_in_threadpool(writer.commit)
+    except OSError as e:  # the writer removed its part file on the way out
+        raise storage_error(e) from e
+    filename = form.filename or DEFAULT_FILENAME
     try:
         return await run_in_threadpool(_add_row, resources, file_id=file_id,
                                        tenant_id=tenant.id, filename=filename,
@@ -94,6 +117,18 @@ async def upload_file(request: Request, tenant: TenantDep, settings: SettingsDep
     except BaseException:
         store.delete(file_id)
         raise
+
+
+def storage_error(error: OSError) -> APIError:
+    """507 when the file store is out of space (or quota), 503 for any other failure of it.
+
+    The client is told which; the path and the system's words stay in the log.
+    """
+    logger.warning("file store failed: %s", error)
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientStorage("The file store is full; the upload was not kept. Retry "
+                                   "later or with a smaller file.", param="file")
+    return ServiceUnavailable("file store")
 
 
 def _expires_after(fields: dict[str, str]) -> ExpiresAfter | None:
@@ -153,8 +188,10 @@ def file_content(file_id: str, session: SessionDep, tenant: TenantDep,
     except FileNotFoundError as e:
         raise NotFound(f"The content of file '{file_id}' is no longer available.",
                        param="file_id") from e
+    except OSError as e:
+        raise storage_error(e) from e
     headers = {"Content-Length": str(row.num_bytes),
-               "Content-Disposition": f'attachment; filename="{_quoted(row.filename)}"'}
+               "Content-Disposition": content_disposition(row.filename)}
     return StreamingResponse(_chunks(handle), media_type="application/octet-stream",
                              headers=headers)
 
@@ -187,5 +224,12 @@ def _owned_file(session: SessionDep, tenant_id: str, file_id: str) -> File:
     return row
 
 
-def _quoted(filename: str) -> str:
-    return filename.replace("\\", "_").replace('"', "_").encode("ascii", "replace").decode()
+def content_disposition(filename: str) -> str:
+    """`attachment` with the filename as RFC 6266 gives it: a plain ASCII `filename`
+    (anything else, quotes and backslashes as `_`) and the exact name UTF-8 and
+    percent-encoded in `filename*`. Every byte is a valid header byte, whatever the
+    stored name holds (rows from before names were checked may hold control characters).
+    """
+    fallback = "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in filename)
+    encoded = quote(filename, safe="", errors="backslashreplace")
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{encoded}"

@@ -1,5 +1,7 @@
 """`GET /healthz` (the process answers) and `GET /readyz` (its dependencies answer too,
-and it takes jobs: not while stopping)."""
+and it takes jobs: not while stopping). Both are unauthenticated: /readyz names the
+dependency that is down and in a word why, never where it lives (hosts, ports and the
+errors' own texts go to the log)."""
 
 from __future__ import annotations
 
@@ -35,15 +37,14 @@ async def readyz(resources: ResourcesDep) -> JSONResponse:
     """Readiness: database, broker and Redis each answer; 503 naming those that do not."""
     names = ("database", "broker", "redis")
     outcomes = await asyncio.gather(
-        _timed(asyncio.to_thread(_ping_database, resources)),
+        _timed(asyncio.to_thread(_ping_database, resources), "database"),
         _broker_check(resources),
-        _timed(resources.aredis.ping()),
+        _timed(resources.aredis.ping(), "redis"),
     )
     checks = dict(zip(names, outcomes, strict=True))
     failed = {name: outcome for name, outcome in checks.items() if outcome != "ok"}
     if not failed:
         return JSONResponse({"status": "ok", "checks": checks})
-    logger.warning("not ready: %s", failed)
     detail = "; ".join(f"{name}: {outcome}" for name, outcome in failed.items())
     body: dict[str, Any] = error_body(f"Not ready: {detail}.", type=SERVER_ERROR,
                                       param=", ".join(failed), code="not_ready")
@@ -51,24 +52,34 @@ async def readyz(resources: ResourcesDep) -> JSONResponse:
     return JSONResponse(body, status_code=503)
 
 
-async def _timed(check: Any) -> str:
-    """"ok", or why the check failed or timed out."""
+async def _timed(check: Any, name: str) -> str:
+    """"ok", or in a word why the check failed: `down (<error type>)` or no answer in time.
+
+    The probe is unauthenticated: what the error says (hosts, ports, URLs) goes to the
+    log only.
+    """
     try:
         await asyncio.wait_for(check, READY_CHECK_TIMEOUT_S)
     except TimeoutError:
+        logger.warning("readiness: %s gave no answer within %g s", name, READY_CHECK_TIMEOUT_S)
         return f"no answer within {READY_CHECK_TIMEOUT_S:g} s"
     except Exception as e:
-        return f"{type(e).__name__}: {e}".rstrip(".")
+        logger.warning("readiness: %s is down: %s", name, e)
+        return f"down ({type(e).__name__})"
     return "ok"
 
 
 async def _broker_check(resources: Resources) -> str:
-    """Why jobs are refused, when the producer knows (broker down, service stopping): the
-    same answer submissions get; else a fresh metadata request."""
-    reason = resources.producer.unavailable_reason
+    """Down or stopping when the producer knows (the answer submissions get, less its
+    text); else a fresh metadata request."""
+    producer = resources.producer
+    if producer.is_refusing:
+        return "stopping"
+    reason = producer.unavailable_reason
     if reason is not None:
-        return reason
-    return await _timed(asyncio.to_thread(_ping_broker, resources))
+        logger.warning("readiness: broker is down: %s", reason)
+        return "down"
+    return await _timed(asyncio.to_thread(_ping_broker, resources), "broker")
 
 
 def _ping_database(resources: Resources) -> None:

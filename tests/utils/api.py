@@ -60,7 +60,7 @@ class RecordingProducer:
     """Stands in for the Kafka producer in tests that assert nothing about Kafka.
 
     Implements what the API uses of the producer handle (`get()`, `unavailable_reason`,
-    `close()`) and of the producer (`send(topic, key=, value=)` returning a future with
+    `is_refusing`, `close()`) and of the producer (`send(topic, key=, value=)` returning a future with
     `get(timeout)`).
     """
 
@@ -75,6 +75,11 @@ class RecordingProducer:
     def unavailable_reason(self) -> str | None:
         """Why sends are refused, as the handle says it (readiness checks read it)."""
         return "broker unreachable (test)" if self.is_down else None
+
+    @property
+    def is_refusing(self) -> bool:
+        """Whether jobs are refused for a stop (never here)."""
+        return False
 
     def send(self, topic: str, key: bytes | None = None, value: bytes | None = None) -> _Acked:
         """Record one record, or fail as an unreachable broker would."""

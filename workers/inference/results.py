@@ -9,6 +9,7 @@ Error bodies use the inner object of the API's error shape (`message`, `type`, `
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -104,8 +105,16 @@ def error_body(
 
 
 def param_of(message: str, known: tuple[str, ...]) -> str | None:
-    """The request field a ValueError message names first, for the error's `param`."""
-    positions = [(message.find(name), name) for name in known if name in message]
+    """The request field a ValueError message names first, for the error's `param`.
+
+    A field counts only as a whole word: `n` is in almost every message, and `max_tokens`
+    inside `max_completion_tokens` is not that field.
+    """
+    positions = []
+    for name in known:
+        found = re.search(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])", message)
+        if found is not None:
+            positions.append((found.start(), name))
     return min(positions)[1] if positions else None
 
 

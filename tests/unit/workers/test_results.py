@@ -101,3 +101,17 @@ def test_error_body_and_param() -> None:
     assert param_of("top_logprobs is not supported; logprobs of ...", known) == "top_logprobs"
     assert param_of("prompt is 900 tokens, longer than max_model_len", known) == "prompt"
     assert param_of("something else", known) is None
+
+
+def test_param_is_a_whole_field_name_never_a_letter_inside_a_word() -> None:
+    """`n` is a request field, and the letter n is in nearly every message."""
+    from workers.inference.outcomes import REQUEST_FIELDS
+
+    assert param_of("engine stopped unexpectedly", REQUEST_FIELDS) is None
+    assert param_of("the prompt is 900 tokens, longer than the context", REQUEST_FIELDS) == (
+        "prompt")
+    assert param_of("max_completion_tokens must be at least 1", REQUEST_FIELDS) == (
+        "max_completion_tokens")
+    assert param_of("n must be 1", REQUEST_FIELDS) == "n"
+    assert param_of("stop strings: at most 4 (stop[4] is one too many)", REQUEST_FIELDS) == (
+        "stop")
