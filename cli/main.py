@@ -59,6 +59,29 @@ def served_models_of(models: list[str] | None, names: list[str] | None) -> list[
     return pairs
 
 
+class _EngineUrlOfModel(argparse.Action):
+    """`--engine-url` of `up`: belongs to the `--model` given before it (repeatable)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        models = getattr(namespace, "model", None) or []
+        if not models:
+            parser.error("--engine-url belongs to the --model before it; give --model first")
+        urls: list[tuple[int, str]] = getattr(namespace, self.dest, None) or []
+        urls.append((len(models) - 1, str(values)))
+        setattr(namespace, self.dest, urls)
+
+
+def engine_urls_of(served: list[tuple[str, str]],
+                   urls: list[tuple[int, str]] | None) -> dict[str, list[str]]:
+    """Served name → the engine servers its --engine-url options named (models without
+    any are loaded by their workers)."""
+    by_name: dict[str, list[str]] = {}
+    for index, url in urls or []:
+        by_name.setdefault(served[index][1], []).append(url)
+    return by_name
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Run the whole service on this machine (embedded default)."""
     served = served_models_of(args.model, args.served_model_name)
@@ -66,7 +89,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from scheduler.embedded import run_embedded
 
     return run_embedded(num_workers=args.workers, max_workers=args.max_workers, host=args.host,
-                        models=served or None)
+                        models=served or None,
+                        engine_urls=engine_urls_of(served, args.engine_url))
 
 
 def cmd_api(args: argparse.Namespace) -> int:
@@ -83,7 +107,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """Run one inference worker until SIGTERM."""
     if args.served_model_name is not None and args.model is None:
         raise ValueError("--served-model-name names the --model given with it; add --model")
-    _override_env(model=args.model, served_model_name=args.served_model_name)
+    if args.engine_url and args.model is None:
+        raise ValueError("--engine-url serves the --model its servers know; add --model")
+    _override_env(model=args.model, served_model_name=args.served_model_name,
+                  engine_urls=",".join(args.engine_url) if args.engine_url else None)
     from core.settings import get_settings
     from workers.inference import run_worker
 
@@ -252,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                     help="the name clients use for the --model in the same position "
                          "(default: what --model says); repeat along with --model")
+    up.add_argument("--engine-url", action=_EngineUrlOfModel, default=None, metavar="URL",
+                    help="serve the --model before it through this OpenAI-compatible engine "
+                         "server (vLLM, SGLang, TGI, llama.cpp: http://host:port/v1) instead of "
+                         "loading it; repeat for several servers of that model")
     up.set_defaults(func=cmd_up)
 
     api = sub.add_parser("api", help="serve the HTTP API")
@@ -265,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "prepared name (default: settings.model)")
     worker.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the name clients use for it (default: what --model says)")
+    worker.add_argument("--engine-url", action="append", default=None, metavar="URL",
+                        help="drive this OpenAI-compatible engine server (vLLM, SGLang, TGI, "
+                             "llama.cpp: http://host:port/v1), which serves --model by that "
+                             "name, instead of loading the model; repeat for several servers")
     worker.set_defaults(func=cmd_worker)
     sub.add_parser("callbacks", help="run the webhook delivery worker").set_defaults(
         func=cmd_callbacks)

@@ -161,3 +161,8 @@ JOBS_UNPUBLISHABLE = Counter(
     "batchinfer_jobs_unpublishable",
     "Jobs the reconciler failed because no Kafka message could be built or sent for them.",
 )
+ENGINE_SERVER_RETRIES = Counter(
+    "batchinfer_engine_server_retries",
+    "Requests to an engine server tried again (429/503, a dropped connection), by reason.",
+    ["reason"],
+)

@@ -292,12 +292,27 @@ class SamplingRequest(ClientObject):
         return {name: value for name, value in fields.items() if value is not None}
 
 
+# vLLM's `priority` on its OpenAI endpoints: lower runs first. This service's queue has
+# three priorities, so 0 (and below) is high, 1 normal, 2 (and above) low; a worker in
+# front of an engine server sends it (see docs/engine-servers.md).
+ServerPriority = Annotated[StrictInt, Field(ge=-(2**31), le=2**31 - 1)]
+
+
+def priority_of_rank(rank: int | None) -> Priority:
+    """The queue priority of a vLLM-style `priority` (None: high, as these endpoints
+    answer a waiting client)."""
+    if rank is None or rank <= 0:
+        return Priority.HIGH
+    return Priority.NORMAL if rank == 1 else Priority.LOW
+
+
 class ChatCompletionRequest(SamplingRequest):
     """Body of `POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    priority: ServerPriority | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -309,6 +324,7 @@ class CompletionRequest(SamplingRequest):
     echo: StrictBool | None = None
     suffix: Text | None = None
     best_of: PositiveInt | None = None
+    priority: ServerPriority | None = None
 
 
 class JobCreate(SamplingRequest):

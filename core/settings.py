@@ -88,6 +88,26 @@ class Settings(BaseSettings):
     engine_kv_cache_memory_bytes: int | None = None
     engine_dtype: str = "auto"
     engine_device: str = "auto"
+    # Engine servers: with URLs (`http://host:port/v1`, one per server of the same model),
+    # the worker drives those OpenAI-compatible servers (vLLM, SGLang, TGI, llama.cpp)
+    # instead of loading `model`, which is then the name the servers know it by. See
+    # docs/engine-servers.md.
+    engine_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Requests one server runs at once; the worker keeps twice the sum of them in flight
+    # (unless worker_max_inflight says otherwise), the rest waiting most urgent first.
+    engine_url_concurrency: int = Field(default=32, ge=1)
+    # Sent as `Authorization: Bearer ...` (vLLM's --api-key), when set.
+    engine_url_api_key: str | None = None
+    # A request the server has not answered in this long fails its job.
+    engine_url_timeout_s: float = Field(default=600.0, gt=0)
+    # Send vLLM's `priority` (0 high, 1 normal, 2 low: lower runs first). vLLM refuses it
+    # unless started with `--scheduling-policy priority`, so it is off unless asked for.
+    engine_url_send_priority: bool = False
+    # A server answering 429/503 or dropping connections is left alone this long after its
+    # first failure, doubling per failure in a row up to the maximum (with jitter), unless
+    # it says how long itself (Retry-After); its jobs wait or go to another server.
+    engine_url_backoff_s: float = Field(default=0.5, gt=0)
+    engine_url_backoff_max_s: float = Field(default=30.0, gt=0)
     # Prometheus exporter port of the worker process (0: off).
     worker_metrics_port: int = Field(default=0, ge=0, le=65535)
     # On SIGTERM, how long in-flight jobs may take to finish before the worker exits anyway.
@@ -202,6 +222,7 @@ class Settings(BaseSettings):
     @field_validator(
         "served_models",
         "embedding_models",
+        "engine_urls",
         "batch_completion_windows",
         "webhook_allowlist",
         "webhook_retry_schedule",
@@ -237,6 +258,10 @@ class Settings(BaseSettings):
                 f"worker_heartbeat_timeout_s ({self.worker_heartbeat_timeout_s}) must be at "
                 f"least twice worker_heartbeat_interval_s ({self.worker_heartbeat_interval_s}), "
                 "or one late beat would declare a live worker dead and re-run its jobs")
+        for url in self.engine_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engine_urls: {url!r} is not an http(s) URL; give the "
+                                 "server's OpenAI base, such as http://host:8000/v1")
         if self.autoscale_min_workers > self.autoscale_max_workers:
             raise ValueError(f"autoscale_min_workers ({self.autoscale_min_workers}) must not "
                              f"exceed autoscale_max_workers ({self.autoscale_max_workers})")

@@ -277,12 +277,15 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
-                 host: str = "127.0.0.1", models: list[tuple[str, str]] | None = None) -> int:
+                 host: str = "127.0.0.1", models: list[tuple[str, str]] | None = None,
+                 engine_urls: dict[str, list[str]] | None = None) -> int:
     """Start everything, print the URL and API key, run until Ctrl-C/SIGTERM; exit code.
 
     models are (model path or known name, served name) pairs, default settings.model under
     its served name. num_workers inference workers run per model; with max_workers, that
     many at most and num_workers at least, as each model's autoscaler decides.
+    engine_urls maps a served name to the engine servers its workers drive instead of
+    loading the model.
     """
     import sys
 
@@ -312,7 +315,8 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
     with ExitStack() as stack:
         stack.callback(restore_signals)
         try:
-            served = [prepare_model(model, name, settings.models_dir)
+            served = [prepare_model(model, name, settings.models_dir,
+                                    engine_urls=(engine_urls or {}).get(name, []))
                       for model, name in models or [(settings.model, settings.served_model_name)]]
             _set_env(**served_settings(served))
             for model in served:

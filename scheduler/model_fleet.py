@@ -46,6 +46,8 @@ class ServedModel:
     kind: str
     context_length: int | None
     revision: str
+    # Engine servers its workers drive instead of loading it (docs/engine-servers.md).
+    engine_urls: tuple[str, ...] = ()
 
     @property
     def is_embedding(self) -> bool:
@@ -53,8 +55,16 @@ class ServedModel:
         return self.kind == "embedding"
 
 
-def prepare_model(model: str, name: str, models_dir: Path) -> ServedModel:
-    """Pull (known names) or check (paths) one model in a child process; its card."""
+def prepare_model(model: str, name: str, models_dir: Path,
+                  engine_urls: list[str] | None = None) -> ServedModel:
+    """Pull (known names) or check (paths) one model in a child process; its card.
+
+    A model behind engine servers is neither: its workers describe it once they reach them.
+    """
+    if engine_urls:
+        return ServedModel(model=model, name=name, path=model, kind="chat",
+                           context_length=None, revision="on its engine servers",
+                           engine_urls=tuple(engine_urls))
     command = [sys.executable, "-m", "cli", "models", "prepare", model,
                "--served-model-name", name, "--models-dir", str(models_dir)]
     result = subprocess.run(command, stdout=subprocess.PIPE, stderr=None, text=True,
@@ -76,7 +86,8 @@ def served_settings(models: list[ServedModel]) -> dict[str, str]:
 def worker_env(model: ServedModel) -> dict[str, str]:
     """The environment of one worker process of `model` (this process's, plus the model)."""
     return {**os.environ, "BATCHINFER_MODEL": model.path,
-            "BATCHINFER_SERVED_MODEL_NAME": model.name}
+            "BATCHINFER_SERVED_MODEL_NAME": model.name,
+            "BATCHINFER_ENGINE_URLS": ",".join(model.engine_urls)}
 
 
 @dataclass(slots=True)

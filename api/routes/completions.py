@@ -24,7 +24,7 @@ from api.resources import LazyProducer, Resources
 from api.schemas import ChatCompletionRequest, CompletionRequest, JobPublic
 from api.submission import submit
 from core.embedding_requests import EmbeddingRequest
-from core.topics import Priority
+from core.requests import priority_of_rank
 from storage.models import JobStatus
 
 logger = logging.getLogger(__name__)
@@ -69,9 +69,11 @@ async def run_synchronously(
     producer: LazyProducer,
     idempotency_key: str | None,
 ) -> JSONResponse:
-    """Queue the request as a high-priority job, await it, answer with its stored result
+    """Queue the request as a job (high priority, unless a vLLM-style `priority` says
+    otherwise), await it, answer with its stored result
     (the OpenAI object) or its error."""
-    submission = await submit(request=body, priority=Priority.HIGH, tenant=tenant,
+    priority = priority_of_rank(getattr(body, "priority", None))
+    submission = await submit(request=body, priority=priority, tenant=tenant,
                               idempotency_key=idempotency_key, resources=resources,
                               producer=producer)
     job_id = submission.job.id

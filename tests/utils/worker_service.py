@@ -54,7 +54,7 @@ class Service:
                     session,
                     tenant_id=self.tenant_id,
                     priority=priority,
-                    model=self.settings.model,
+                    model=self.settings.served_model_name,
                     kind=kind_of(body),
                     request=body,
                 )

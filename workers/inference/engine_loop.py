@@ -19,7 +19,9 @@ import time
 from dataclasses import dataclass
 
 from core import metrics
+from core.messages import JobMessage
 from workers.engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
+from workers.inference.remote_requests import RemoteOutput
 from workers.inference.sampling import Prompt
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ class FinishedRequest:
     """A request that left the engine: finished (`output`), refused (`error`) or aborted."""
 
     request_id: str
-    output: RequestOutput | None = None
+    output: RequestOutput | RemoteOutput | None = None
     error: str | None = None
     aborted: bool = False
 
@@ -90,8 +92,10 @@ class EngineLoop:
         """False once the engine thread died of an unexpected error."""
         return self.failure is None
 
-    def add(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int) -> None:
-        """Queue a request; it joins the running batch at the engine's next step."""
+    def add(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int,
+            *, job: JobMessage | None = None) -> None:
+        """Queue a request; it joins the running batch at the engine's next step. (`job` is
+        for an engine server, which sends the job's own fields; this engine needs none.)"""
         self._inbox.put(_Add(request_id, prompt, params, priority))
 
     def abort(self, request_id: str) -> None:

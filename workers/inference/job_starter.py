@@ -29,6 +29,7 @@ from workers.inference.embedding_jobs import embedding_request_from_body
 from workers.inference.engine_loop import EngineLoop
 from workers.inference.job_store import JobStore
 from workers.inference.outcomes import OutcomeRecorder
+from workers.inference.remote_engine import RemoteEngineLoop
 from workers.inference.sampling import Prompt, prompt_from_body, sampling_params_from_body
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class JobStarter:
         *,
         store: JobStore,
         outcomes: OutcomeRecorder,
-        engine: EngineLoop,
+        engine: EngineLoop | RemoteEngineLoop,
         worker_id: str,
         ack: Callable[[Records], None],
     ) -> None:
@@ -150,9 +151,8 @@ class JobStarter:
                 max(0.0, (now - candidate.started_from).total_seconds())
             )
             started.append(InFlightJob(message, candidate.started_from, candidate.records))
-            self._engine.add(
-                message.job_id, prompt, params, priority=Priority(message.priority).rank
-            )
+            self._engine.add(message.job_id, prompt, params,
+                             priority=Priority(message.priority).rank, job=message)
         return started
 
     def _answer_from_caches(self, candidates: list[Candidate]) -> list[Candidate]:

@@ -21,6 +21,7 @@ from storage.models import utcnow
 from workers.engine import RequestOutput
 from workers.inference.embedding_jobs import build_embedding_result
 from workers.inference.job_store import JobStore, Success, epoch_to_datetime
+from workers.inference.remote_requests import RemoteOutput, build_remote_result
 from workers.inference.results import Completion, build_result, error_body, param_of
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,9 @@ class OutcomeRecorder:
         self._store = store
         self._token_text = token_text
 
-    def succeeded(self, finished: list[tuple[JobMessage, RequestOutput, datetime]]) -> None:
+    def succeeded(
+        self, finished: list[tuple[JobMessage, RequestOutput | RemoteOutput, datetime]]
+    ) -> None:
         """Store finished engine outputs as their jobs' results, in one transaction.
 
         Each item is (message, output, the job's created_at).
@@ -83,7 +86,11 @@ class OutcomeRecorder:
                 metrics.CACHE_LOOKUPS.labels(kind, "hit").inc()
                 self._count_success(message, created_at)
 
-    def _result_of(self, message: JobMessage, output: RequestOutput) -> dict[str, Any]:
+    def _result_of(self, message: JobMessage,
+                   output: RequestOutput | RemoteOutput) -> dict[str, Any]:
+        if isinstance(output, RemoteOutput):  # an engine server's answer
+            return build_remote_result(message, output, created=int(time.time()),
+                                       system_fingerprint=self._store.system_fingerprint)
         if message.kind == "embedding":
             # The embedding engine's EmbeddingRequestOutput, through the same engine loop.
             return build_embedding_result(output, model=message.model,  # type: ignore[arg-type]

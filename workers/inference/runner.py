@@ -1,7 +1,8 @@
 """Wiring one inference worker process: build its parts, run it, tear everything down.
 
 Responsible for: the order of start-up (topics, engine load before joining the consumer
-group so a slow load never stalls a rebalance, database, the heartbeat, Redis, the cancel
+group so a slow load never stalls a rebalance, or with engine_urls the engine servers'
+client instead, database, the heartbeat, Redis, the cancel
 subscription, the consumer), a `finally` for every part started, SIGTERM/SIGINT turning
 into a clean drain, and the optional Prometheus exporter.
 """
@@ -37,6 +38,7 @@ from workers.inference.engine_loop import EngineLoop
 from workers.inference.heartbeat import Heartbeat
 from workers.inference.job_store import JobStore
 from workers.inference.kv_tier import connect_kv_tier
+from workers.inference.remote_engine import RemoteEngine, RemoteEngineConfig, RemoteEngineLoop
 from workers.inference.semantic_lookup import SemanticLookup
 from workers.inference.worker import Worker
 
@@ -71,17 +73,20 @@ def build_engine(settings: Settings) -> LLMEngine:
     return LLMEngine(config)
 
 
-def announce_model(settings: Settings, redis_client: redis.Redis) -> ModelCard:
+def announce_model(settings: Settings, redis_client: redis.Redis,
+                   remote: RemoteEngine | None = None) -> ModelCard:
     """Describe the served model (kind, context, weights revision) and publish its card."""
-    model_dir = resolve_model(settings.model, settings.models_dir)
-    card = describe_model(model_dir, name=settings.served_model_name,
-                          cache_dir=settings.models_dir)
+    if remote is not None:
+        card = remote.card(settings.served_model_name)
+    else:
+        card = describe_model(resolve_model(settings.model, settings.models_dir),
+                              name=settings.served_model_name, cache_dir=settings.models_dir)
     try:
         publish_card(redis_client, prefix=settings.topic_prefix, name=card.name,
                      card=dataclasses.asdict(card))
     except redis.RedisError as e:  # GET /v1/models then lacks its details, nothing else
         logger.warning("cannot publish the card of model %s: %s", card.name, e)
-    logger.info("serving %s as %r (%s, revision %s)", model_dir, card.name, card.kind,
+    logger.info("serving %s as %r (%s, revision %s)", card.path, card.name, card.kind,
                 card.revision)
     return card
 
@@ -102,7 +107,11 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
         start_http_server(settings.worker_metrics_port)
         logger.info("metrics on :%d/metrics", settings.worker_metrics_port)
     ensure_topics(settings)
-    engine = engine or build_engine(settings)
+    # With engine_urls the worker drives those servers instead of loading the model.
+    remote = (RemoteEngine(RemoteEngineConfig.from_settings(settings))
+              if settings.engine_urls else None)
+    if remote is None:
+        engine = engine or build_engine(settings)
     with ExitStack() as stack:
         db_engine = create_db_engine(settings.database_url)
         stack.callback(db_engine.dispose)
@@ -113,9 +122,10 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
                                       interval_s=settings.worker_heartbeat_interval_s))
         redis_client = redis.Redis.from_url(settings.redis_url)
         stack.callback(redis_client.close)
-        card = announce_model(settings, redis_client)
+        card = announce_model(settings, redis_client, remote)
         # Attached before the engine thread starts: from then on only that thread uses it.
-        kv_tier = connect_kv_tier(settings, engine, revision=card.revision)
+        kv_tier = (connect_kv_tier(settings, engine, revision=card.revision)
+                   if engine is not None else None)
         if kv_tier is not None:
             stack.callback(kv_tier.close)  # after the engine stopped: it writes what is queued
         semantic_cache = open_semantic_cache(
@@ -126,7 +136,12 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
             interval_s=settings.cache_stats_interval_s, kv_tier=kv_tier,
             semantic_backend=semantic_cache.backend))
         settle_heap()  # the engine, model and clients are loaded: what is left is per job
-        engine_loop = EngineLoop(engine)
+        engine_loop: EngineLoop | RemoteEngineLoop
+        if remote is not None:
+            engine_loop = RemoteEngineLoop(remote)
+        else:
+            assert engine is not None
+            engine_loop = EngineLoop(engine)
         engine_loop.start()
         stack.callback(engine_loop.stop, ENGINE_STOP_TIMEOUT_S)
         cancels = CancelSubscription(redis_client, prefix=settings.topic_prefix)

@@ -53,6 +53,8 @@ from workers.inference.parked_records import release_parked_records
 from workers.inference.prefetch import PrefetchBuffer
 from workers.inference.priority import PriorityPauser
 from workers.inference.rebalance import RebalanceListener, offsets_to_commit
+from workers.inference.remote_engine import RemoteEngine, RemoteEngineLoop
+from workers.inference.remote_requests import RemoteOutput
 from workers.inference.stall_watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,8 @@ def max_inflight(settings: Settings, engine: object) -> int:
         return settings.embedding_worker_max_inflight
     if settings.worker_max_inflight is not None:
         return settings.worker_max_inflight
+    if isinstance(engine, RemoteEngine):
+        return engine.max_num_inflight
     return 2 * int(getattr(engine, "scheduler").max_num_seqs)  # noqa: B009  (an LLMEngine)
 
 
@@ -123,7 +127,7 @@ class Worker:
         settings: Settings,
         *,
         consumer: KafkaConsumer,
-        engine_loop: EngineLoop,
+        engine_loop: EngineLoop | RemoteEngineLoop,
         store: JobStore,
         cancels: CancelSubscription,
         worker_id: str,
@@ -305,7 +309,7 @@ class Worker:
         """Store how these requests ended (successes in one transaction), then ack them and
         forget them. Raises on a database error with nothing forgotten: a second call with
         the same requests stores what is missing (the writes are idempotent)."""
-        successes: list[tuple[JobMessage, RequestOutput, datetime]] = []
+        successes: list[tuple[JobMessage, RequestOutput | RemoteOutput, datetime]] = []
         settled: list[set[tuple[TopicPartition, int]]] = []
         cancelled: list[str] = []  # their priorities, counted once all is stored
         for done in finished:

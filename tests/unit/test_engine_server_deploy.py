@@ -1,0 +1,38 @@
+"""The engine-server variants of docker-compose.yml and deploy/ parse as settings and CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from core.cli import build_parser
+from core.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _settings(env: dict[str, str]) -> Settings:
+    return Settings(**{name.removeprefix("BATCHINFER_").lower(): value
+                       for name, value in env.items() if name.startswith("BATCHINFER_")})
+
+
+def test_compose_worker_drives_the_vllm_service() -> None:
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    worker = services["worker-engine-server"]
+    build_parser().parse_args(worker["command"])
+    settings = _settings(worker["environment"])
+    assert settings.engine_urls == ["http://vllm:8000/v1"]
+    assert "--served-model-name" in services["vllm"]["command"]
+    served = services["vllm"]["command"]
+    assert served[served.index("--served-model-name") + 1] == settings.model
+    assert worker["profiles"] == services["vllm"]["profiles"] == ["engine-server"]
+
+
+def test_kubernetes_engine_server_worker() -> None:
+    (deployment,) = yaml.safe_load_all(
+        (ROOT / "deploy" / "kubernetes" / "worker-engine-server.yaml").read_text())
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    build_parser().parse_args(container["command"][1:])
+    settings = _settings({v["name"]: v["value"] for v in container["env"] if "value" in v})
+    assert len(settings.engine_urls) == 2 and settings.engine_url_send_priority

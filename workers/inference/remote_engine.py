@@ -1,0 +1,392 @@
+"""Engine servers (vLLM, SGLang, TGI, llama.cpp) driven over HTTP behind the engine loop's
+surface, so nothing above the worker knows which engine answered.
+
+Responsible for, on a thread of its own running an asyncio loop with one httpx client:
+- keeping each server's requests open up to its concurrency, the rest waiting most
+  urgent first (priority, then arrival), each on the server its affinity key ranks first
+  among those up (`engine_routing`);
+- a server answering 429/502/503/504 or dropping the connection: backing it off
+  (Retry-After, else exponential with jitter) and sending the request again later, to it
+  or another server; never failing the job for it;
+- a refusal that is the request's own (400, 422, any other answer): failing the job with
+  the server's message; a server silent past the timeout: failing the job;
+- abort (cancel, release): cancelling the request's task, which closes its connection
+  (vLLM and our API abort a request whose client went away);
+- handing every finished, failed or aborted request back through the finished queue, as
+  `EngineLoop` does, and the engine gauges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import hashlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from core import metrics
+from core.messages import JobMessage
+from core.settings import Settings
+from workers.engine import SamplingParams
+from workers.engine.model_card import ModelCard
+from workers.inference.engine_loop import WAKE, FinishedRequest
+from workers.inference.engine_routing import (
+    ServerState,
+    backoff_s,
+    parse_retry_after,
+    pick_server,
+)
+from workers.inference.remote_requests import (
+    RemoteOutput,
+    check_response,
+    error_message,
+    request_of,
+)
+from workers.inference.sampling import Prompt
+
+logger = logging.getLogger(__name__)
+
+# Answers that say "not now" rather than "not this request": the request is sent again.
+RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
+# How often the gauges are refreshed, and the longest the loop sleeps.
+STATS_INTERVAL_S = 1.0
+# Seconds to open a connection before the server counts as unreachable (backed off).
+CONNECT_TIMEOUT_S = 10.0
+
+
+@dataclass(slots=True)
+class RemoteEngineConfig:
+    """Where the servers are and how to treat them (the `engine_url*` settings)."""
+
+    urls: list[str]
+    model: str  # the name the servers know the model by
+    concurrency: int = 32
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    send_priority: bool = False
+    backoff_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("an engine server needs at least one URL (engine_urls)")
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"engine_urls names a server twice: {self.urls}")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RemoteEngineConfig:
+        """The configuration the settings give."""
+        return cls(urls=[url.rstrip("/") for url in settings.engine_urls], model=settings.model,
+                   concurrency=settings.engine_url_concurrency,
+                   api_key=settings.engine_url_api_key, timeout_s=settings.engine_url_timeout_s,
+                   send_priority=settings.engine_url_send_priority,
+                   backoff_s=settings.engine_url_backoff_s,
+                   backoff_max_s=settings.engine_url_backoff_max_s)
+
+
+class RemoteEngine:
+    """The servers of one model as the worker sees an engine (no tokenizer, no KV pool)."""
+
+    # The servers' context is theirs to enforce; a chat job without max_tokens leaves the
+    # limit to them.
+    max_model_len: int | None = None
+    tokenizer: None = None
+
+    def __init__(self, config: RemoteEngineConfig) -> None:
+        self.config = config
+        self.servers = [ServerState(url, config.concurrency) for url in config.urls]
+
+    @property
+    def max_num_inflight(self) -> int:
+        """The worker's default in-flight bound: twice what the servers run at once, so a
+        finished request's place is refilled from jobs already at hand."""
+        return 2 * sum(server.max_concurrency for server in self.servers)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers of every request (the API key, when one is set)."""
+        key = self.config.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def card(self, name: str) -> ModelCard:
+        """The served model's card: a chat model, its context as the servers list it, and
+        a revision that names the model on the servers (result caches are kept per
+        revision, apart from any model this project loads itself)."""
+        digest = hashlib.blake2b(self.config.model.encode(), digest_size=8).hexdigest()
+        return ModelCard(name=name, kind="chat", context_length=self.context_length(),
+                         revision=f"server-{digest}", path=self.config.model)
+
+    def context_length(self) -> int | None:
+        """The model's context as the first server that answers lists it (vLLM says
+        `max_model_len`); None when none says. ValueError when a server answers without
+        the model: the worker was pointed at the wrong server or name."""
+        for url in self.config.urls:
+            try:
+                answer = httpx.get(f"{url}/models", headers=self.headers, timeout=10.0)
+                answer.raise_for_status()
+                listed = answer.json().get("data") or []
+            except (httpx.HTTPError, ValueError, AttributeError) as e:
+                logger.warning("cannot list the models of %s (%s); going on", url, e)
+                continue
+            names = [str(entry.get("id")) for entry in listed if isinstance(entry, dict)]
+            for entry in listed:
+                if isinstance(entry, dict) and entry.get("id") == self.config.model:
+                    length = entry.get("max_model_len") or entry.get("context_length")
+                    return int(length) if isinstance(length, int) else None
+            raise ValueError(f"the engine server {url} serves {names}, not "
+                             f"{self.config.model!r}: give --model the name it serves")
+        return None
+
+
+@dataclass(slots=True)
+class _Request:
+    """One job's request, waiting or running."""
+
+    rank: int  # priority rank: 0 runs first
+    seq: int  # arrival order within a rank
+    request_id: str
+    route_key: bytes
+    path: str
+    payload: dict[str, Any]
+    num_attempts: int = 0
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Its place in the waiting line."""
+        return self.rank, self.seq
+
+
+class RemoteEngineLoop:
+    """`EngineLoop`'s surface over engine servers (see the module docstring)."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self.engine = engine
+        self.failure: BaseException | None = None
+        self._outbox: queue.SimpleQueue[FinishedRequest] = queue.SimpleQueue()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="remote-engine", daemon=True)
+        self._started = threading.Event()
+        self._seq = itertools.count()
+        # Touched on the loop's thread only.
+        self._waiting: list[_Request] = []  # most urgent first
+        self._running: dict[str, _Request] = {}
+        self._is_stopping = False
+        self._wakeup: asyncio.Event | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._num_output_tokens = 0
+        self._last_stats = (time.monotonic(), 0)
+
+    def start(self) -> None:
+        """Start the loop's thread (and its client)."""
+        self._thread.start()
+        self._started.wait(30)
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Cancel what runs (closing its connections) and end the thread."""
+        self._call(self._stop_now)
+        self._thread.join(timeout)
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the loop's thread died of an unexpected error."""
+        return self.failure is None
+
+    def add(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int,
+            *, job: JobMessage | None = None) -> None:
+        """Queue `job`'s request (prompt and params were checked by the caller; the
+        request carries the job's own fields, see remote_requests)."""
+        if job is None:
+            raise ValueError("an engine server runs jobs: pass job=")
+        try:
+            path, payload = request_of(job, model=self.engine.config.model,
+                                       send_priority=self.engine.config.send_priority)
+        except ValueError as e:
+            self._outbox.put(FinishedRequest(request_id, error=str(e)))
+            return
+        request = _Request(priority, next(self._seq), request_id, job.affinity_key(), path,
+                           payload)
+        self._call(self._enqueue, request)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; a FinishedRequest with `aborted=True` follows if it was live."""
+        self._call(self._abort, request_id)
+
+    def wake(self) -> None:
+        """End a `take_finished` wait now, with nothing finished."""
+        self._outbox.put(WAKE)
+
+    def take_finished(self, timeout: float = 0.0) -> list[FinishedRequest]:
+        """Everything finished since the last call; waits up to `timeout` for the first."""
+        finished: list[FinishedRequest] = []
+        try:
+            finished.append(
+                self._outbox.get(timeout=timeout) if timeout > 0 else self._outbox.get_nowait())
+        except queue.Empty:
+            return finished
+        while True:
+            try:
+                finished.append(self._outbox.get_nowait())
+            except queue.Empty:
+                return [done for done in finished if done is not WAKE]
+
+    def _call(self, function: Any, *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(function, *args)
+        except RuntimeError:
+            pass  # the loop is closed: the worker is past its drain, nothing runs
+
+    # --- on the loop's thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main())
+        except BaseException as e:  # reported to the poll thread, which stops the worker
+            logger.exception("engine server client failed; the worker will stop")
+            self.failure = e
+        finally:
+            self._started.set()
+            self._loop.close()
+
+    async def _main(self) -> None:
+        self._wakeup = asyncio.Event()
+        timeout = httpx.Timeout(self.engine.config.timeout_s, connect=CONNECT_TIMEOUT_S)
+        total = sum(server.max_concurrency for server in self.engine.servers)
+        limits = httpx.Limits(max_connections=total, max_keepalive_connections=total)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits,
+                                     headers=self.engine.headers) as client:
+            self._client = client
+            self._started.set()
+            while not self._is_stopping:
+                self._wakeup.clear()
+                sleep_s = min(self._dispatch(), STATS_INTERVAL_S)
+                self._refresh_gauges()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), timeout=sleep_s)
+                except TimeoutError:
+                    pass
+            tasks = [r.task for r in self._running.values() if r.task is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _stop_now(self) -> None:
+        self._is_stopping = True
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _enqueue(self, request: _Request) -> None:
+        bisect.insort(self._waiting, request, key=lambda r: r.order)
+        self._poke()
+
+    def _abort(self, request_id: str) -> None:
+        request = self._running.pop(request_id, None)
+        if request is not None and request.task is not None:
+            request.task.cancel()  # closes its connection: the server stops generating
+        else:
+            waiting = [r for r in self._waiting if r.request_id == request_id]
+            if not waiting:
+                return  # finished already (its FinishedRequest is on its way)
+            self._waiting.remove(waiting[0])
+        self._outbox.put(FinishedRequest(request_id, aborted=True))
+
+    def _dispatch(self) -> float:
+        """Send what may go now, most urgent first; seconds until a backing-off server is
+        due again (STATS_INTERVAL_S when none is)."""
+        now = time.monotonic()
+        kept: list[_Request] = []
+        for request in self._waiting:
+            server = pick_server(request.route_key, self.engine.servers, now)
+            if server is None or not server.has_room:
+                kept.append(request)  # waits for its server: its prefix cache is there
+                continue
+            server.num_running += 1
+            request.task = asyncio.get_running_loop().create_task(self._send(request, server))
+            self._running[request.request_id] = request
+        self._waiting = kept
+        due = [s.down_until - now for s in self.engine.servers if not s.is_up(now)]
+        return max(min(due), 0.001) if due else STATS_INTERVAL_S
+
+    async def _send(self, request: _Request, server: ServerState) -> None:
+        assert self._client is not None
+        request.num_attempts += 1
+        outcome: FinishedRequest | None = None
+        try:
+            response = await self._client.post(server.url + request.path, json=request.payload)
+        except (httpx.ReadTimeout, httpx.WriteTimeout):
+            outcome = FinishedRequest(request.request_id, error=(
+                f"the engine server {server.url} did not answer within "
+                f"{self.engine.config.timeout_s:g} s (engine_url_timeout_s)"))
+        except httpx.TransportError as e:  # refused, reset, dropped: the server's trouble
+            self._retry(request, server, reason="connection", detail=repr(e))
+        else:
+            outcome = self._outcome(request, server, response)
+        finally:
+            server.num_running -= 1
+            self._poke()
+        if outcome is not None and self._running.pop(request.request_id, None) is not None:
+            self._outbox.put(outcome)
+
+    def _outcome(self, request: _Request, server: ServerState,
+                 response: httpx.Response) -> FinishedRequest | None:
+        status = response.status_code
+        if status in RETRY_STATUSES:
+            self._retry(request, server, reason=str(status), detail=response.text[:200],
+                        retry_after_s=parse_retry_after(response.headers.get("retry-after")))
+            return None
+        server.succeeded()
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = None
+        if status != 200:
+            message = error_message(status, payload, response.text)
+            logger.info("job %s refused by %s: %s", request.request_id, server.url, message)
+            return FinishedRequest(request.request_id, error=message)
+        try:
+            output = RemoteOutput(request.request_id, check_response(payload))
+        except ValueError as e:
+            return FinishedRequest(request.request_id, error=str(e))
+        output.metrics.finish_time = time.time()
+        self._num_output_tokens += output.num_output_tokens
+        return FinishedRequest(request.request_id, output=output)
+
+    def _retry(self, request: _Request, server: ServerState, *, reason: str, detail: str,
+               retry_after_s: float | None = None) -> None:
+        """Back `server` off and put the request back in line where it was."""
+        now = time.monotonic()
+        if server.is_up(now):  # the first of its requests to fail sets the back-off
+            delay = backoff_s(server.num_failures + 1, base_s=self.engine.config.backoff_s,
+                              max_s=self.engine.config.backoff_max_s,
+                              retry_after_s=retry_after_s)
+            server.failed(delay, now)
+            log = logger.warning if server.num_failures == 1 else logger.info
+            log("engine server %s answered %s (%s): backing off %.2f s", server.url, reason,
+                detail, delay)
+        metrics.ENGINE_SERVER_RETRIES.labels(reason).inc()
+        if request.request_id in self._running:  # not aborted meanwhile
+            del self._running[request.request_id]
+            request.task = None
+            bisect.insort(self._waiting, request, key=lambda r: r.order)
+
+    def _refresh_gauges(self) -> None:
+        now = time.monotonic()
+        last_at, last_tokens = self._last_stats
+        if now - last_at < STATS_INTERVAL_S:
+            return
+        metrics.ENGINE_RUNNING_SEQS.set(len(self._running))
+        metrics.ENGINE_WAITING_SEQS.set(len(self._waiting))
+        metrics.ENGINE_TOKENS_PER_SECOND.set(
+            (self._num_output_tokens - last_tokens) / (now - last_at))
+        self._last_stats = (now, self._num_output_tokens)
