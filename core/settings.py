@@ -88,6 +88,14 @@ class Settings(BaseSettings):
     engine_kv_cache_memory_bytes: int | None = None
     engine_dtype: str = "auto"
     engine_device: str = "auto"
+    # Latency classes: the longest a decode step may take while it holds a job of this
+    # priority; less urgent jobs sit steps out (keeping their KV) to keep it. None: no
+    # target. The engine prices steps with a cost model fitted from its own steps, so
+    # these hold on any device; a target below what the urgent work alone costs just
+    # runs that work alone.
+    engine_step_target_high_ms: float | None = Field(default=40.0, gt=0)
+    engine_step_target_normal_ms: float | None = Field(default=250.0, gt=0)
+    engine_step_target_low_ms: float | None = Field(default=None, gt=0)
     # Prometheus exporter port of the worker process (0: off).
     worker_metrics_port: int = Field(default=0, ge=0, le=65535)
     # On SIGTERM, how long in-flight jobs may take to finish before the worker exits anyway.

@@ -220,6 +220,7 @@ class LLMEngine:
             num_computed_tokens=self._num_computed_tokens,
             num_generated_tokens=self._num_generated_tokens,
             busy_seconds=self._busy_seconds,
+            num_held_back_steps=self.scheduler.num_held_back_steps,
         )
 
     def _advance_all(self, seqs: list[Sequence]) -> list[RequestOutput]:

@@ -23,6 +23,7 @@ from prometheus_client import start_http_server
 from core.gc_policy import settle_heap
 from core.kafka import ensure_topics, make_consumer
 from core.settings import Settings, get_settings
+from core.topics import Priority
 from storage.db import create_db_engine, session_factory
 from storage.events import CancelSubscription
 from storage.model_cards import publish_card
@@ -65,10 +66,21 @@ def build_engine(settings: Settings) -> LLMEngine:
         device=settings.engine_device,
         max_num_batched_tokens=settings.engine_max_num_batched_tokens,
         kv_cache_memory_bytes=settings.engine_kv_cache_memory_bytes,
+        step_time_targets=step_time_targets(settings),
     )
     if settings.engine_max_num_seqs is not None:
         config.max_num_seqs = settings.engine_max_num_seqs
     return LLMEngine(config)
+
+
+def step_time_targets(settings: Settings) -> dict[int, float]:
+    """Engine priority value -> target step seconds, from the `engine_step_target_*_ms`."""
+    targets_ms = {
+        Priority.HIGH: settings.engine_step_target_high_ms,
+        Priority.NORMAL: settings.engine_step_target_normal_ms,
+        Priority.LOW: settings.engine_step_target_low_ms,
+    }
+    return {p.rank: ms / 1000 for p, ms in targets_ms.items() if ms is not None}
 
 
 def announce_model(settings: Settings, redis_client: redis.Redis) -> ModelCard:
