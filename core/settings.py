@@ -96,6 +96,9 @@ class Settings(BaseSettings):
     engine_step_target_high_ms: float | None = Field(default=40.0, gt=0)
     engine_step_target_normal_ms: float | None = Field(default=250.0, gt=0)
     engine_step_target_low_ms: float | None = Field(default=None, gt=0)
+    # API: how often the load behind queue positions and ETAs is read again (once per
+    # process, whatever the number of readers).
+    estimate_refresh_s: float = Field(default=1.0, gt=0)
     # Prometheus exporter port of the worker process (0: off).
     worker_metrics_port: int = Field(default=0, ge=0, le=65535)
     # On SIGTERM, how long in-flight jobs may take to finish before the worker exits anyway.

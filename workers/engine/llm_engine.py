@@ -221,6 +221,7 @@ class LLMEngine:
             num_generated_tokens=self._num_generated_tokens,
             busy_seconds=self._busy_seconds,
             num_held_back_steps=self.scheduler.num_held_back_steps,
+            num_steps=self.scheduler.cost_model.num_steps,
         )
 
     def _advance_all(self, seqs: list[Sequence]) -> list[RequestOutput]:

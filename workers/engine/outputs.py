@@ -72,6 +72,7 @@ class EngineStats:
     busy_seconds: float  # time spent inside step()
     # Sequence-steps that running sequences sat out to keep a more urgent class on target.
     num_held_back_steps: int = 0
+    num_steps: int = 0  # steps that ran a batch
 
     @property
     def tokens_per_s(self) -> float:

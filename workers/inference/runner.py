@@ -39,6 +39,7 @@ from workers.inference.heartbeat import Heartbeat
 from workers.inference.job_store import JobStore
 from workers.inference.kv_tier import connect_kv_tier
 from workers.inference.semantic_lookup import SemanticLookup
+from workers.inference.service_rate import ServiceRate
 from workers.inference.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -122,7 +123,9 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
         # Beating before the consumer joins, and stopped (its row deleted) only after
         # the drain handed back what the worker could not finish.
         stack.enter_context(Heartbeat(session_factory(db_engine), worker_id=worker_id,
-                                      interval_s=settings.worker_heartbeat_interval_s))
+                                      interval_s=settings.worker_heartbeat_interval_s,
+                                      model=settings.served_model_name,
+                                      pace=ServiceRate(engine.stats).sample))
         redis_client = redis.Redis.from_url(settings.redis_url)
         stack.callback(redis_client.close)
         card = announce_model(settings, redis_client)
