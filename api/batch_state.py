@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.resources import Resources
 from storage.batches import BatchStatus, batch_object, get_batch
+from storage.estimates import read_batch_tail
 from storage.events import wait_batch_done
 
 
@@ -23,7 +24,16 @@ def load_batch(resources: Resources, *, batch_id: str, tenant_id: str) -> dict[s
     """The tenant's batch object as the database has it now; None if missing or not theirs."""
     with resources.sessions() as session:
         batch = get_batch(session, batch_id=batch_id, tenant_id=tenant_id)
-        return None if batch is None else batch_object(batch)
+        if batch is None:
+            return None
+        view = batch_object(batch)
+        view["estimated_completion_at"] = None
+        if batch.status == BatchStatus.IN_PROGRESS and batch.model:
+            tail = read_batch_tail(session.connection(), batch_id=batch.id)
+            at = resources.estimates.batch_completion(model=batch.model,
+                                                      priority=batch.priority, tail=tail)
+            view["estimated_completion_at"] = None if at is None else round(at)
+        return view
 
 
 async def wait_for_batch(

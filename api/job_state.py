@@ -48,7 +48,14 @@ def load_job(resources: Resources, *, job_id: str, tenant_id: str) -> JobPublic 
     """The tenant's job as the database has it now; None if missing or not theirs."""
     with resources.engine.connect() as connection:
         row = job_view(connection, job_id=job_id, tenant_id=tenant_id)
-    return JobPublic.from_job(row) if row is not None else None
+    if row is None:
+        return None
+    view = JobPublic.from_job(row)
+    if not row.status.is_terminal:  # from the last reading of the load: no query here
+        view.with_estimate(resources.estimates.estimate(
+            model=row.model, priority=row.priority, status=row.status, created_at=row.created_at,
+            deadline=row.deadline, started_at=row.started_at))
+    return view
 
 
 async def _read_view(resources: Resources, *, job_id: str, tenant_id: str) -> JobPublic | None:

@@ -28,6 +28,7 @@ from redis.retry import Retry
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.active_jobs import ActiveJobGate
+from api.estimates import EstimateBoard
 from api.job_writer import JobWriter
 from api.key_cache import ApiKeyCache
 from api.rate_limit import TokenBucketLimiter
@@ -264,6 +265,8 @@ class Resources:
     api_keys: ApiKeyCache[CurrentTenant]
     # Wakes long-polls when their job finishes (see storage.job_done_hub).
     done_hub: JobDoneHub
+    # Queue positions and ETAs from the last reading of every model's load.
+    estimates: EstimateBoard
     # Unix time the app started: the `created` of the models it serves.
     started_at: float = field(default_factory=time.time)
     # Key lookups under way, by key hash, shared by the requests that wait on them.
@@ -296,6 +299,8 @@ class Resources:
             cards=CardReader(sync_redis, prefix=settings.topic_prefix),
             api_keys=api_keys,
             done_hub=JobDoneHub(async_redis, prefix=settings.topic_prefix),
+            estimates=EstimateBoard(engine, refresh_s=settings.estimate_refresh_s,
+                                    heartbeat_timeout_s=settings.worker_heartbeat_timeout_s),
         )
 
     async def aclose(self) -> None:

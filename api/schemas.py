@@ -9,7 +9,7 @@ model's context, is refused by `core.request_checks` (400).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,6 +27,9 @@ from core.requests import SamplingRequest as SamplingRequest
 from core.topics import Priority
 from storage.files import MAX_EXPIRES_AFTER_S, MIN_EXPIRES_AFTER_S
 from storage.models import Job, JobStatus, unix_seconds
+
+if TYPE_CHECKING:
+    from api.estimates import Estimate
 
 
 class ExpiresAfter(BaseModel):
@@ -56,6 +59,11 @@ class JobLinks(BaseModel):
     cancel: str
 
 
+def unix_or_none(at: float | None) -> int | None:
+    """Seconds since the epoch, rounded, or None."""
+    return None if at is None else round(at)
+
+
 class JobPublic(BaseModel):
     """A job as clients see it; `result` is the stored OpenAI response object."""
 
@@ -74,7 +82,24 @@ class JobPublic(BaseModel):
     # How a cache answered it: "exact", or {"kind": "semantic", "similarity",
     # "matched_job_id"}; None when the engine ran it.
     cached: str | dict[str, Any] | None = None
+    # Unix time it must be done by, if it has a deadline.
+    deadline: int | None = None
+    # While queued or running (see api.estimates): queued jobs of its model taken before
+    # it (0 once running), and when it should start and finish (unix time; None while the
+    # model has no measured worker).
+    queue_position: int | None = None
+    estimated_start_at: int | None = None
+    estimated_completion_at: int | None = None
     links: JobLinks
+
+    def with_estimate(self, estimate: Estimate | None) -> JobPublic:
+        """This view with a queue position and ETAs (unchanged when there are none)."""
+        if estimate is None:
+            return self
+        self.queue_position = estimate.queue_position
+        self.estimated_start_at = unix_or_none(estimate.estimated_start_at)
+        self.estimated_completion_at = unix_or_none(estimate.estimated_completion_at)
+        return self
 
     @classmethod
     def from_job(cls, job: Job | Row[*tuple[Any, ...]]) -> JobPublic:
@@ -104,6 +129,7 @@ class JobPublic(BaseModel):
             usage=usage,
             metadata=job.metadata_,
             cached=(job.result or {}).get("cached"),
+            deadline=unix_seconds(getattr(job, "deadline", None)),
             links=JobLinks.model_validate({"self": path, "cancel": f"{path}/cancel"}),
         )
 

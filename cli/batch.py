@@ -103,14 +103,15 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     with _client(args) as client:
         page = client.list_batches(limit=args.limit)
-    header = ("id", "status", "completed", "failed", "total", "model", "created")
+    header = ("id", "status", "completed", "failed", "total", "model", "created", "eta")
     rows = []
     for batch in page["data"]:
         counts = batch.get("request_counts") or {}
         rows.append((batch["id"], batch["status"], str(counts.get("completed", 0)),
                      str(counts.get("failed", 0)), str(counts.get("total", 0)),
                      batch.get("model") or "",
-                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(batch["created_at"]))))
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(batch["created_at"])),
+                     _clock(batch.get("estimated_completion_at"))))
     console = Console()
     if not console.is_terminal:
         for row in (header, *rows):
@@ -118,11 +119,16 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     # Ids are what users copy into the next command: never cut short.
     table = Table(Column(header[0], no_wrap=True), *header[1:5],
-                  Column(header[5], overflow="fold"), header[6])
+                  Column(header[5], overflow="fold"), header[6], header[7])
     for row in rows:
         table.add_row(*row)
     console.print(table)
     return 0
+
+
+def _clock(at: float | None) -> str:
+    """A unix time as local `YYYY-MM-DD HH:MM:SS`, or '' for None."""
+    return "" if at is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
 
 
 def cmd_get(args: argparse.Namespace) -> int:
@@ -203,7 +209,9 @@ def follow(client: Any, batch: dict[str, Any], *, console: Any,
             progress.update(task, description=batch["status"], total=total or None,
                             completed=completed + failed,
                             counts=f"{completed} ok · {failed} failed / {total}",
-                            rate=rate.describe(remaining=total - completed - failed))
+                            rate=rate.describe(
+                                remaining=total - completed - failed,
+                                estimated_completion_at=batch.get("estimated_completion_at")))
             if batch["status"] in TERMINAL_STATUSES:
                 return batch
             batch = next_look(client, batch["id"], interval_s=poll_interval_s)
@@ -230,13 +238,23 @@ class RateMeter:
             return None
         return (self._last[1] - self._first[1]) / (self._last[0] - self._first[0])
 
-    def describe(self, *, remaining: int) -> str:
-        """`12.3 req/s · ETA 0:01:05`, or '' before there is a rate."""
+    def describe(self, *, remaining: int, estimated_completion_at: float | None = None,
+                 now: float | None = None) -> str:
+        """`12.3 req/s · ETA 0:01:05`, or '' before there is a rate or an estimate.
+
+        The service's `estimated_completion_at` (unix time) is preferred: it knows the work
+        queued ahead of the batch and the whole fleet's pace, where the rate seen here only
+        knows this batch's own recent progress (and is 0 while the batch waits its turn).
+        """
         per_s = self.per_s
-        if not per_s or per_s <= 0:
+        rate = f"{per_s:.1f} req/s · " if per_s and per_s > 0 else ""
+        if estimated_completion_at is not None:
+            eta_s = int(max(0.0, estimated_completion_at - (time.time() if now is None else now)))
+        elif per_s and per_s > 0:
+            eta_s = int(max(remaining, 0) / per_s)
+        else:
             return ""
-        eta_s = int(max(remaining, 0) / per_s)
-        return f"{per_s:.1f} req/s · ETA {eta_s // 3600}:{eta_s // 60 % 60:02d}:{eta_s % 60:02d}"
+        return f"{rate}ETA {eta_s // 3600}:{eta_s // 60 % 60:02d}:{eta_s % 60:02d}"
 
 
 def write_results(client: Any, batch: dict[str, Any], *, output: Path, errors: Path | None,

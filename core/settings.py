@@ -108,6 +108,17 @@ class Settings(BaseSettings):
     # it says how long itself (Retry-After); its jobs wait or go to another server.
     engine_url_backoff_s: float = Field(default=0.5, gt=0)
     engine_url_backoff_max_s: float = Field(default=30.0, gt=0)
+    # Latency classes: the longest a decode step may take while it holds a job of this
+    # priority; less urgent jobs sit steps out (keeping their KV) to keep it. None: no
+    # target. The engine prices steps with a cost model fitted from its own steps, so
+    # these hold on any device; a target below what the urgent work alone costs just
+    # runs that work alone.
+    engine_step_target_high_ms: float | None = Field(default=40.0, gt=0)
+    engine_step_target_normal_ms: float | None = Field(default=250.0, gt=0)
+    engine_step_target_low_ms: float | None = Field(default=None, gt=0)
+    # API: how often the load behind queue positions and ETAs is read again (once per
+    # process, whatever the number of readers).
+    estimate_refresh_s: float = Field(default=1.0, gt=0)
     # Prometheus exporter port of the worker process (0: off).
     worker_metrics_port: int = Field(default=0, ge=0, le=65535)
     # On SIGTERM, how long in-flight jobs may take to finish before the worker exits anyway.

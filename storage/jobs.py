@@ -172,6 +172,7 @@ _VIEW_COLUMNS = (
     _jobs.id, _jobs.status, _jobs.priority, _jobs.model, _jobs.created_at, _jobs.started_at,
     _jobs.finished_at, _jobs.result, _jobs.error, _jobs.prompt_tokens,
     _jobs.completion_tokens, _jobs.cached_tokens, _jobs.metadata.label("metadata_"),
+    _jobs.deadline,
 )
 JOB_VIEW = select(*_VIEW_COLUMNS).where(
     _jobs.id == bindparam("job_id"), _jobs.tenant_id == bindparam("tenant_id"))

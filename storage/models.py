@@ -16,6 +16,7 @@ from sqlalchemy import (
     DateTime,
     Dialect,
     Enum,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -118,6 +119,8 @@ class Job(Base):
         Index("ix_jobs_batch", "batch_id", "status"),
         # count_active_jobs runs on every submission.
         Index("ix_jobs_tenant_status", "tenant_id", "status"),
+        # The reconciler expires queued and running jobs past their deadline.
+        Index("ix_jobs_status_deadline", "status", "deadline"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -153,6 +156,9 @@ class Job(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)
     # SHA-256 of the canonical request body: a replayed key with another body is a 409.
     request_hash: Mapped[str | None] = mapped_column(String(64), default=None)
+    # When the job must be done by (from `deadline` or a batch's completion window): within
+    # a priority the earliest runs first; past it the job is expired.
+    deadline: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
 
 
 class WorkerHeartbeat(Base):
@@ -168,3 +174,8 @@ class WorkerHeartbeat(Base):
     id: Mapped[str] = mapped_column(String(100), primary_key=True)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # The served model it runs and its measured pace (for estimates): tokens computed per
+    # busy second, and seconds per engine step (what one sequence waits per token).
+    model: Mapped[str | None] = mapped_column(String(200), default=None)
+    tokens_per_s: Mapped[float | None] = mapped_column(Float, default=None)
+    step_s: Mapped[float | None] = mapped_column(Float, default=None)

@@ -26,22 +26,37 @@ from storage.models import Job, JobStatus, WorkerHeartbeat, utcnow
 logger = logging.getLogger(__name__)
 
 
-def record_heartbeat(session: Session, *, worker_id: str, now: datetime | None = None) -> None:
-    """Stamp the worker alive now; the first beat (or one after a prune) inserts its row."""
+def record_heartbeat(
+    session: Session,
+    *,
+    worker_id: str,
+    now: datetime | None = None,
+    model: str | None = None,
+    tokens_per_s: float | None = None,
+    step_s: float | None = None,
+) -> None:
+    """Stamp the worker alive now; the first beat (or one after a prune) inserts its row.
+
+    `model`, `tokens_per_s` and `step_s` (its served model and measured pace) are stored
+    when given, for the estimates; a figure not measured yet leaves the stored one.
+    """
     if not worker_id:
         raise ValueError("worker_id must be a non-empty string, e.g. '<host>-<pid>'")
     now = now or utcnow()
+    pace = {name: value for name, value in
+            (("model", model), ("tokens_per_s", tokens_per_s), ("step_s", step_s))
+            if value is not None}  # fmt: skip
     result = session.execute(
         update(WorkerHeartbeat)
         .where(WorkerHeartbeat.id == worker_id)
-        .values(heartbeat_at=now)
+        .values(heartbeat_at=now, **pace)
         .execution_options(synchronize_session=False)
     )
     assert isinstance(result, CursorResult)
     if result.rowcount == 0:
         # One process per id, so no other writer inserts this row concurrently.
         session.execute(insert(WorkerHeartbeat).values(id=worker_id, started_at=now,
-                                                       heartbeat_at=now))
+                                                       heartbeat_at=now, **pace))
 
 
 def remove_worker(session: Session, *, worker_id: str) -> bool:

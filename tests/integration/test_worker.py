@@ -305,3 +305,26 @@ def test_a_worker_joining_mid_run_takes_over_partitions_without_duplicates(servi
     assert first.stop() == 0, first.log_tail()
     assert second.stop() == 0, second.log_tail()
     assert sum(consumer_lag(svc.settings, group_id=svc.settings.consumer_group).values()) == 0
+
+
+def test_a_high_job_starts_at_once_on_a_worker_full_of_low_ones(service) -> None:
+    """The in-flight bound counts only jobs at least as urgent: a worker holding its bound
+    in low jobs starts a high one before any of them finishes (it used to wait for one)."""
+    svc = service(worker_max_inflight=2, engine_max_num_seqs=2)
+    worker = svc.start_worker()
+    low = svc.submit("low", job_bodies(6, tag="full", max_tokens=400, ignore_eos=True))
+    svc.wait_for(
+        "the worker to hold its bound in low jobs",
+        lambda: svc.count_status(low, JobStatus.RUNNING) == 2,
+        timeout=120,
+    )
+    running_low = [i for i, j in svc.jobs(low).items() if j.status == JobStatus.RUNNING]
+    high = svc.submit("high", job_bodies(1, tag="urgent", max_tokens=4, ignore_eos=True))
+    done = svc.wait_terminal(low + high)
+    assert all(j.status == JobStatus.SUCCEEDED for j in done.values())
+    high_job = done[high[0]]
+    first_low_finish = min(done[i].finished_at for i in running_low)  # type: ignore[type-var]
+    assert high_job.started_at is not None and first_low_finish is not None
+    assert high_job.started_at < first_low_finish
+    assert high_job.finished_at is not None and high_job.finished_at < first_low_finish
+    assert worker.stop() == 0, worker.log_tail()

@@ -60,6 +60,19 @@ def test_rate_and_eta_from_observations() -> None:
     assert meter.describe(remaining=3600 * 5) == "5.0 req/s · ETA 1:00:00"
 
 
+def test_the_services_estimate_outranks_the_local_rate() -> None:
+    """The service knows the work queued ahead; a batch still waiting its turn has no
+    local rate at all."""
+    meter = RateMeter()
+    assert meter.describe(remaining=10, estimated_completion_at=1000.0 + 125, now=1000.0) == (
+        "ETA 0:02:05"
+    )
+    meter.observe(0, at=0.0)
+    meter.observe(50, at=10.0)
+    assert meter.describe(remaining=50, estimated_completion_at=1000.0 + 3600,
+                          now=1000.0) == "5.0 req/s · ETA 1:00:00"
+
+
 def test_each_look_asks_the_service_to_wait_and_keeps_the_pace() -> None:
     """A look asks for `wait=interval`; an ended batch returns at once; a service that
     answers early without an end (one that ignores `wait`) costs the rest of the interval

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_MODELS_DIR = Path.home() / ".cache" / "batchinfer" / "models"
@@ -49,6 +49,10 @@ class EngineConfig:
     # to overlap with).
     overlap_output_processing: bool | None = None
     skip_tokenizer_init: bool = False  # token-id-only use, e.g. random-weight models
+    # Latency classes: priority value -> seconds a decode step may take while it holds
+    # sequences of that priority (less urgent ones sit steps out to keep it); a priority
+    # not listed has no target. Empty: every step runs as wide as the budget allows.
+    step_time_targets: dict[int, float] = field(default_factory=dict)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -74,5 +78,10 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        for priority, seconds in self.step_time_targets.items():
+            if not seconds > 0:
+                raise ValueError(
+                    f"step_time_targets[{priority}] must be > 0 seconds, got {seconds}"
+                )
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")

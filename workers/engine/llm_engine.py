@@ -76,6 +76,7 @@ class LLMEngine:
             eos_token_ids=set(self.runner.eos_token_ids),
             enable_chunked_prefill=config.enable_chunked_prefill,
             watermark=config.watermark,
+            step_time_targets=config.step_time_targets,
         )
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
@@ -99,8 +100,13 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         priority: int = 0,
+        deadline: float | None = None,
     ) -> None:
-        """Queue a request; ValueError naming the field if it is malformed or cannot fit."""
+        """Queue a request; ValueError naming the field if it is malformed or cannot fit.
+
+        `deadline` (seconds since the epoch) orders requests within a priority, earliest
+        first; requests without one come after those with one.
+        """
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -108,6 +114,10 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, int | float)
+        ):
+            raise ValueError(f"deadline must be seconds since the epoch, got {deadline!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
@@ -123,6 +133,7 @@ class LLMEngine:
             params,
             priority=priority,
             arrival_order=next(self._arrivals),
+            deadline=None if deadline is None else float(deadline),
         )
         self.scheduler.add(seq)  # may raise: the pool could never hold it
         detokenizer = None
@@ -190,7 +201,10 @@ class LLMEngine:
             self._deferred = updated
         else:
             outputs = self._advance_all(updated)
-        self._busy_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self._busy_seconds += seconds
+        # The whole step is what a running sequence waits between two tokens.
+        self.scheduler.cost_model.observe(out.shape, seconds)
         return outputs
 
     def stats(self) -> EngineStats:
@@ -206,6 +220,8 @@ class LLMEngine:
             num_computed_tokens=self._num_computed_tokens,
             num_generated_tokens=self._num_generated_tokens,
             busy_seconds=self._busy_seconds,
+            num_held_back_steps=self.scheduler.num_held_back_steps,
+            num_steps=self.scheduler.cost_model.num_steps,
         )
 
     def _advance_all(self, seqs: list[Sequence]) -> list[RequestOutput]:

@@ -70,6 +70,9 @@ class EngineStats:
     num_computed_tokens: int  # tokens the model ran on (prefill chunks and decodes)
     num_generated_tokens: int
     busy_seconds: float  # time spent inside step()
+    # Sequence-steps that running sequences sat out to keep a more urgent class on target.
+    num_held_back_steps: int = 0
+    num_steps: int = 0  # steps that ran a batch
 
     @property
     def tokens_per_s(self) -> float:

@@ -1,10 +1,17 @@
 """Decides, every step, which sequences run and how many of their tokens.
 
 Responsibilities:
-- keep the waiting line ordered by priority (lower value = more urgent) then arrival;
-  a preempted sequence goes back to its original place in that line;
+- keep the waiting line ordered by priority (lower value = more urgent), then deadline
+  (earliest first, none last), then arrival; a preempted sequence goes back to its
+  original place in that line;
 - spend a token budget (`max_num_batched_tokens`) per step under a cap of `max_num_seqs`
-  running sequences: decodes first, then prefill chunks, then new admissions;
+  running sequences, one priority level at a time, most urgent first: its decodes, its
+  prefill chunks, then admissions of its waiting sequences;
+- latency classes: once a step holds sequences of a priority with a target step time
+  (`step_time_targets`), less urgent work joins it only while the cost model predicts the
+  step stays within that target; the rest sit the step out keeping their KV blocks
+  (a prefill chunk shrinks to fit first). With no urgent work in a step nothing is held
+  back, so low priorities never starve for want of a target of their own;
 - chunk long prefills (or, with chunked prefill off, schedule each prefill whole);
 - when KV blocks run out, preempt by recompute the least urgent, newest running sequence;
 - let a strictly more urgent waiting sequence displace the least urgent running one when
@@ -17,12 +24,15 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.step_cost import EMPTY_STEP, StepCostModel, StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +59,10 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     # Sequences sent back to the waiting line this step (their KV was dropped).
     preempted: list[Sequence] = field(default_factory=list)
+    # What the step computes, as the cost model prices it.
+    shape: StepShape = EMPTY_STEP
+    # Running sequences that sat this step out to keep a more urgent class on target.
+    num_held_back: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -61,9 +75,10 @@ class SchedulerOutput:
         return not self.seqs
 
 
-def urgency(seq: Sequence) -> tuple[int, int]:
-    """Sort key: most urgent first (lower priority value, then earlier arrival)."""
-    return (seq.priority, seq.arrival_order)
+def urgency(seq: Sequence) -> tuple[int, float, int]:
+    """Sort key: most urgent first (lower priority value, earlier deadline, earlier arrival)."""
+    deadline = seq.deadline if seq.deadline is not None else math.inf
+    return (seq.priority, deadline, seq.arrival_order)
 
 
 class Scheduler:
@@ -79,6 +94,8 @@ class Scheduler:
         eos_token_ids: set[int],
         enable_chunked_prefill: bool = True,
         watermark: float = 0.01,
+        step_time_targets: Mapping[int, float] | None = None,
+        cost_model: StepCostModel | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -87,6 +104,14 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
         self.num_watermark_blocks = int(watermark * block_manager.num_blocks)
+        # Priority value -> seconds a step may take while it holds sequences of that
+        # priority; a priority missing here has no target.
+        self.step_time_targets = dict(step_time_targets or {})
+        for priority, seconds in self.step_time_targets.items():
+            if not seconds > 0:
+                raise ValueError(f"step time target of priority {priority} must be > 0")
+        self.cost_model = cost_model if cost_model is not None else StepCostModel()
+        self.num_held_back_steps = 0  # sequence-steps sat out for a latency class
         self.waiting: list[Sequence] = []  # sorted by urgency
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -130,18 +155,50 @@ class Scheduler:
         """Pick this step's batch within the token budget and the sequence cap."""
         step = _Step(self.max_num_batched_tokens)
         running = sorted(self.running, key=urgency)
-        # Decodes first (one token each, latency-sensitive), then running prefill chunks.
-        for seq in [s for s in running if s.num_uncomputed_tokens == 1] + [
-            s for s in running if s.num_uncomputed_tokens > 1
-        ]:
-            if seq.status is SequenceStatus.RUNNING and step.budget > 0:
-                self._schedule_running(seq, step)
-        self._admit_waiting(step)
-        # Every request fits the pool and the budget alone (checked in add), so with work
-        # pending something always runs; an empty batch here would be a livelock.
+        levels = sorted({s.priority for s in running} | {s.priority for s in self.waiting})
+        for level in levels:
+            # The tightest target among the more urgent sequences already in this step;
+            # the first level present never has one, so the most urgent work always runs.
+            step.cap = self._cap(step)
+            group = [s for s in running if s.priority == level]
+            # Decodes first (one token each, latency-sensitive), then prefill chunks.
+            for seq in [s for s in group if s.num_uncomputed_tokens == 1] + [
+                s for s in group if s.num_uncomputed_tokens > 1
+            ]:
+                if seq.status is SequenceStatus.RUNNING and step.budget > 0:
+                    self._schedule_running(seq, step)
+            self._admit_waiting(step, max_priority=level)
+            if any(s.priority == level for s in step.scheduled):
+                step.levels_scheduled.add(level)
+        # Every request fits the pool and the budget alone (checked in add), and the most
+        # urgent level present is never capped, so with work pending something always
+        # runs; an empty batch here would be a livelock.
         assert step.scheduled or not self.has_unfinished(), "scheduler stalled"
         seqs = list(step.scheduled)
-        return SchedulerOutput(seqs, [step.scheduled[s] for s in seqs], step.preempted)
+        self.num_held_back_steps += step.num_held_back
+        return SchedulerOutput(
+            seqs,
+            [step.scheduled[s] for s in seqs],
+            step.preempted,
+            shape=step.shape,
+            num_held_back=step.num_held_back,
+        )
+
+    def _cap(self, step: _Step) -> float | None:
+        """Seconds the step may take, from the targets of the levels it already holds."""
+        if not self.cost_model.is_fitted:
+            return None
+        targets = [
+            self.step_time_targets[p] for p in step.levels_scheduled if p in self.step_time_targets
+        ]
+        return min(targets) if targets else None
+
+    def _num_within_cap(self, step: _Step, num_context_tokens: int, num_new: int) -> int:
+        """How many of `num_new` tokens fit the step's cap (all of them with no cap)."""
+        if step.cap is None:
+            return num_new
+        fits = self.cost_model.max_new_tokens_within(step.shape, num_context_tokens, step.cap)
+        return min(num_new, fits)
 
     def postprocess(self, out: SchedulerOutput, sampled: Seq[Sampled | None]) -> list[Sequence]:
         """Advance progress, append sampled tokens, apply stop conditions.
@@ -197,6 +254,11 @@ class Scheduler:
         assert num_new > 0
         if num_new < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
             return
+        num_fitting = self._num_within_cap(step, seq.num_computed_tokens, num_new)
+        if num_fitting < num_new and (num_fitting == 0 or not self.enable_chunked_prefill):
+            step.num_held_back += 1  # sits out, its blocks kept for the next step
+            return
+        num_new = num_fitting
         while not self.block_manager.append_slots(seq, num_new):
             # Out of blocks: recompute-preempt the least urgent, newest running sequence;
             # when that is `seq` itself it simply waits (no equal-priority ping-pong: a
@@ -207,10 +269,12 @@ class Scheduler:
                 return
         step.add(seq, num_new, self.block_manager.hashes_completed_by(seq, num_new))
 
-    def _admit_waiting(self, step: _Step) -> None:
+    def _admit_waiting(self, step: _Step, *, max_priority: int) -> None:
         bm = self.block_manager
         while self.waiting and step.budget > 0:
             seq = self.waiting[0]
+            if seq.priority > max_priority:
+                break  # its level comes later in this step
             if seq in step.preempted:
                 break  # it keeps its place in line, but does not bounce back in this step
             if len(self.running) >= self.max_num_seqs:
@@ -227,6 +291,9 @@ class Scheduler:
             num_new = min(num_uncached, step.budget)
             if num_new < num_uncached and not self.enable_chunked_prefill:
                 break
+            num_new = self._num_within_cap(step, len(cached) * bm.block_size, num_new)
+            if num_new == 0 or (num_new < num_uncached and not self.enable_chunked_prefill):
+                break  # a more urgent class holds this step; admit it at a later one
             reserve = self.num_watermark_blocks if self.running else 0
             if not bm.can_admit(cached, num_new, reserve):
                 needed = bm.num_blocks_for(len(cached) * bm.block_size + num_new) + reserve
@@ -259,6 +326,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:
         logger.debug("preempting %s (priority %d)", seq.request_id, seq.priority)
+        step.remove(seq)  # before free(): it resets the progress the step priced
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -266,7 +334,6 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=urgency)
         step.preempted.append(seq)
-        step.budget += step.scheduled.pop(seq, 0)
 
 
 @dataclass(slots=True)
@@ -278,9 +345,25 @@ class _Step:
     preempted: list[Sequence] = field(default_factory=list)
     # Hashes of blocks this step completes, so an admission can wait to share them.
     completing_hashes: set[bytes] = field(default_factory=set)
+    shape: StepShape = EMPTY_STEP
+    # Priority levels with a sequence in this step, and the time cap they impose.
+    levels_scheduled: set[int] = field(default_factory=set)
+    cap: float | None = None
+    num_held_back: int = 0
 
     def add(self, seq: Sequence, num_new_tokens: int, completed: list[bytes]) -> None:
         """Schedule `num_new_tokens` of `seq`."""
         self.scheduled[seq] = num_new_tokens
         self.budget -= num_new_tokens
         self.completing_hashes.update(completed)
+        # Attention reads every position up to the last new one.
+        self.shape = self.shape.plus(num_new_tokens, seq.num_computed_tokens + num_new_tokens)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take back a sequence scheduled earlier in this step (it was preempted)."""
+        num_new_tokens = self.scheduled.pop(seq, None)
+        if num_new_tokens is None:
+            return
+        self.budget += num_new_tokens
+        kv = seq.num_computed_tokens + num_new_tokens
+        self.shape = self.shape.plus(-num_new_tokens, -kv, -1)

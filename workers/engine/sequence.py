@@ -53,6 +53,7 @@ class Sequence:
         *,
         priority: int = 0,
         arrival_order: int = 0,
+        deadline: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -61,6 +62,9 @@ class Sequence:
         # Lower value = more urgent (as in vLLM); ties broken by arrival_order.
         self.priority = priority
         self.arrival_order = arrival_order
+        # Seconds since the epoch by which the request should finish; within a priority
+        # the earliest deadline runs first, and None sorts after every deadline.
+        self.deadline = deadline
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0

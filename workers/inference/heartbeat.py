@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage.workers import record_heartbeat, remove_worker
+from workers.inference.service_rate import Pace
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +37,21 @@ class Heartbeat:
     """Keeps `worker_id`'s row fresh every `interval_s` between start and stop."""
 
     def __init__(
-        self, sessions: sessionmaker[Session], *, worker_id: str, interval_s: float
+        self,
+        sessions: sessionmaker[Session],
+        *,
+        worker_id: str,
+        interval_s: float,
+        model: str | None = None,
+        pace: Callable[[], Pace] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"heartbeat interval must be positive seconds, got {interval_s}")
         self.worker_id = worker_id
         self.interval_s = interval_s
+        # What each beat also carries for the estimates: the served model and its pace.
+        self.model = model
+        self.pace = pace
         self._sessions = sessions
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -60,9 +71,11 @@ class Heartbeat:
         logger.info("worker %s heart-beating every %.1fs", self.worker_id, self.interval_s)
 
     def beat(self) -> None:
-        """Stamp the row now (inserting it if missing)."""
+        """Stamp the row now (inserting it if missing), with the pace measured since."""
+        pace = self.pace() if self.pace is not None else Pace()
         with self._sessions() as session:
-            record_heartbeat(session, worker_id=self.worker_id)
+            record_heartbeat(session, worker_id=self.worker_id, model=self.model,
+                             tokens_per_s=pace.tokens_per_s, step_s=pace.step_s)
             session.commit()
 
     def stop(self, timeout_s: float = 10.0) -> None:

@@ -42,6 +42,10 @@ class PrefetchBuffer(Generic[RecordT]):
         self._queues[rank].append((tp, record))
         self._counts[tp] += 1
 
+    def most_urgent_rank(self) -> int | None:
+        """The priority rank `pop_most_urgent` would take from, or None if empty."""
+        return next((rank for rank, queue in enumerate(self._queues) if queue), None)
+
     def pop_most_urgent(self) -> tuple[TopicPartition, RecordT] | None:
         """The oldest record of the most urgent non-empty priority, or None if empty."""
         for queue in self._queues:

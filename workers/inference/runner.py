@@ -24,6 +24,7 @@ from prometheus_client import start_http_server
 from core.gc_policy import settle_heap
 from core.kafka import ensure_topics, make_consumer
 from core.settings import Settings, get_settings
+from core.topics import Priority
 from storage.db import create_db_engine, session_factory
 from storage.events import CancelSubscription
 from storage.model_cards import publish_card
@@ -40,6 +41,7 @@ from workers.inference.job_store import JobStore
 from workers.inference.kv_tier import connect_kv_tier
 from workers.inference.remote_engine import RemoteEngine, RemoteEngineConfig, RemoteEngineLoop
 from workers.inference.semantic_lookup import SemanticLookup
+from workers.inference.service_rate import ServiceRate
 from workers.inference.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -67,10 +69,21 @@ def build_engine(settings: Settings) -> LLMEngine:
         device=settings.engine_device,
         max_num_batched_tokens=settings.engine_max_num_batched_tokens,
         kv_cache_memory_bytes=settings.engine_kv_cache_memory_bytes,
+        step_time_targets=step_time_targets(settings),
     )
     if settings.engine_max_num_seqs is not None:
         config.max_num_seqs = settings.engine_max_num_seqs
     return LLMEngine(config)
+
+
+def step_time_targets(settings: Settings) -> dict[int, float]:
+    """Engine priority value -> target step seconds, from the `engine_step_target_*_ms`."""
+    targets_ms = {
+        Priority.HIGH: settings.engine_step_target_high_ms,
+        Priority.NORMAL: settings.engine_step_target_normal_ms,
+        Priority.LOW: settings.engine_step_target_low_ms,
+    }
+    return {p.rank: ms / 1000 for p, ms in targets_ms.items() if ms is not None}
 
 
 def announce_model(settings: Settings, redis_client: redis.Redis,
@@ -119,7 +132,11 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
         # Beating before the consumer joins, and stopped (its row deleted) only after
         # the drain handed back what the worker could not finish.
         stack.enter_context(Heartbeat(session_factory(db_engine), worker_id=worker_id,
-                                      interval_s=settings.worker_heartbeat_interval_s))
+                                      interval_s=settings.worker_heartbeat_interval_s,
+                                      model=settings.served_model_name,
+                                      # A remote engine's pace is the server's own.
+                                      pace=(ServiceRate(engine.stats).sample
+                                            if engine is not None else None)))
         redis_client = redis.Redis.from_url(settings.redis_url)
         stack.callback(redis_client.close)
         card = announce_model(settings, redis_client, remote)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from datetime import datetime
 
 import redis
@@ -45,6 +46,7 @@ from workers.engine.embedding_engine import EmbeddingEngine
 from workers.inference.db_outage import DatabaseOutage
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
 from workers.inference.fetch_wait import FetchWait, WorkPace
+from workers.inference.intake import can_take_any, count_by_rank, room_for_rank
 from workers.inference.job_starter import Candidate, InFlightJob, JobStarter
 from workers.inference.job_store import JobStore
 from workers.inference.offsets import OffsetTracker
@@ -108,13 +110,19 @@ def poll_timeout_ms(num_inflight: int) -> int:
     return 0 if num_inflight else IDLE_POLL_TIMEOUT_MS
 
 
-def finished_wait_s(num_inflight: int, limit: int, num_empty_polls: int = 0) -> float:
+def finished_wait_s(
+    num_inflight: int, limit: int, num_empty_polls: int = 0, *, can_take_more_urgent: bool = False
+) -> float:
     """How long the poll loop waits for a finished job before polling the broker, after
-    `num_empty_polls` polls in a row brought nothing (and nothing waits in prefetch)."""
+    `num_empty_polls` polls in a row brought nothing (and nothing waits in prefetch).
+
+    `can_take_more_urgent`: at the bound, a more urgent record could still start (see
+    intake), so the broker is polled as often as when busy, not only when a job finishes.
+    """
     if num_inflight == 0:
         return 0.0  # nothing can finish: the broker's poll waits instead
     longest = POLL_TIMEOUT_MS / 1000
-    if num_inflight >= limit:
+    if num_inflight >= limit and not can_take_more_urgent:
         return FULL_WAIT_S  # nothing new could start until a job finishes
     return min(BUSY_WAIT_S * 2 ** min(num_empty_polls, 16), longest)
 
@@ -182,7 +190,8 @@ class Worker:
         while not self._stop.is_set():
             self._check_engine()
             self._housekeeping(finished_wait_s=finished_wait_s(
-                len(self._inflight), self._max_inflight, num_empty_polls))
+                len(self._inflight), self._max_inflight, num_empty_polls,
+                can_take_more_urgent=can_take_any(self._inflight_by_rank(), self._max_inflight)))
             self._start_prefetched()
             self._pauser.update(
                 self._consumer, prefetched=self._prefetch.counts(), limit=self._prefetch_limit
@@ -216,12 +225,16 @@ class Worker:
         none while results wait for the database (see db_outage)."""
         if self._unstored or not self._database.may_try():
             return
-        while (room := self._max_inflight - len(self._inflight)) > 0:
+        while True:
             candidates, self._unstarted = self._unstarted, {}
-            while len(candidates) < room:
+            # Records come out most urgent first, so the candidates taken so far are all
+            # at least as urgent as the next one (see intake: the bound is by urgency).
+            counts = self._inflight_by_rank()
+            while (rank := self._prefetch.most_urgent_rank()) is not None and len(
+                candidates
+            ) < room_for_rank(counts, rank, self._max_inflight):
                 item = self._prefetch.pop_most_urgent()
-                if item is None:
-                    break
+                assert item is not None
                 self._take_record(*item, candidates)
             if not candidates:
                 return
@@ -235,6 +248,10 @@ class Worker:
                 return
             self._database.succeeded()
             self._inflight.update((job.message.job_id, job) for job in started)
+
+    def _inflight_by_rank(self) -> Counter[int]:
+        return count_by_rank(Priority(job.message.priority).rank
+                             for job in self._inflight.values())
 
     def _check_engine(self) -> None:
         if not self._engine.is_healthy:

@@ -16,8 +16,9 @@ from typing import Any
 from workers.engine.block_manager import BlockManager
 from workers.engine.sampler import SampledToken
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import Scheduler, SchedulerOutput
+from workers.engine.scheduler import Scheduler, SchedulerOutput, urgency
 from workers.engine.sequence import Sequence
+from workers.engine.step_cost import StepCostModel
 
 
 def synthetic_token(seq: Sequence, vocab_size: int = 1000) -> int:
@@ -86,7 +87,7 @@ class SchedulerDriver:
             assert seq in s.waiting and not seq.block_table
         for seq in s.running + s.waiting:
             assert seq.num_output_tokens < seq.params.max_tokens, "ran past max_tokens"
-        assert s.waiting == sorted(s.waiting, key=lambda q: (q.priority, q.arrival_order))
+        assert s.waiting == sorted(s.waiting, key=urgency)
 
     def check_ref_counts(self) -> None:
         """Every block's ref count equals the number of running tables holding it."""
@@ -121,6 +122,8 @@ def make_scheduler(
     chunked: bool = True,
     caching: bool = True,
     watermark: float = 0.0,
+    step_time_targets: dict[int, float] | None = None,
+    cost_model: StepCostModel | None = None,
 ) -> Scheduler:
     """A scheduler over a fresh block manager."""
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
@@ -132,6 +135,8 @@ def make_scheduler(
         eos_token_ids={EOS},
         enable_chunked_prefill=chunked,
         watermark=watermark,
+        step_time_targets=step_time_targets,
+        cost_model=cost_model,
     )
 
 
@@ -142,7 +147,12 @@ class Requests:
         self.count = 0
 
     def add(
-        self, sched: Scheduler, prompt: list[int], priority: int = 0, **params: Any
+        self,
+        sched: Scheduler,
+        prompt: list[int],
+        priority: int = 0,
+        deadline: float | None = None,
+        **params: Any,
     ) -> Sequence:
         """Create a sequence and put it in the scheduler's waiting line."""
         params.setdefault("ignore_eos", True)
@@ -152,6 +162,7 @@ class Requests:
             SamplingParams(**params),
             priority=priority,
             arrival_order=self.count,
+            deadline=deadline,
         )
         self.count += 1
         sched.add(seq)

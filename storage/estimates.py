@@ -1,0 +1,128 @@
+"""What the estimates are computed from, read in a few grouped queries for every model.
+
+Responsible for one `LoadReading` per served model: the measured pace of its live workers
+(from their heartbeats), the jobs queued (with what orders them) and running, and the
+work a job turned out to be (means over its recently finished jobs, with the share
+answered from a cache, which costs the engine nothing). The API reads this about once a
+second, not per request (see `api.estimates`).
+
+Functions take a connection and never write.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy import Connection, func, select
+
+from storage.models import Job, JobStatus, WorkerHeartbeat
+
+# Finished jobs per model the work means are taken over.
+RECENT_JOBS = 200
+
+
+@dataclass(slots=True)
+class LoadReading:
+    """One model's load and pace, as read at one moment."""
+
+    num_workers: int = 0
+    tokens_per_s: float | None = None  # summed over its live workers
+    step_s: float | None = None  # the mean over its live workers
+    # (priority, deadline or None, created_at) of each queued job.
+    queued: list[tuple[str, datetime | None, datetime]] = field(default_factory=list)
+    # started_at of each running job.
+    running_started: list[datetime] = field(default_factory=list)
+    mean_prompt_tokens: float | None = None  # the part the engine computed (not cached)
+    mean_completion_tokens: float | None = None
+    cache_hit_fraction: float = 0.0
+
+
+def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, LoadReading]:
+    """A reading of every model with live workers or queued or running jobs."""
+    loads: dict[str, LoadReading] = defaultdict(LoadReading)
+    workers = connection.execute(
+        select(WorkerHeartbeat.model, WorkerHeartbeat.tokens_per_s, WorkerHeartbeat.step_s)
+        .where(WorkerHeartbeat.heartbeat_at >= dead_before, WorkerHeartbeat.model.is_not(None))
+    )
+    steps: dict[str, list[float]] = defaultdict(list)
+    for model, tokens_per_s, step_s in workers:
+        assert model is not None  # filtered above
+        load = loads[model]
+        load.num_workers += 1
+        if tokens_per_s:
+            load.tokens_per_s = (load.tokens_per_s or 0.0) + tokens_per_s
+        if step_s:
+            steps[model].append(step_s)
+    for model, values in steps.items():
+        loads[model].step_s = sum(values) / len(values)
+    active = connection.execute(
+        select(Job.model, Job.status, Job.priority, Job.deadline, Job.created_at,
+               Job.started_at)
+        .where(Job.status.in_((JobStatus.QUEUED, JobStatus.RUNNING)))
+    )  # fmt: skip
+    for model, status, priority, deadline, created_at, started_at in active:
+        load = loads[model]
+        if status == JobStatus.QUEUED:
+            load.queued.append((priority, deadline, created_at))
+        else:
+            load.running_started.append(started_at or created_at)
+    for model, load in loads.items():
+        _read_work(connection, model, load)
+    return dict(loads)
+
+
+def _read_work(connection: Connection, model: str, load: LoadReading) -> None:
+    """Means over the model's last RECENT_JOBS succeeded jobs; a cache answer was never
+    claimed (`attempts` 0)."""
+    recent = (
+        select(Job.prompt_tokens, Job.cached_tokens, Job.completion_tokens, Job.attempts)
+        .where(Job.model == model, Job.status == JobStatus.SUCCEEDED,
+               Job.finished_at.is_not(None))
+        .order_by(Job.finished_at.desc())
+        .limit(RECENT_JOBS)
+        .subquery()
+    )  # fmt: skip
+    ran = recent.c.attempts > 0
+    row = connection.execute(
+        select(
+            func.count(),
+            func.count().filter(ran),
+            func.avg(func.coalesce(recent.c.prompt_tokens, 0)
+                     - func.coalesce(recent.c.cached_tokens, 0)).filter(ran),
+            func.avg(recent.c.completion_tokens).filter(ran),
+        )
+    ).one()  # fmt: skip
+    num_finished, num_ran, mean_prompt, mean_completion = row
+    if not num_finished:
+        return
+    load.cache_hit_fraction = 1 - num_ran / num_finished
+    load.mean_prompt_tokens = None if mean_prompt is None else float(mean_prompt)
+    load.mean_completion_tokens = None if mean_completion is None else float(mean_completion)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTail:
+    """A batch's unfinished jobs, as its estimate needs them."""
+
+    num_queued: int
+    num_running: int
+    # The queued job workers will take last (latest deadline, then creation).
+    last_deadline: datetime | None
+    last_created_at: datetime | None
+    # The running job that started last.
+    last_started_at: datetime | None
+
+
+def read_batch_tail(connection: Connection, *, batch_id: str) -> BatchTail:
+    """Counts and the last job of a batch's queued and running jobs (ix_jobs_batch)."""
+    queued = connection.execute(
+        select(func.count(), func.max(Job.deadline), func.max(Job.created_at))
+        .where(Job.batch_id == batch_id, Job.status == JobStatus.QUEUED)
+    ).one()  # fmt: skip
+    running = connection.execute(
+        select(func.count(), func.max(Job.started_at))
+        .where(Job.batch_id == batch_id, Job.status == JobStatus.RUNNING)
+    ).one()  # fmt: skip
+    return BatchTail(queued[0], running[0], queued[1], queued[2], running[1])

@@ -1,0 +1,91 @@
+"""Estimate arithmetic: order, work ahead, the own-duration floor, cache hits free."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from api.estimates import ModelQueue, queue_key
+from storage.estimates import LoadReading
+
+T0 = datetime(2026, 11, 28, 12, 0, tzinfo=UTC)
+NOW = T0.timestamp() + 100
+
+
+def reading(**kw: object) -> LoadReading:
+    base: dict[str, object] = {"num_workers": 1, "tokens_per_s": 1000.0, "step_s": 0.02,
+                               "mean_prompt_tokens": 50.0, "mean_completion_tokens": 150.0}
+    return LoadReading(**(base | kw))  # type: ignore[arg-type]
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def test_the_docstring_example() -> None:
+    """Rate 1,000 tok/s, 200 tokens a job (150 out), step 20 ms, 2 running, 9th in line."""
+    queued = [("normal", None, at(i)) for i in range(9)]
+    queue = ModelQueue.of(reading(queued=queued, running_started=[at(0), at(1)]), NOW)
+    estimate = queue.estimate_queued(1, queue_key(None, at(8)), NOW)
+    assert estimate.queue_position == 8
+    # (8 + 1 + 1) x 200 / 1,000 = 2.0 s, below the job's own 150 x 0.02 = 3.0 s.
+    assert estimate.estimated_completion_at == pytest.approx(NOW + 3.0)
+    assert estimate.estimated_start_at == pytest.approx(NOW)
+
+
+def test_work_ahead_follows_priority_then_deadline_then_creation() -> None:
+    queued = (
+        [("low", None, at(i)) for i in range(100)]
+        + [("high", None, at(200)), ("normal", at(5000), at(300)), ("normal", None, at(1))]
+    )
+    queue = ModelQueue.of(reading(queued=queued), NOW)
+    high = queue.estimate_queued(0, queue_key(None, at(200)), NOW)
+    with_deadline = queue.estimate_queued(1, queue_key(at(5000), at(300)), NOW)
+    without = queue.estimate_queued(1, queue_key(None, at(1)), NOW)
+    last_low = queue.estimate_queued(2, queue_key(None, at(99)), NOW)
+    assert [high.queue_position, with_deadline.queue_position, without.queue_position,
+            last_low.queue_position] == [0, 1, 2, 102]
+    completions = [e.estimated_completion_at for e in (high, with_deadline, without, last_low)]
+    assert completions == sorted(completions)
+    # 103 jobs of 200 tokens at 1,000 tok/s: the last one is done 20.6 s from now.
+    assert last_low.estimated_completion_at == pytest.approx(NOW + 20.6)
+
+
+def test_a_new_job_is_placed_after_everything_of_its_priority() -> None:
+    queue = ModelQueue.of(reading(queued=[("normal", None, at(i)) for i in range(10)]), NOW)
+    new = queue.estimate_queued(1, queue_key(None, at(50)), NOW)
+    assert new.queue_position == 10
+
+
+def test_cache_hits_cost_nothing() -> None:
+    queued = [("normal", None, at(i)) for i in range(100)]
+    cold = ModelQueue.of(reading(queued=queued), NOW)
+    half_cached = ModelQueue.of(reading(queued=queued, cache_hit_fraction=0.5), NOW)
+    key = queue_key(None, at(99))
+    cold_s = cold.estimate_queued(1, key, NOW).estimated_completion_at
+    cached_s = half_cached.estimate_queued(1, key, NOW).estimated_completion_at
+    assert cold_s is not None and cached_s is not None
+    assert cached_s - NOW == pytest.approx((cold_s - NOW) / 2)
+
+
+def test_no_measured_worker_gives_a_position_but_no_times() -> None:
+    queue = ModelQueue.of(reading(tokens_per_s=None, queued=[("low", None, at(0))]), NOW)
+    estimate = queue.estimate_queued(2, queue_key(None, at(0)), NOW)
+    assert estimate.queue_position == 0
+    assert estimate.estimated_start_at is None and estimate.estimated_completion_at is None
+    assert queue.seconds_to_drain() is None
+
+
+def test_a_running_job_finishes_its_own_run_after_it_started() -> None:
+    queue = ModelQueue.of(reading(), NOW)
+    estimate = queue.estimate_running(NOW - 1.0, NOW)
+    assert estimate.queue_position == 0
+    assert estimate.estimated_completion_at == pytest.approx(NOW - 1.0 + 3.0)
+    overdue = queue.estimate_running(NOW - 10.0, NOW)
+    assert overdue.estimated_completion_at == pytest.approx(NOW + 0.02)
+
+
+def test_defaults_before_anything_finished() -> None:
+    queue = ModelQueue.of(reading(mean_prompt_tokens=None, mean_completion_tokens=None), NOW)
+    assert queue.work_per_job == 64 + 128

@@ -1,0 +1,68 @@
+"""A worker's measured pace, for the estimates the API shows (queue position, ETAs).
+
+Responsible for turning the engine's running totals into two figures between heartbeats:
+tokens computed per busy second (the throughput the work ahead is divided by) and seconds
+per engine step (what one sequence waits per token, the floor of a job's own duration).
+Both are smoothed over intervals (EWMA) and only move after enough busy time to mean
+something; an idle worker keeps its last figures, as its capacity has not changed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from workers.engine.outputs import EngineStats
+
+# Less busy time than this between two samples says little about the pace.
+MIN_BUSY_S = 0.2
+# Weight of the newest interval in the smoothed figures.
+SMOOTHING = 0.3
+
+
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """Measured figures; None until the engine has been busy long enough."""
+
+    tokens_per_s: float | None = None
+    step_s: float | None = None
+
+
+class ServiceRate:
+    """Samples an engine's totals into a smoothed `Pace` (safe from any thread)."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._last: EngineStats | None = None
+        self._pace = Pace()
+
+    def sample(self) -> Pace:
+        """Take the engine's totals now and return the updated pace."""
+        stats = self._stats()
+        with self._lock:
+            last, self._last = self._last, stats
+            if last is None:
+                self._last = stats
+                return self._pace
+            busy = stats.busy_seconds - last.busy_seconds
+            if busy < MIN_BUSY_S:
+                self._last = last  # keep accumulating from the earlier sample
+                return self._pace
+            tokens_per_s = (stats.num_computed_tokens - last.num_computed_tokens) / busy
+            num_steps = stats.num_steps - last.num_steps
+            step_s = busy / num_steps if num_steps > 0 else None
+            self._pace = Pace(
+                _smooth(self._pace.tokens_per_s, tokens_per_s),
+                _smooth(self._pace.step_s, step_s),
+            )
+            return self._pace
+
+
+def _smooth(old: float | None, new: float | None) -> float | None:
+    if new is None:
+        return old
+    if old is None:
+        return new
+    return (1 - SMOOTHING) * old + SMOOTHING * new
