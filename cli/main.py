@@ -12,8 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -38,16 +37,36 @@ def _override_env(**values: object) -> None:
     get_settings.cache_clear()
 
 
-def served_models_of(models: list[str] | None, names: list[str] | None) -> list[tuple[str, str]]:
-    """Pair repeated --model and --served-model-name options in order: (model, name).
+class _ModelOption(argparse.Action):
+    """`--model X`: a new served model, named by the --served-model-name right after it."""
 
-    A model without a name is served under what --model said (its path or known name).
-    """
-    models, names = models or [], names or []
-    if len(names) > len(models):
-        raise ValueError(f"{len(names)} --served-model-name options for {len(models)} --model "
-                         "options; give each name after the --model it is for")
-    pairs = [(model, names[i] if i < len(names) else model) for i, model in enumerate(models)]
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        namespace.served = [*(getattr(namespace, "served", None) or []), (values, None)]
+
+
+class _ServedNameOption(argparse.Action):
+    """`--served-model-name Y`: the name of the --model just before it; anything else is an
+    error, so a name never lands on another model by position."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        served = list(getattr(namespace, "served", None) or [])
+        if not served:
+            parser.error(f"--served-model-name {values} names the --model just before it; "
+                         "put --model PATH|NAME first")
+        model, name = served[-1]
+        if name is not None:
+            parser.error(f"--model {model} is already served as {name!r}; give each --model "
+                         "at most one --served-model-name, right after it")
+        served[-1] = (model, values)
+        namespace.served = served
+
+
+def served_models_of(served: list[tuple[str, str | None]] | None) -> list[tuple[str, str]]:
+    """(model, served name) per --model, in order; a model without a name is served under
+    what --model said (its path or known name)."""
+    pairs = [(model, name if name is not None else model) for model, name in served or []]
     for model, name in pairs:
         if not model.strip() or not name.strip():
             raise ValueError("--model and --served-model-name must not be empty")
@@ -61,7 +80,7 @@ def served_models_of(models: list[str] | None, names: list[str] | None) -> list[
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Run the whole service on this machine (embedded default)."""
-    served = served_models_of(args.model, args.served_model_name)
+    served = served_models_of(args.served)
     _override_env(api_port=args.port, data_dir=args.data_dir, api_processes=args.api_processes)
     from scheduler.embedded import run_embedded
 
@@ -181,34 +200,6 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_models_pull(args: argparse.Namespace) -> int:
-    """Download a model into the models directory; print where it is."""
-    from core.settings import get_settings
-    from workers.engine.registry import pull_model
-
-    models_dir = Path(args.models_dir) if args.models_dir else get_settings().models_dir
-    path = pull_model(args.name, models_dir)
-    print(path)
-    return 0
-
-
-def cmd_models_prepare(args: argparse.Namespace) -> int:
-    """Pull a known name if needed, or take a path as it is; print the model's card (JSON)."""
-    from core.settings import get_settings
-    from workers.engine.model_card import describe_model
-    from workers.engine.registry import KNOWN_MODELS, pull_model, resolve_model
-
-    models_dir = Path(args.models_dir) if args.models_dir else get_settings().models_dir
-    if args.model in KNOWN_MODELS:
-        model_dir = pull_model(args.model, models_dir)
-    else:
-        model_dir = resolve_model(args.model, models_dir)
-    card = describe_model(model_dir, name=args.served_model_name or args.model,
-                          cache_dir=models_dir)
-    print(card.to_json())
-    return 0
-
-
 def cmd_reconcile(args: argparse.Namespace) -> int:
     """The scheduler role: re-publish stale queued jobs and advance batches."""
     from core.settings import get_settings
@@ -245,13 +236,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="API processes sharing the port (default 1; one process serves at "
                          "most about one core)")
     up.add_argument("--data-dir", default=None, help="SQLite, Redis dump, files (default .data)")
-    up.add_argument("--model", action="append", default=None, metavar="PATH|NAME",
+    up.add_argument("--model", action=_ModelOption, dest="served", default=None,
+                    metavar="PATH|NAME",
                     help="model to serve: a Hugging Face directory, a .gguf file, or a known "
                          "name (pulled when missing); repeat for several (default "
                          "smollm2-135m-instruct)")
-    up.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
-                    help="the name clients use for the --model in the same position "
-                         "(default: what --model says); repeat along with --model")
+    up.add_argument("--served-model-name", action=_ServedNameOption, dest="served",
+                    metavar="NAME",
+                    help="the name clients use for the --model just before it (default: "
+                         "what that --model says)")
     up.set_defaults(func=cmd_up)
 
     api = sub.add_parser("api", help="serve the HTTP API")
@@ -288,18 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("key", help="its id (key_...), its prefix as listed, or the key")
     revoke.set_defaults(func=cmd_keys_revoke)
 
-    models = sub.add_parser("models", help="models")
-    models_sub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
-    pull = models_sub.add_parser("pull", help="download a model into the models directory")
-    pull.add_argument("name", help="e.g. smollm2-135m-instruct")
-    pull.add_argument("--models-dir", default=None, help="default: settings.models_dir")
-    pull.set_defaults(func=cmd_models_pull)
-    prepare = models_sub.add_parser(
-        "prepare", help="pull a known name or check a path; print the model's card as JSON")
-    prepare.add_argument("model", metavar="PATH|NAME")
-    prepare.add_argument("--served-model-name", default=None, help="default: the model itself")
-    prepare.add_argument("--models-dir", default=None, help="default: settings.models_dir")
-    prepare.set_defaults(func=cmd_models_prepare)
+    from cli.models import add_models_parser
+
+    add_models_parser(sub)
 
     reconcile = sub.add_parser(
         "reconcile", help="scheduler role: re-publish jobs stuck in queued, advance batches")
@@ -311,6 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_batch_parser(sub)
     return parser
+
+
+def command_of(args: argparse.Namespace) -> str:
+    """The command as typed, with its action: `models prepare`, `keys list`, `up`."""
+    action = getattr(args, f"{args.command}_command", None)
+    return f"{args.command} {action}" if action else args.command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -328,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ConnectionError, RuntimeError) as e:
         # What a user can act on, without a traceback (which --log-level DEBUG shows).
         logging.getLogger(__name__).debug("%s failed", args.command, exc_info=True)
-        print(f"batchinfer {args.command}: {e}", file=sys.stderr)
+        print(f"batchinfer {command_of(args)}: {e}", file=sys.stderr)
         return 2
 
 
