@@ -12,10 +12,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
+
+    from core.settings import Settings
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 
@@ -125,13 +128,30 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
+def require_database(settings: Settings) -> None:
+    """ValueError naming where it looked when the SQLite database is not there: an operator
+    command never creates one (it would be empty, and a stray `.data/` besides)."""
+    url = settings.database_url
+    if not url.startswith("sqlite:///"):
+        return
+    path = Path(url.removeprefix("sqlite:///"))
+    if not path.is_file():
+        source = ("--data-dir or BATCHINFER_DATA_DIR" if os.environ.get("BATCHINFER_DATA_DIR")
+                  else f"the default, .data under {Path.cwd()}")
+        raise ValueError(f"no database at {path} (data directory from {source}); run this "
+                         "where `batchinfer up` ran, or pass --data-dir (or set "
+                         "BATCHINFER_DATA_DIR or BATCHINFER_DATABASE_URL)")
+
+
 @contextlib.contextmanager
 def _operator_session() -> Iterator[Session]:
     """A session on the configured database for one operator command; the engine goes after."""
     from core.settings import get_settings
     from storage.db import create_db_engine, session_factory
 
-    engine = create_db_engine(get_settings().database_url)
+    settings = get_settings()
+    require_database(settings)
+    engine = create_db_engine(settings.database_url)
     try:
         with session_factory(engine)() as session:
             yield session
@@ -220,8 +240,13 @@ def cmd_callbacks(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="batchinfer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("--log-level", default=None,
                         help="DEBUG, INFO, WARNING... (default: settings.log_level)")
+    parser.add_argument("--data-dir", dest="global_data_dir", default=None, metavar="DIR",
+                        help="the data directory of `batchinfer up` (SQLite database, dev API "
+                             "key) that keys and the clients read (default "
+                             "$BATCHINFER_DATA_DIR, else .data here)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = sub.add_parser("up", help="run broker, Redis, SQLite, API and workers on this machine")
@@ -248,8 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     api = sub.add_parser("api", help="serve the HTTP API")
-    api.add_argument("--host", default=None)
-    api.add_argument("--port", type=int, default=None)
+    api.add_argument("--host", default=None, help="bind address (default: settings.api_host)")
+    api.add_argument("--port", type=int, default=None,
+                     help="port (default: settings.api_port, 8000)")
     api.set_defaults(func=cmd_api)
 
     worker = sub.add_parser("worker", help="run an inference worker")
@@ -263,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
         func=cmd_callbacks)
 
     db = sub.add_parser("db", help="database schema migrations")
-    db.add_argument("action", choices=["upgrade", "downgrade"])
+    db.add_argument("action", choices=["upgrade", "downgrade"],
+                    help="upgrade to --revision (default head) or downgrade to it (base)")
     db.add_argument("--revision", default=None, help="target (default head / base)")
     db.add_argument("--database-url", default=None, help="default: settings.database_url")
     db.set_defaults(func=cmd_db)
@@ -294,7 +321,19 @@ def build_parser() -> argparse.ArgumentParser:
     from cli.batch import add_batch_parser
 
     add_batch_parser(sub)
+    from cli.jobs import add_jobs_parser
+
+    add_jobs_parser(sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("batchinfer")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def command_of(args: argparse.Namespace) -> str:
@@ -308,13 +347,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from core.settings import get_settings
 
+    if args.global_data_dir is not None:
+        _override_env(data_dir=Path(args.global_data_dir).resolve())
     try:
         level = args.log_level or get_settings().log_level
         _configure_logging(level)
         func: Callable[[argparse.Namespace], int] = args.func
-        return func(args)
+        code = func(args)
+        sys.stdout.flush()  # here, where a reader that left is handled, not at exit
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader left (`| head`): quietly, and with stdout pointed where a last flush at
+        # exit cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ValueError, FileNotFoundError, ConnectionError, RuntimeError) as e:
         # What a user can act on, without a traceback (which --log-level DEBUG shows).
         logging.getLogger(__name__).debug("%s failed", args.command, exc_info=True)
