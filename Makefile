@@ -1,10 +1,13 @@
 # Two commands for a fresh machine:
-#   make up    install what is missing, pull the default model, run the service (embedded)
+#   make up    install what is missing, prepare the model, run the service (embedded)
+#              MODEL=/path/or/name (SERVED_MODEL_NAME=name) serves another model; UP_ARGS
+#              with its own --model options replaces MODEL
 #   make test  install what is missing (incl. PostgreSQL and Redis), run ruff, mypy, pytest
 
 PYTHON ?= python3
 VENV ?= .venv
 MODEL ?= smollm2-135m-instruct
+SERVED_MODEL_NAME ?=
 # The CPU wheel of this exact version is what a plain machine should get; an unpinned
 # torch pulls the newest build with several GB of CUDA libraries.
 TORCH_VERSION ?= 2.13.0
@@ -20,9 +23,11 @@ STAMP := $(VENV)/.batchinfer-installed
 
 .PHONY: up test vllm-env
 
+# `up` prepares (pulls or checks) every model itself, and refuses one a worker could not run.
+MODEL_ARGS = --model $(MODEL) $(if $(SERVED_MODEL_NAME),--served-model-name $(SERVED_MODEL_NAME))
+
 up: $(STAMP)
-	$(BIN)/batchinfer models pull $(MODEL)
-	$(BIN)/batchinfer up --model $(MODEL) $(UP_ARGS)
+	$(BIN)/batchinfer up $(if $(findstring --model,$(UP_ARGS)),,$(MODEL_ARGS)) $(UP_ARGS)
 
 test: $(STAMP)
 	@set -e; missing=""; \

@@ -36,6 +36,7 @@ from api.routes import (
     jobs,
     metrics,
     models,
+    usage,
 )
 from core.gc_policy import settle_heap
 from core.model_context import model_contexts
@@ -111,6 +112,6 @@ def create_app(settings: Settings | None = None, *, serving: bool = False) -> Fa
     app.add_middleware(LastResortMiddleware)
     app.add_middleware(HTTPMetricsMiddleware)
     for module in (jobs, completions, embeddings, models, health, metrics, files, batches,
-                   deliveries, cache_stats):
+                   deliveries, cache_stats, usage):
         app.include_router(module.router)
     return app

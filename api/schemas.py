@@ -160,6 +160,8 @@ class JobListPublic(BaseModel):
     first_id: str | None
     last_id: str | None
     has_more: bool
+    # Jobs the filters take in all, across every page.
+    total: int | None = None
 
 
 class ModelPublic(BaseModel):

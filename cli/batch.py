@@ -39,24 +39,33 @@ def add_batch_parser(sub: Any) -> None:
     run.add_argument("--priority", choices=["high", "normal", "low"], default=None,
                      help="queue priority of the batch's jobs (default low)")
     run.add_argument("--model", default=None, help="run every request on this model")
-    run.add_argument("--completion-window", default="24h")
-    run.add_argument("--poll-interval", type=float, default=POLL_INTERVAL_S, help="seconds")
+    run.add_argument("--completion-window", default="24h",
+                     help="how long the batch may take before it expires (default 24h)")
+    run.add_argument("--poll-interval", type=float, default=POLL_INTERVAL_S,
+                     help=f"seconds between two looks at the batch (default {POLL_INTERVAL_S:g})")
     run.set_defaults(func=cmd_run)
 
     list_ = actions.add_parser("list", help="recent batches")
-    list_.add_argument("--limit", type=int, default=20)
+    list_.add_argument("--limit", type=int, default=20, help="how many, newest first (default 20)")
     list_.set_defaults(func=cmd_list)
     for name, func, help_text in (("get", cmd_get, "print a batch object"),
                                   ("cancel", cmd_cancel, "cancel a batch")):
         action = actions.add_parser(name, help=help_text)
-        action.add_argument("batch_id")
+        action.add_argument("batch_id", help="the batch's id (batch_...)")
         action.set_defaults(func=func)
     for action in (run, list_, *(actions.choices[n] for n in ("get", "cancel"))):
-        action.add_argument("--url", default=None,
-                            help="service URL (default $BATCHINFER_URL or the settings' API)")
-        action.add_argument("--api-key", default=None,
-                            help="default $BATCHINFER_API_KEY, else `batchinfer up`'s dev key")
-        action.set_defaults(func=_reporting_errors(action.get_default("func")))
+        add_service_options(action)
+
+
+def add_service_options(action: Any) -> None:
+    """--url and --api-key on one action, whose errors then print as one line (exit 1)."""
+    action.add_argument("--url", default=None,
+                        help="service URL (default $BATCHINFER_URL, else the settings' "
+                             "api_host:api_port, http://127.0.0.1:8000)")
+    action.add_argument("--api-key", default=None,
+                        help="default $BATCHINFER_API_KEY, else the dev-api-key file `batchinfer "
+                             "up` wrote in the data directory")
+    action.set_defaults(func=_reporting_errors(action.get_default("func")))
 
 
 def _reporting_errors(func: Callable[[argparse.Namespace], int]
@@ -68,31 +77,52 @@ def _reporting_errors(func: Callable[[argparse.Namespace], int]
 
         from cli.batch_client import BatchAPIError
 
+        command = f"batchinfer {args.command} {getattr(args, f'{args.command}_command')}"
         try:
             return func(args)
+        except httpx.TransportError as e:
+            url, source = service_url(args)
+            print(f"{command}: cannot reach the service at {url} (from {source}): {e}",
+                  file=sys.stderr)
+            return 1
         except (BatchAPIError, httpx.HTTPError) as e:
-            print(f"batchinfer batch {args.batch_command}: {e}", file=sys.stderr)
+            print(f"{command}: {e}", file=sys.stderr)
             return 1
 
     run.__doc__ = func.__doc__
     return run
 
 
-def _client(args: argparse.Namespace) -> Any:
+def service_url(args: argparse.Namespace) -> tuple[str, str]:
+    """The service's URL and the setting it came from, for messages that name both."""
+    from core.settings import get_settings
+
+    if args.url:
+        return args.url, "--url"
+    if os.environ.get("BATCHINFER_URL"):
+        return os.environ["BATCHINFER_URL"], "BATCHINFER_URL"
+    settings = get_settings()
+    return (f"http://{settings.api_host}:{settings.api_port}",
+            "the settings' api_host and api_port; set BATCHINFER_URL or pass --url")
+
+
+def client_of(args: argparse.Namespace) -> Any:
+    """A client of the service named by --url/--api-key, their variables or `up`'s files."""
     from cli.batch_client import BatchClient
     from core.settings import get_settings
 
     settings = get_settings()
     # One line per poll would bury the progress bar.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    url = args.url or os.environ.get("BATCHINFER_URL") or (
-        f"http://{settings.api_host}:{settings.api_port}")
+    url, _ = service_url(args)
     key = args.api_key or os.environ.get("BATCHINFER_API_KEY")
-    dev_key_path = settings.data_dir / DEV_KEY_FILE
+    dev_key_path = settings.data_dir.resolve() / DEV_KEY_FILE
     if not key and dev_key_path.exists():
         key = dev_key_path.read_text().strip()
     if not key:
-        raise ValueError("no API key: pass --api-key or set BATCHINFER_API_KEY")
+        raise ValueError(f"no API key: pass --api-key, set BATCHINFER_API_KEY, or point "
+                         f"--data-dir (BATCHINFER_DATA_DIR) at the data directory of "
+                         f"`batchinfer up` (looked for {dev_key_path})")
     return BatchClient(url, key)
 
 
@@ -101,7 +131,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Column, Table
 
-    with _client(args) as client:
+    with client_of(args) as client:
         page = client.list_batches(limit=args.limit)
     header = ("id", "status", "completed", "failed", "total", "model", "created", "eta")
     rows = []
@@ -133,14 +163,14 @@ def _clock(at: float | None) -> str:
 
 def cmd_get(args: argparse.Namespace) -> int:
     """Print one batch object as JSON."""
-    with _client(args) as client:
+    with client_of(args) as client:
         print(json.dumps(client.get_batch(args.batch_id), indent=2))
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """Cancel a batch; print its object."""
-    with _client(args) as client:
+    with client_of(args) as client:
         print(json.dumps(client.cancel_batch(args.batch_id), indent=2))
     return 0
 
@@ -152,7 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from cli.batch_client import endpoint_of
 
     console = Console(stderr=True)
-    with _client(args) as client:
+    with client_of(args) as client:
         if args.batch_id:
             batch = client.get_batch(args.batch_id)
             console.print(f"reattached to {batch['id']} ({batch['status']})")

@@ -33,7 +33,8 @@ class BatchClient:
 
     def __init__(self, base_url: str, api_key: str, *,
                  transport: httpx.BaseTransport | None = None) -> None:
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=TIMEOUT,
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=TIMEOUT,
                                   headers={"Authorization": f"Bearer {api_key}"},
                                   transport=transport)
 
@@ -82,6 +83,23 @@ class BatchClient:
     def cancel_batch(self, batch_id: str) -> dict[str, Any]:
         """Ask the service to cancel a batch."""
         return _json(self._http.post(f"/v1/batches/{batch_id}/cancel"))
+
+    def list_jobs(self, *, limit: int = 20, after: str | None = None,
+                  filters: dict[str, str] | None = None) -> dict[str, Any]:
+        """One page of jobs, newest first, narrowed by the service's query filters."""
+        params: dict[str, Any] = {"limit": limit, **(filters or {})}
+        if after:
+            params["after"] = after
+        return _json(self._http.get("/v1/jobs", params=params))
+
+    def get_job(self, job_id: str, *, wait: float = 0.0) -> dict[str, Any]:
+        """The job object; with `wait`, once it ends or after `wait` seconds."""
+        params = {"wait": wait} if wait > 0 else None
+        return _json(self._http.get(f"/v1/jobs/{job_id}", params=params))
+
+    def cancel_job(self, job_id: str) -> dict[str, Any]:
+        """Ask the service to cancel a job."""
+        return _json(self._http.post(f"/v1/jobs/{job_id}/cancel"))
 
     def download(self, file_id: str, path: Path) -> int:
         """Stream a file's content to `path`; returns the bytes written."""

@@ -13,10 +13,12 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
+
+    from core.settings import Settings
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 
@@ -38,16 +40,36 @@ def _override_env(**values: object) -> None:
     get_settings.cache_clear()
 
 
-def served_models_of(models: list[str] | None, names: list[str] | None) -> list[tuple[str, str]]:
-    """Pair repeated --model and --served-model-name options in order: (model, name).
+class _ModelOption(argparse.Action):
+    """`--model X`: a new served model, named by the --served-model-name right after it."""
 
-    A model without a name is served under what --model said (its path or known name).
-    """
-    models, names = models or [], names or []
-    if len(names) > len(models):
-        raise ValueError(f"{len(names)} --served-model-name options for {len(models)} --model "
-                         "options; give each name after the --model it is for")
-    pairs = [(model, names[i] if i < len(names) else model) for i, model in enumerate(models)]
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        namespace.served = [*(getattr(namespace, "served", None) or []), (values, None)]
+
+
+class _ServedNameOption(argparse.Action):
+    """`--served-model-name Y`: the name of the --model just before it; anything else is an
+    error, so a name never lands on another model by position."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        served = list(getattr(namespace, "served", None) or [])
+        if not served:
+            parser.error(f"--served-model-name {values} names the --model just before it; "
+                         "put --model PATH|NAME first")
+        model, name = served[-1]
+        if name is not None:
+            parser.error(f"--model {model} is already served as {name!r}; give each --model "
+                         "at most one --served-model-name, right after it")
+        served[-1] = (model, values)
+        namespace.served = served
+
+
+def served_models_of(served: list[tuple[str, str | None]] | None) -> list[tuple[str, str]]:
+    """(model, served name) per --model, in order; a model without a name is served under
+    what --model said (its path or known name)."""
+    pairs = [(model, name if name is not None else model) for model, name in served or []]
     for model, name in pairs:
         if not model.strip() or not name.strip():
             raise ValueError("--model and --served-model-name must not be empty")
@@ -64,7 +86,7 @@ class _EngineUrlOfModel(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: object, option_string: str | None = None) -> None:
-        models = getattr(namespace, "model", None) or []
+        models = getattr(namespace, "served", None) or []
         if not models:
             parser.error("--engine-url belongs to the --model before it; give --model first")
         urls: list[tuple[int, str]] = getattr(namespace, self.dest, None) or []
@@ -84,7 +106,7 @@ def engine_urls_of(served: list[tuple[str, str]],
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Run the whole service on this machine (embedded default)."""
-    served = served_models_of(args.model, args.served_model_name)
+    served = served_models_of(args.served)
     _override_env(api_port=args.port, data_dir=args.data_dir, api_processes=args.api_processes)
     from scheduler.embedded import run_embedded
 
@@ -133,13 +155,30 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
+def require_database(settings: Settings) -> None:
+    """ValueError naming where it looked when the SQLite database is not there: an operator
+    command never creates one (it would be empty, and a stray `.data/` besides)."""
+    url = settings.database_url
+    if not url.startswith("sqlite:///"):
+        return
+    path = Path(url.removeprefix("sqlite:///"))
+    if not path.is_file():
+        source = ("--data-dir or BATCHINFER_DATA_DIR" if os.environ.get("BATCHINFER_DATA_DIR")
+                  else f"the default, .data under {Path.cwd()}")
+        raise ValueError(f"no database at {path} (data directory from {source}); run this "
+                         "where `batchinfer up` ran, or pass --data-dir (or set "
+                         "BATCHINFER_DATA_DIR or BATCHINFER_DATABASE_URL)")
+
+
 @contextlib.contextmanager
 def _operator_session() -> Iterator[Session]:
     """A session on the configured database for one operator command; the engine goes after."""
     from core.settings import get_settings
     from storage.db import create_db_engine, session_factory
 
-    engine = create_db_engine(get_settings().database_url)
+    settings = get_settings()
+    require_database(settings)
+    engine = create_db_engine(settings.database_url)
     try:
         with session_factory(engine)() as session:
             yield session
@@ -208,34 +247,6 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_models_pull(args: argparse.Namespace) -> int:
-    """Download a model into the models directory; print where it is."""
-    from core.settings import get_settings
-    from workers.engine.registry import pull_model
-
-    models_dir = Path(args.models_dir) if args.models_dir else get_settings().models_dir
-    path = pull_model(args.name, models_dir)
-    print(path)
-    return 0
-
-
-def cmd_models_prepare(args: argparse.Namespace) -> int:
-    """Pull a known name if needed, or take a path as it is; print the model's card (JSON)."""
-    from core.settings import get_settings
-    from workers.engine.model_card import describe_model
-    from workers.engine.registry import KNOWN_MODELS, pull_model, resolve_model
-
-    models_dir = Path(args.models_dir) if args.models_dir else get_settings().models_dir
-    if args.model in KNOWN_MODELS:
-        model_dir = pull_model(args.model, models_dir)
-    else:
-        model_dir = resolve_model(args.model, models_dir)
-    card = describe_model(model_dir, name=args.served_model_name or args.model,
-                          cache_dir=models_dir)
-    print(card.to_json())
-    return 0
-
-
 def cmd_reconcile(args: argparse.Namespace) -> int:
     """The scheduler role: re-publish stale queued jobs and advance batches."""
     from core.settings import get_settings
@@ -256,8 +267,13 @@ def cmd_callbacks(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="batchinfer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("--log-level", default=None,
                         help="DEBUG, INFO, WARNING... (default: settings.log_level)")
+    parser.add_argument("--data-dir", dest="global_data_dir", default=None, metavar="DIR",
+                        help="the data directory of `batchinfer up` (SQLite database, dev API "
+                             "key) that keys and the clients read (default "
+                             "$BATCHINFER_DATA_DIR, else .data here)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = sub.add_parser("up", help="run broker, Redis, SQLite, API and workers on this machine")
@@ -272,13 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="API processes sharing the port (default 1; one process serves at "
                          "most about one core)")
     up.add_argument("--data-dir", default=None, help="SQLite, Redis dump, files (default .data)")
-    up.add_argument("--model", action="append", default=None, metavar="PATH|NAME",
+    up.add_argument("--model", action=_ModelOption, dest="served", default=None,
+                    metavar="PATH|NAME",
                     help="model to serve: a Hugging Face directory, a .gguf file, or a known "
                          "name (pulled when missing); repeat for several (default "
                          "smollm2-135m-instruct)")
-    up.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
-                    help="the name clients use for the --model in the same position "
-                         "(default: what --model says); repeat along with --model")
+    up.add_argument("--served-model-name", action=_ServedNameOption, dest="served",
+                    metavar="NAME",
+                    help="the name clients use for the --model just before it (default: "
+                         "what that --model says)")
     up.add_argument("--engine-url", action=_EngineUrlOfModel, default=None, metavar="URL",
                     help="serve the --model before it through this OpenAI-compatible engine "
                          "server (vLLM, SGLang, TGI, llama.cpp: http://host:port/v1) instead of "
@@ -286,8 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     api = sub.add_parser("api", help="serve the HTTP API")
-    api.add_argument("--host", default=None)
-    api.add_argument("--port", type=int, default=None)
+    api.add_argument("--host", default=None, help="bind address (default: settings.api_host)")
+    api.add_argument("--port", type=int, default=None,
+                     help="port (default: settings.api_port, 8000)")
     api.set_defaults(func=cmd_api)
 
     worker = sub.add_parser("worker", help="run an inference worker")
@@ -305,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
         func=cmd_callbacks)
 
     db = sub.add_parser("db", help="database schema migrations")
-    db.add_argument("action", choices=["upgrade", "downgrade"])
+    db.add_argument("action", choices=["upgrade", "downgrade"],
+                    help="upgrade to --revision (default head) or downgrade to it (base)")
     db.add_argument("--revision", default=None, help="target (default head / base)")
     db.add_argument("--database-url", default=None, help="default: settings.database_url")
     db.set_defaults(func=cmd_db)
@@ -323,18 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("key", help="its id (key_...), its prefix as listed, or the key")
     revoke.set_defaults(func=cmd_keys_revoke)
 
-    models = sub.add_parser("models", help="models")
-    models_sub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
-    pull = models_sub.add_parser("pull", help="download a model into the models directory")
-    pull.add_argument("name", help="e.g. smollm2-135m-instruct")
-    pull.add_argument("--models-dir", default=None, help="default: settings.models_dir")
-    pull.set_defaults(func=cmd_models_pull)
-    prepare = models_sub.add_parser(
-        "prepare", help="pull a known name or check a path; print the model's card as JSON")
-    prepare.add_argument("model", metavar="PATH|NAME")
-    prepare.add_argument("--served-model-name", default=None, help="default: the model itself")
-    prepare.add_argument("--models-dir", default=None, help="default: settings.models_dir")
-    prepare.set_defaults(func=cmd_models_prepare)
+    from cli.models import add_models_parser
+
+    add_models_parser(sub)
 
     reconcile = sub.add_parser(
         "reconcile", help="scheduler role: re-publish jobs stuck in queued, advance batches")
@@ -345,7 +356,25 @@ def build_parser() -> argparse.ArgumentParser:
     from cli.batch import add_batch_parser
 
     add_batch_parser(sub)
+    from cli.jobs import add_jobs_parser
+
+    add_jobs_parser(sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("batchinfer")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def command_of(args: argparse.Namespace) -> str:
+    """The command as typed, with its action: `models prepare`, `keys list`, `up`."""
+    action = getattr(args, f"{args.command}_command", None)
+    return f"{args.command} {action}" if action else args.command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -353,17 +382,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from core.settings import get_settings
 
+    if args.global_data_dir is not None:
+        _override_env(data_dir=Path(args.global_data_dir).resolve())
     try:
         level = args.log_level or get_settings().log_level
         _configure_logging(level)
         func: Callable[[argparse.Namespace], int] = args.func
-        return func(args)
+        code = func(args)
+        sys.stdout.flush()  # here, where a reader that left is handled, not at exit
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader left (`| head`): quietly, and with stdout pointed where a last flush at
+        # exit cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ValueError, FileNotFoundError, ConnectionError, RuntimeError) as e:
         # What a user can act on, without a traceback (which --log-level DEBUG shows).
         logging.getLogger(__name__).debug("%s failed", args.command, exc_info=True)
-        print(f"batchinfer {args.command}: {e}", file=sys.stderr)
+        print(f"batchinfer {command_of(args)}: {e}", file=sys.stderr)
         return 2
 
 

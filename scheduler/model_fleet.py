@@ -60,6 +60,8 @@ def prepare_model(model: str, name: str, models_dir: Path,
     """Pull (known names) or check (paths) one model in a child process; its card.
 
     A model behind engine servers is neither: its workers describe it once they reach them.
+    RuntimeError naming the child's reason (its last line on stderr, which is passed
+    through as it comes: a long pull narrates its progress) when the model cannot be served.
     """
     if engine_urls:
         return ServedModel(model=model, name=name, path=model, kind="chat",
@@ -67,11 +69,20 @@ def prepare_model(model: str, name: str, models_dir: Path,
                            engine_urls=tuple(engine_urls))
     command = [sys.executable, "-m", "cli", "models", "prepare", model,
                "--served-model-name", name, "--models-dir", str(models_dir)]
-    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=None, text=True,
-                            check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"could not prepare model {model!r} (exit code {result.returncode})")
-    card = json.loads(result.stdout.strip().splitlines()[-1])
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as child:
+        assert child.stderr is not None and child.stdout is not None
+        last_line = ""
+        for line in child.stderr:
+            sys.stderr.write(line)
+            last_line = line.strip() or last_line
+        stdout = child.stdout.read()
+    if child.returncode != 0:
+        # The child says "batchinfer models prepare: <reason>"; keep only the reason.
+        reason = last_line.removeprefix("batchinfer models prepare: ")
+        raise RuntimeError(reason or f"could not prepare model {model!r} "
+                                     f"(exit code {child.returncode})")
+    card = json.loads(stdout.strip().splitlines()[-1])
     return ServedModel(model=model, name=name, path=card["path"], kind=card["kind"],
                        context_length=card.get("context_length"), revision=card["revision"])
 

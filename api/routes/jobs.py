@@ -22,13 +22,16 @@ from api.deps import (
     resources_of,
 )
 from api.errors import Conflict, NotFound
+from api.job_filters import from_unix, list_filters
 from api.job_state import cancel_and_announce, wait_for_job
 from api.pagination import invalid_cursor
 from api.resources import LazyProducer, Resources
 from api.schemas import JobCreate, JobListPublic, JobPublic, job_path, model_response
 from api.submission import submit
 from core.embedding_requests import EmbeddingJobCreate
-from storage.jobs import MAX_LIST_LIMIT, list_jobs
+from core.topics import Priority
+from storage.job_queries import JobFilter, list_jobs_where
+from storage.jobs import MAX_LIST_LIMIT
 from storage.models import JobStatus
 
 logger = logging.getLogger(__name__)
@@ -117,17 +120,30 @@ async def job_response(resources: Resources, *, job_id: str, tenant: CurrentTena
 
 @router.get("", response_model=JobListPublic)
 def read_jobs(
+    request: Request,
     tenant: TenantDep,
     session: SessionDep,
     status: JobStatus | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = 20,
     after: Annotated[str | None, Query(
         description="The last id of the previous page (its `last_id`).")] = None,
+    batch_id: Annotated[str | None, Query(description="Only this batch's jobs.")] = None,
+    model: Annotated[str | None, Query(description="Only jobs for this model.")] = None,
+    priority: Priority | None = None,
+    created_after: Annotated[int | None, Query(
+        ge=0, description="Only jobs created at or after this Unix time.")] = None,
+    created_before: Annotated[int | None, Query(
+        ge=0, description="Only jobs created before this Unix time.")] = None,
 ) -> JobListPublic:
-    """The tenant's jobs, newest first, a page at a time."""
+    """The tenant's jobs, newest first, a page at a time, narrowed by every filter given
+    (`metadata.<key>=<value>` matches a metadata key); `total` counts them all."""
+    where = JobFilter(status=status, batch_id=batch_id, model=model,
+                      priority=None if priority is None else priority.value,
+                      metadata=list_filters(request), created_after=from_unix(created_after),
+                      created_before=from_unix(created_before))
     try:
-        jobs, has_more = list_jobs(session, tenant_id=tenant.id, status=status, limit=limit,
-                                   after=after)
+        jobs, has_more, total = list_jobs_where(session, tenant_id=tenant.id, where=where,
+                                                limit=limit, after=after)
     except ValueError as e:
         raise invalid_cursor(e) from e
     data = [JobPublic.from_job(job) for job in jobs]
@@ -136,6 +152,7 @@ def read_jobs(
         first_id=data[0].id if data else None,
         last_id=data[-1].id if data else None,
         has_more=has_more,
+        total=total,
     )
 
 

@@ -10,8 +10,8 @@ Redis, PostgreSQL, a worker) while a client keeps submitting, and then checks:
   service accepts and runs jobs again;
 - every accepted job ends `succeeded`, its result written exactly once (a trigger counts
   the writes), and `up` stops cleanly.
-Times to recover are logged (`-o log_cli=true` shows them); the README's operations
-section records them.
+Times to recover are logged (`-o log_cli=true` shows them); docs/operations.md
+records them.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ def test_up_options_parse() -> None:
     """`up` takes port, workers, data dir and model; a fixed worker count by default."""
     args = build_parser().parse_args(
         ["up", "--port", "9000", "--workers", "2", "--data-dir", "/tmp/x", "--model", "m"])
-    assert (args.port, args.workers, args.data_dir, args.model) == (9000, 2, "/tmp/x", ["m"])
+    assert (args.port, args.workers, args.data_dir, args.served) == (9000, 2, "/tmp/x",
+                                                                      [("m", None)])
     assert args.max_workers is None
     args = build_parser().parse_args(["up", "--workers", "0", "--max-workers", "4"])
     assert (args.workers, args.max_workers) == (0, 4)

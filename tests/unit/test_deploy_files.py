@@ -32,12 +32,7 @@ def test_role_commands_are_cli_subcommands() -> None:
     services = _compose()["services"]
     parser = build_parser()
     for name in (*ROLES, "migrate"):
-        command = services[name].get("command")
-        if command is None:  # the worker pulls its model first, through a shell
-            entrypoint = " ".join(services[name]["entrypoint"])
-            assert "batchinfer worker" in entrypoint
-            continue
-        parser.parse_args(command)
+        parser.parse_args(services[name]["command"])
 
 
 def test_worker_reserves_a_gpu() -> None:
@@ -155,8 +150,7 @@ def test_compose_and_kubernetes_serve_two_models_each_with_its_workers() -> None
                          in compose["x-batchinfer"]["environment"].items()})
     assert len(shared.served_models) == 2
     assert shared.embedding_models and set(shared.embedding_models) < set(shared.served_models)
-    workers = [s for s in compose["services"].values()
-               if "batchinfer worker" in " ".join(s.get("entrypoint") or [])]
+    workers = [s for s in compose["services"].values() if s.get("command") == ["worker"]]
     assert sorted(w["environment"]["BATCHINFER_MODEL"] for w in workers) == sorted(
         shared.served_models)
     objects = _kubernetes()
@@ -178,8 +172,7 @@ def test_kubernetes_workers_match_the_compose_worker() -> None:
     assert {name: config[name] for name in shared} == shared
     for deployment in objects["Deployment"]:
         container = _worker_container(deployment)
-        # Compose escapes $ as $$; Kubernetes leaves $VAR to the shell.
-        assert container["command"] == [part.replace("$$", "$") for part in worker["entrypoint"]]
+        assert container["command"] == ["batchinfer", *worker["command"]]
         assert container["envFrom"] == [{"configMapRef": {"name": config_map["metadata"]
                                                           ["name"]}}]
         env = {variable["name"]: variable for variable in container["env"]}
@@ -235,3 +228,63 @@ def test_keda_scales_by_the_autoscale_settings() -> None:
             weight, name = (part.strip() for part in term.split("*"))
             weights[name] = float(weight)
         assert weights == settings.autoscale_weights
+
+
+def _dockerfile_stages() -> dict[str, str]:
+    """Stage name → its text, from `FROM ... AS name` to the next FROM."""
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    stages = {}
+    for chunk in text.split("\nFROM ")[1:]:
+        header = chunk.splitlines()[0].split()
+        stages[header[header.index("AS") + 1]] = "FROM " + chunk
+    return stages
+
+
+def test_worker_image_has_cuda_and_a_compiler_and_the_others_are_cpu_only() -> None:
+    """The worker stage starts from a CUDA image and installs gcc and Python's headers
+    (Triton builds its launcher with them on the GPU); the cpu stage takes torch's CPU
+    build. Compose builds workers from the worker stage and every other role from cpu."""
+    stages = _dockerfile_stages()
+    assert set(stages) == {"cpu", "worker"}
+    assert stages["worker"].startswith("FROM nvidia/cuda:")
+    assert all(package in stages["worker"].split() for package in ("gcc", "python3-dev"))
+    assert "download.pytorch.org/whl/cpu" in stages["cpu"]
+    assert "nvidia" not in stages["cpu"]
+    compose = _compose()
+    for name, service in compose["services"].items():
+        if "build" not in service:
+            continue
+        expected = "worker" if service.get("command") == ["worker"] else "cpu"
+        assert service["build"]["target"] == expected, name
+        assert service["image"] == f"batchinfer:{expected}", name
+
+
+def test_models_are_prepared_once_before_any_worker_starts() -> None:
+    """Compose: one one-shot service prepares every served model into the shared volume and
+    every worker waits for it to succeed; no worker prepares anything itself. Kubernetes:
+    each worker pod prepares its own model in an init container, into its own volume."""
+    compose = _compose()
+    services = compose["services"]
+    shared = Settings(**{name.removeprefix("BATCHINFER_").lower(): value for name, value
+                         in compose["x-batchinfer"]["environment"].items()})
+    prepare = " ".join(services["models"]["entrypoint"])
+    assert all(f"batchinfer models prepare {m}" in prepare for m in shared.served_models)
+    assert services["models"]["restart"] == "no"
+    assert "batchinfer-models:/models" in services["models"]["volumes"]
+    workers = [s for s in services.values() if s.get("command") == ["worker"]]
+    for worker in workers:
+        assert worker["depends_on"]["models"] == {"condition": "service_completed_successfully"}
+        assert "batchinfer-models:/models" in worker["volumes"]
+        assert "entrypoint" not in worker
+    objects = _kubernetes()
+    for deployment in objects["Deployment"]:
+        spec = deployment["spec"]["template"]["spec"]
+        (init,) = spec["initContainers"]
+        model = _cluster_settings(objects, deployment).model
+        assert init["command"] == ["batchinfer", "models", "prepare", model]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        (mount,) = [m for m in init["volumeMounts"] if m["mountPath"] == "/models"]
+        assert "emptyDir" in volumes[mount["name"]]  # this pod's own: no replica shares it
+        worker_mounts = {m["mountPath"]: m["name"] for m in _worker_container(deployment)
+                         ["volumeMounts"]}
+        assert worker_mounts["/models"] == mount["name"]

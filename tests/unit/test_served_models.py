@@ -46,18 +46,36 @@ def test_served_name_defaults_to_the_model() -> None:
     assert named.served_models == ["x"]
 
 
-def test_cli_pairs_models_with_names_in_order() -> None:
-    """--model and --served-model-name repeat; a model without a name keeps its own."""
+def test_cli_binds_each_name_to_the_model_just_before_it() -> None:
+    """--served-model-name names the --model right before it; a model without one keeps its
+    own name, whatever the order of the others."""
     args = build_parser().parse_args(["up", "--model", "/m/a", "--model", "b",
-                                      "--served-model-name", "a"])
-    assert served_models_of(args.model, args.served_model_name) == [("/m/a", "a"), ("b", "b")]
-    assert served_models_of(None, None) == []
-    with pytest.raises(ValueError, match="--served-model-name options for 1 --model"):
-        served_models_of(["a"], ["x", "y"])
+                                      "--served-model-name", "bee"])
+    assert served_models_of(args.served) == [("/m/a", "/m/a"), ("b", "bee")]
+    args = build_parser().parse_args(["up", "--model", "/m/a", "--served-model-name", "a",
+                                      "--model", "b"])
+    assert served_models_of(args.served) == [("/m/a", "a"), ("b", "b")]
+    assert served_models_of(build_parser().parse_args(["up"]).served) == []
     with pytest.raises(ValueError, match="given twice"):
-        served_models_of(["/m/a", "/m/b"], ["same", "same"])
+        served_models_of([("/m/a", "same"), ("/m/b", "same")])
     worker = build_parser().parse_args(["worker", "--model", "/m/a", "--served-model-name", "a"])
     assert (worker.model, worker.served_model_name) == ("/m/a", "a")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["up", "--served-model-name", "tiny", "--model", "/m/a"],
+     "--served-model-name tiny names the --model just before it"),
+    (["up", "--model", "/m/a", "--served-model-name", "a", "--served-model-name", "b"],
+     "--model /m/a is already served as 'a'"),
+])
+def test_cli_refuses_a_name_without_its_model(argv: list[str], message: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A name before any --model, or a second name for one model, is a usage error (exit 2)
+    that says how to fix it, never a name silently given to another model."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_worker_refuses_a_name_without_a_model(capsys: pytest.CaptureFixture[str]) -> None:

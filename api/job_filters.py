@@ -1,0 +1,35 @@
+"""Query parameters of `GET /v1/jobs` that FastAPI cannot declare: `metadata.<key>`.
+
+Any other parameter the route does not know is refused (400 naming it) rather than
+ignored: a filter that silently does nothing answers with jobs it was meant to leave out.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from fastapi import Request
+
+from api.errors import InvalidRequest
+
+KNOWN_PARAMS = frozenset({"status", "limit", "after", "batch_id", "model", "priority",
+                          "created_after", "created_before"})
+METADATA_PREFIX = "metadata."
+
+
+def list_filters(request: Request) -> dict[str, str]:
+    """The `metadata.<key>=<value>` filters; InvalidRequest for an unknown parameter."""
+    metadata: dict[str, str] = {}
+    for name, value in request.query_params.multi_items():
+        if name.startswith(METADATA_PREFIX) and len(name) > len(METADATA_PREFIX):
+            metadata[name.removeprefix(METADATA_PREFIX)] = value
+        elif name not in KNOWN_PARAMS:
+            known = ", ".join(sorted(KNOWN_PARAMS))
+            raise InvalidRequest(f"unknown query parameter {name!r}; filters are {known} and "
+                                 f"{METADATA_PREFIX}<key>", param=name, code="unknown_parameter")
+    return metadata
+
+
+def from_unix(seconds: int | None) -> datetime | None:
+    """A Unix time as an aware UTC datetime."""
+    return None if seconds is None else datetime.fromtimestamp(seconds, tz=UTC)

@@ -1,0 +1,68 @@
+"""`models prepare|pull` and `up` refuse, before anything starts, what a worker cannot load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import GPT2Config
+
+from cli.main import main
+from tests.unit.engine.tiny_models import tiny_llama_config
+
+
+@pytest.fixture
+def gpt2_dir(tmp_path: Path) -> Path:
+    """A GPT-2 config directory: a causal LM the engine's loader does not run."""
+    model_dir = tmp_path / "gpt2"
+    GPT2Config(n_layer=1, n_head=2, n_embd=16).save_pretrained(model_dir)
+    return model_dir
+
+
+@pytest.mark.parametrize("action", ["prepare", "pull"])
+def test_models_prepare_and_pull_refuse_gpt2(action: str, gpt2_dir: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 2 with the engine's reason (the architecture), no card, nothing printed to
+    stdout for a script to mistake for a path."""
+    code = main(["models", action, str(gpt2_dir), "--models-dir", str(tmp_path / "models")])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    assert f"{gpt2_dir} cannot be served: model architecture 'gpt2' is not supported" in err
+
+
+def test_models_prepare_accepts_a_llama_directory(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A Llama-layout directory passes the same check; pull prints its path, prepare its
+    card."""
+    model_dir = tmp_path / "llama"
+    tiny_llama_config().save_pretrained(model_dir)
+    models_dir = str(tmp_path / "models")
+    assert main(["models", "pull", str(model_dir), "--models-dir", models_dir]) == 0
+    assert capsys.readouterr().out.strip() == str(model_dir)
+    assert main(["models", "prepare", str(model_dir), "--served-model-name", "tiny",
+                 "--models-dir", models_dir]) == 0
+    card = json.loads(capsys.readouterr().out)
+    assert (card["name"], card["kind"], card["path"]) == ("tiny", "chat", str(model_dir))
+
+
+def test_up_refuses_gpt2_before_starting_anything(gpt2_dir: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up --model <gpt2>` exits 2 naming the model and the reason; no broker, Redis or
+    database was started (the data directory holds no database)."""
+    data_dir = tmp_path / "data"
+    # `up` publishes its settings in the environment; monkeypatch restores these after.
+    for name in ("API_PORT", "DATABASE_URL", "API_HOST", "API_REUSE_PORT", "API_PROCESSES"):
+        monkeypatch.delenv(f"BATCHINFER_{name}", raising=False)
+    monkeypatch.setenv("BATCHINFER_DATA_DIR", str(data_dir))
+    monkeypatch.setenv("BATCHINFER_MODELS_DIR", str(tmp_path / "models"))
+    code = main(["up", "--model", str(gpt2_dir), "--served-model-name", "g",
+                 "--data-dir", str(data_dir), "--port", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert (f"batchinfer up: {gpt2_dir} cannot be served: model architecture 'gpt2' is not "
+            "supported") in err
+    assert not list(data_dir.glob("*.db"))
+    assert not (data_dir / "redis").exists()
