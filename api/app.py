@@ -31,6 +31,7 @@ from api.routes import (
     embeddings,
     files,
     health,
+    job_events,
     jobs,
     metrics,
     models,
@@ -105,7 +106,7 @@ def create_app(settings: Settings | None = None, *, serving: bool = False) -> Fa
         limits_by_prefix={"/v1/files": app_settings.max_file_bytes + MULTIPART_OVERHEAD_BYTES},
     )
     app.add_middleware(HTTPMetricsMiddleware)
-    for module in (jobs, completions, embeddings, models, health, metrics, files, batches,
-                   deliveries, cache_stats):
+    for module in (jobs, job_events, completions, embeddings, models, health, metrics, files,
+                   batches, deliveries, cache_stats):
         app.include_router(module.router)
     return app

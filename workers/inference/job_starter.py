@@ -75,6 +75,7 @@ class JobStarter:
         engine: EngineLoop,
         worker_id: str,
         ack: Callable[[Records], None],
+        is_followed: Callable[[str], bool] = lambda job_id: False,
     ) -> None:
         self.settings = settings
         self._store = store
@@ -82,6 +83,7 @@ class JobStarter:
         self._engine = engine
         self._worker_id = worker_id
         self._ack = ack
+        self._is_followed = is_followed
         self._max_model_len: int | None = getattr(engine.engine, "max_model_len", None)
 
     def start(self, candidates: dict[str, Candidate]) -> list[InFlightJob]:
@@ -150,8 +152,11 @@ class JobStarter:
                 max(0.0, (now - candidate.started_from).total_seconds())
             )
             started.append(InFlightJob(message, candidate.started_from, candidate.records))
+            # Streamed: asked for by its request (`stream: true`), or followed over SSE.
+            stream = message.body.get("stream") is True or self._is_followed(message.job_id)
             self._engine.add(
-                message.job_id, prompt, params, priority=Priority(message.priority).rank
+                message.job_id, prompt, params, priority=Priority(message.priority).rank,
+                stream=stream,
             )
         return started
 

@@ -38,6 +38,7 @@ from workers.inference.heartbeat import Heartbeat
 from workers.inference.job_store import JobStore
 from workers.inference.kv_tier import connect_kv_tier
 from workers.inference.semantic_lookup import SemanticLookup
+from workers.inference.token_publisher import TokenPublisher
 from workers.inference.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,13 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
             semantic_backend=semantic_cache.backend))
         settle_heap()  # the engine, model and clients are loaded: what is left is per job
         engine_loop = EngineLoop(engine)
+        # Streamed jobs' text: written by its own thread, stopped after the engine's.
+        tokens = TokenPublisher(redis_client, prefix=settings.topic_prefix,
+                                max_entries=settings.token_stream_max_entries,
+                                ttl_s=settings.token_stream_ttl_s)
+        tokens.start()
+        stack.callback(tokens.stop)
+        engine_loop.token_sink = tokens.put
         engine_loop.start()
         stack.callback(engine_loop.stop, ENGINE_STOP_TIMEOUT_S)
         cancels = CancelSubscription(redis_client, prefix=settings.topic_prefix)
