@@ -33,6 +33,7 @@ from api.routes import (
     embeddings,
     files,
     health,
+    job_events,
     jobs,
     metrics,
     models,
@@ -111,7 +112,7 @@ def create_app(settings: Settings | None = None, *, serving: bool = False) -> Fa
     )
     app.add_middleware(LastResortMiddleware)
     app.add_middleware(HTTPMetricsMiddleware)
-    for module in (jobs, completions, embeddings, models, health, metrics, files, batches,
-                   deliveries, cache_stats, usage):
+    for module in (jobs, job_events, completions, embeddings, models, health, metrics, files,
+                   batches, deliveries, cache_stats, usage):
         app.include_router(module.router)
     return app

@@ -13,7 +13,7 @@ from api.resources import Resources
 from core import request_checks
 from core.model_context import model_contexts
 from core.request_checks import RequestRefused
-from core.requests import AnyRequest
+from core.requests import AnyRequest, JobCreate
 
 # Longest prompt (characters, all messages together) whose tokens are counted on the event
 # loop: a few hundred microseconds at most, less than a hand-off to the thread pool costs
@@ -27,9 +27,13 @@ def refused(error: RequestRefused) -> InvalidRequest:
 
 
 def check_supported(request: AnyRequest) -> None:
-    """Refuse (InvalidRequest, naming the field) what parses but this service cannot do."""
+    """Refuse (InvalidRequest, naming the field) what parses but this service cannot do.
+
+    `stream` is for the OpenAI-compatible endpoints, which relay the tokens; a job is
+    followed with GET /v1/jobs/{id}/events instead.
+    """
     try:
-        request_checks.check_supported(request)
+        request_checks.check_supported(request, can_stream=not isinstance(request, JobCreate))
     except RequestRefused as e:
         raise refused(e) from e
 

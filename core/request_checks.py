@@ -52,12 +52,10 @@ def check_request(request: AnyRequest, context: ModelContext | None) -> None:
     check_context(request, context)
 
 
-def check_supported(request: AnyRequest) -> None:
-    """Refuse (RequestRefused, naming the field) what parses but this service cannot do."""
-    if request.stream:
-        raise RequestRefused(
-            "stream is not supported: results are returned whole (poll or long-poll jobs "
-            "with GET /v1/jobs/{id}?wait=N).", param="stream", code="unsupported_parameter")
+def check_supported(request: AnyRequest, *, can_stream: bool = False) -> None:
+    """Refuse (RequestRefused, naming the field) what parses but this service cannot do;
+    `stream` only where the caller relays it (the OpenAI-compatible endpoints)."""
+    _check_stream(request, can_stream=can_stream)
     _only(request.n in (None, 1), "n", "n must be 1: one choice is returned per request.")
     for penalty in ("presence_penalty", "frequency_penalty"):
         _only(getattr(request, penalty) in (None, 0), penalty,
@@ -72,8 +70,6 @@ def check_supported(request: AnyRequest) -> None:
     _only(not request.tools, "tools", "tools (function calling) are not supported.")
     _only(request.tool_choice in (None, "none", "auto"), "tool_choice",
           "tool_choice is not supported: tools are not supported.")
-    _only(request.stream_options is None, "stream_options",
-          "stream_options is not supported: stream is not supported.")
     if isinstance(request, CompletionRequest):
         _check_completion_extras(request)
     else:
@@ -104,6 +100,29 @@ def _check_chat_extras(request: ChatCompletionRequest | JobCreate) -> None:
             for j, part in enumerate(message.content):
                 _only(part.type == "text", f"messages[{i}].content[{j}].type",
                       f"Content parts of type {part.type!r} are not supported; only 'text'.")
+
+
+def _check_stream(request: AnyRequest, *, can_stream: bool) -> None:
+    if request.stream and not can_stream:
+        raise RequestRefused(
+            "stream is only supported on POST /v1/chat/completions and /v1/completions; "
+            "follow a job's tokens with GET /v1/jobs/{id}/events, or long-poll it with "
+            "GET /v1/jobs/{id}?wait=N.", param="stream", code="unsupported_parameter")
+    if request.stream:
+        # A text request's `logprobs: 0` asks for them too; chunks carry text only.
+        logprobs = getattr(request, "logprobs", None)
+        _only(logprobs is None or logprobs is False, "logprobs",
+              "logprobs are not supported with stream; ask without stream for them.")
+    options = request.stream_options
+    if options is None:
+        return
+    _only(bool(request.stream), "stream_options",
+          "stream_options is only allowed with stream: true.")
+    for name, value in options.items():
+        _only(name == "include_usage", f"stream_options.{name}",
+              f"stream_options.{name} is not supported; only include_usage is.")
+        _only(isinstance(value, bool), "stream_options.include_usage",
+              "stream_options.include_usage must be true or false.")
 
 
 def _only(ok: bool, param: str, message: str) -> None:

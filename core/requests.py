@@ -275,6 +275,8 @@ class SamplingRequest(ClientObject):
         logprobs = getattr(self, "logprobs", None)
         if logprobs is not None and logprobs is not False:
             body["logprobs"] = True
+        if self.stream:
+            body["stream"] = True  # the worker publishes its tokens as they come
         return body
 
     def _sampling_fields(self) -> dict[str, Any]:

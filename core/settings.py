@@ -58,6 +58,11 @@ class Settings(BaseSettings):
     long_poll_max_s: float = Field(default=60.0, ge=0)
     # How long OpenAI-compatible /v1/chat/completions waits for its job.
     sync_request_timeout_s: float = Field(default=600.0, gt=0)
+    # Streamed jobs' token streams in Redis (storage.token_streams): entries kept per job
+    # (a step's text is one entry, so this bounds a runaway job, not a normal one) and how
+    # long a stream outlives its last write, for followers that arrive late.
+    token_stream_max_entries: int = Field(default=10_000, ge=16)
+    token_stream_ttl_s: int = Field(default=600, ge=1)
 
     # The model a worker loads (a known name, a Hugging Face directory or a .gguf file),
     # the name clients ask for it by (default: `model` itself), and the names the API

@@ -37,6 +37,7 @@ import redis.asyncio as aioredis
 from redis.client import PubSub
 
 from storage.models import JobStatus
+from storage.token_streams import follow_channel
 
 logger = logging.getLogger(__name__)
 
@@ -284,18 +285,27 @@ async def _call(check: DoneCheck) -> bool:
 
 
 class CancelSubscription:
-    """A worker's subscription to cancellations: `poll` returns newly cancelled job ids."""
+    """A worker's subscription to cancellations: `poll` returns newly cancelled job ids.
+
+    It also hears the follow channel (`storage.token_streams.follow_channel`): the ids of
+    jobs an API process asks to be streamed gather in `follows` until taken.
+    """
 
     def __init__(self, redis_client: redis.Redis, *, prefix: str) -> None:
         self._channel = cancel_channel(prefix)
+        self._follow_channel = follow_channel(prefix)
+        self.follows: list[str] = []
         self._pubsub: PubSub = redis_client.pubsub()
-        self._pubsub.subscribe(self._channel)
+        self._pubsub.subscribe(self._channel, self._follow_channel)
         # Confirmed before returning, so a cancel published after this is never missed.
+        waiting = {self._channel, self._follow_channel}
         deadline = time.monotonic() + SUBSCRIBE_CONFIRM_TIMEOUT_S
         while (remaining := deadline - time.monotonic()) > 0:
             message = self._pubsub.get_message(timeout=remaining)
             if message is not None and message["type"] == "subscribe":
-                return
+                waiting.discard(_channel_of(message))
+                if not waiting:
+                    return
         self._pubsub.close()
         raise redis.TimeoutError(f"Redis did not confirm the subscription to {self._channel}")
 
@@ -305,10 +315,17 @@ class CancelSubscription:
         message = self._pubsub.get_message(timeout=timeout)
         # A worker polls every loop pass and almost always finds nothing: one read then.
         while message is not None:
-            if (job_id := _cancelled_job_id(message)) is not None:
+            if message.get("type") == "message" and _channel_of(message) == self._follow_channel:
+                self.follows.append(_text(message["data"]))
+            elif (job_id := _cancelled_job_id(message)) is not None:
                 job_ids.append(job_id)
             message = self._pubsub.get_message(timeout=0.0)
         return job_ids
+
+    def take_follows(self) -> list[str]:
+        """Job ids whose streaming was asked for since the last call."""
+        follows, self.follows = self.follows, []
+        return follows
 
     def close(self) -> None:
         """Unsubscribe and release the connection."""
@@ -335,5 +352,8 @@ def _cancelled_job_id(message: dict[str, Any]) -> str | None:
 
 def _channel_of(message: dict[str, Any]) -> str:
     """A pub/sub message's channel as text, whether the client decodes responses or not."""
-    channel = message["channel"]
-    return channel.decode() if isinstance(channel, bytes) else str(channel)
+    return _text(message["channel"])
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

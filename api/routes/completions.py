@@ -1,9 +1,10 @@
-"""OpenAI-compatible `POST /v1/chat/completions` and `POST /v1/completions` (non-streaming).
+"""OpenAI-compatible `POST /v1/chat/completions` and `POST /v1/completions`.
 
 Each request becomes a high-priority job, goes the same way as any other (database, Kafka,
 a worker), and is awaited here; the answer is exactly the `chat.completion` or
 `text_completion` object the worker stored, so OpenAI clients work unchanged. A request
-whose client goes away, or that outlives `sync_request_timeout_s`, is cancelled.
+whose client goes away, or that outlives `sync_request_timeout_s`, is cancelled. With
+`stream: true` the answer is Server-Sent Events instead (`api.completion_stream`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import CurrentTenant
+from api.completion_stream import stream_completion
 from api.deps import IdempotencyKeyDep, ProducerDep, ResourcesDep, TenantDep
 from api.errors import APIError, Conflict, Timeout
 from api.job_state import cancel_and_announce, wait_for_job
@@ -43,8 +45,11 @@ async def create_chat_completion(
     resources: ResourcesDep,
     producer: ProducerDep,
     idempotency_key: IdempotencyKeyDep = None,
-) -> JSONResponse:
-    """Run a chat completion now (as a high-priority job) and return its `chat.completion`."""
+) -> Response:
+    """Run a chat completion now (as a high-priority job) and return its `chat.completion`,
+    or with `stream`, its `chat.completion.chunk`s as Server-Sent Events."""
+    if body.stream:
+        return await stream_completion(body, tenant, resources, producer, idempotency_key)
     return await run_synchronously(body, request, tenant, resources, producer, idempotency_key)
 
 
@@ -56,8 +61,11 @@ async def create_completion(
     resources: ResourcesDep,
     producer: ProducerDep,
     idempotency_key: IdempotencyKeyDep = None,
-) -> JSONResponse:
-    """Run a text completion now (as a high-priority job) and return its `text_completion`."""
+) -> Response:
+    """Run a text completion now (as a high-priority job) and return its `text_completion`,
+    or with `stream`, its chunks as Server-Sent Events."""
+    if body.stream:
+        return await stream_completion(body, tenant, resources, producer, idempotency_key)
     return await run_synchronously(body, request, tenant, resources, producer, idempotency_key)
 
 

@@ -156,7 +156,7 @@ def test_refused_requests_write_nothing_anywhere(service: Service) -> None:
             (client.post("/v1/jobs", json=CHAT | {"n": 2}), 400, "n"),
             (client.post("/v1/jobs", json=CHAT | {"metadata": {"k": ["v"]}}), 422, "metadata.k"),
             (client.post("/v1/jobs", json=CHAT | {"bogus": 1}), 422, "bogus"),
-            (client.post("/v1/chat/completions", json=CHAT | {"stream": True}), 400, "stream"),
+            (client.post("/v1/jobs", json=CHAT | {"stream": True}), 400, "stream"),
         ]
         for response, status, param in cases:
             assert response.status_code == status, response.text

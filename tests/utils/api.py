@@ -60,8 +60,8 @@ class RecordingProducer:
     """Stands in for the Kafka producer in tests that assert nothing about Kafka.
 
     Implements what the API uses of the producer handle (`get()`, `unavailable_reason`,
-    `is_refusing`, `close()`) and of the producer (`send(topic, key=, value=)` returning a future with
-    `get(timeout)`).
+    `is_refusing`, `close()`) and of the producer (`send(topic, key=, value=)` returning a
+    future with `get(timeout)`).
     """
 
     records: list[tuple[str, bytes | None, bytes | None]] = field(default_factory=list)

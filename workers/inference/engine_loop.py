@@ -3,7 +3,9 @@
 Responsible for: owning the `LLMEngine` once started (no other thread touches it), taking
 new requests and aborts from the poll thread between steps, so new jobs join the running
 batch at the next step instead of waiting for a batch to fill; handing every finished,
-refused or aborted request back through a queue; refreshing the engine gauges.
+refused or aborted request back through a queue; refreshing the engine gauges; for
+streamed requests only, handing each step's new text to `token_sink` in one call per
+step (see `watch`).
 
 Why a thread: a step takes from milliseconds (GPU) to seconds (CPU), and the Kafka poll
 loop must keep polling, committing and reacting to rebalances meanwhile. torch releases
@@ -16,10 +18,12 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from core import metrics
 from core.messages import JobMessage
+from storage.token_streams import STARTED, StreamEntry
 from workers.engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
 from workers.inference.remote_requests import RemoteOutput
 from workers.inference.sampling import Prompt
@@ -39,10 +43,16 @@ class _Add:
     prompt: Prompt
     params: SamplingParams
     priority: int
+    stream: bool = False
 
 
 @dataclass(slots=True)
 class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Watch:
     request_id: str
 
 
@@ -65,7 +75,8 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()  # None: stop
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Watch | None] = (
+            queue.SimpleQueue())  # None: stop
         self._outbox: queue.SimpleQueue[FinishedRequest] = queue.SimpleQueue()
         self._live_ids: set[str] = set()  # touched by the engine thread only
         self._stopping = threading.Event()
@@ -73,6 +84,14 @@ class EngineLoop:
         self.failure: BaseException | None = None
         self._last_stats_at = 0.0
         self._last_stats: EngineStats | None = None
+        # Streaming (engine thread only): characters of text each live request has handed
+        # out so far, and for the watched ones, how many of those are published.
+        self._num_emitted_chars: dict[str, int] = {}
+        self._num_published_chars: dict[str, int] = {}
+        self._entries: list[StreamEntry] = []
+        # Takes each step's entries of watched requests (set before start; called on the
+        # engine thread, so it must only hand them on, e.g. to a TokenPublisher's queue).
+        self.token_sink: Callable[[list[StreamEntry]], None] | None = None
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -93,10 +112,15 @@ class EngineLoop:
         return self.failure is None
 
     def add(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int,
-            *, job: JobMessage | None = None) -> None:
-        """Queue a request; it joins the running batch at the engine's next step. (`job` is
-        for an engine server, which sends the job's own fields; this engine needs none.)"""
-        self._inbox.put(_Add(request_id, prompt, params, priority))
+            *, stream: bool = False, job: JobMessage | None = None) -> None:
+        """Queue a request; it joins the running batch at the engine's next step. With
+        `stream`, its text goes to `token_sink` step by step. (`job` is for an engine
+        server, which sends the job's own fields; this engine needs none.)"""
+        self._inbox.put(_Add(request_id, prompt, params, priority, stream))
+
+    def watch(self, request_id: str) -> None:
+        """Stream a live request from now on: its text so far, then step by step."""
+        self._inbox.put(_Watch(request_id))
 
     def abort(self, request_id: str) -> None:
         """Abort a request; a FinishedRequest with `aborted=True` follows if it was live."""
@@ -128,9 +152,11 @@ class EngineLoop:
                 self._apply_commands(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
                     for output in self.engine.step():
+                        self._note_text(output)
                         if output.finished:
                             self._live_ids.discard(output.request_id)
                             self._outbox.put(FinishedRequest(output.request_id, output=output))
+                self._flush_entries()
                 self._refresh_gauges()
         except BaseException as e:  # reported to the poll thread, which stops the worker
             logger.exception("engine thread failed; the worker will stop")
@@ -149,11 +175,17 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _Watch) -> None:
+        if isinstance(command, _Watch):
+            if (command.request_id in self._live_ids
+                    and command.request_id not in self._num_published_chars):
+                self._start_streaming(command.request_id)
+            return
         if isinstance(command, _Abort):
             if command.request_id in self._live_ids:
                 self.engine.abort(command.request_id)
                 self._live_ids.discard(command.request_id)
+                self._forget_text(command.request_id)
                 self._outbox.put(FinishedRequest(command.request_id, aborted=True))
             return
         try:
@@ -165,6 +197,47 @@ class EngineLoop:
             self._outbox.put(FinishedRequest(command.request_id, error=str(e)))
             return
         self._live_ids.add(command.request_id)
+        self._num_emitted_chars[command.request_id] = 0
+        if command.stream:
+            self._start_streaming(command.request_id)
+
+    def _start_streaming(self, request_id: str) -> None:
+        self._num_published_chars[request_id] = 0
+        self._entries.append(StreamEntry(request_id, event=STARTED))
+
+    def _note_text(self, output: RequestOutput) -> None:
+        """Count the text a request handed out; for a watched one, queue what is new.
+
+        Every request is counted (one dict update), so one watched late gets its text so
+        far in its first entry: `output.text[:emitted]` is everything handed out, as the
+        detokenizer hands out text only ever appended to (a stop string is trimmed from
+        text held back, never from text handed out).
+        """
+        request_id = output.request_id
+        emitted = self._num_emitted_chars.get(request_id, 0) + len(output.delta_text)
+        self._num_emitted_chars[request_id] = emitted
+        published = self._num_published_chars.get(request_id)
+        if published is not None:
+            text = output.text[published:emitted] if emitted > published else ""
+            finish_reason = output.finish_reason if output.finished else None
+            if text or finish_reason is not None:
+                self._entries.append(StreamEntry(request_id, offset=published, text=text,
+                                                 finish_reason=finish_reason))
+                self._num_published_chars[request_id] = published + len(text)
+        if output.finished:
+            self._forget_text(request_id)
+
+    def _forget_text(self, request_id: str) -> None:
+        self._num_emitted_chars.pop(request_id, None)
+        self._num_published_chars.pop(request_id, None)
+
+    def _flush_entries(self) -> None:
+        """Hand this step's entries to the sink in one call (none: nothing is done)."""
+        if not self._entries:
+            return
+        entries, self._entries = self._entries, []
+        if self.token_sink is not None:
+            self.token_sink(entries)
 
     def _refresh_gauges(self) -> None:
         now = time.monotonic()

@@ -76,6 +76,7 @@ class JobStarter:
         engine: EngineLoop | RemoteEngineLoop,
         worker_id: str,
         ack: Callable[[Records], None],
+        is_followed: Callable[[str], bool] = lambda job_id: False,
     ) -> None:
         self.settings = settings
         self._store = store
@@ -83,6 +84,7 @@ class JobStarter:
         self._engine = engine
         self._worker_id = worker_id
         self._ack = ack
+        self._is_followed = is_followed
         self._max_model_len: int | None = getattr(engine.engine, "max_model_len", None)
 
     def start(self, candidates: dict[str, Candidate]) -> list[InFlightJob]:
@@ -151,8 +153,12 @@ class JobStarter:
                 max(0.0, (now - candidate.started_from).total_seconds())
             )
             started.append(InFlightJob(message, candidate.started_from, candidate.records))
-            self._engine.add(message.job_id, prompt, params,
-                             priority=Priority(message.priority).rank, job=message)
+            # Streamed: asked for by its request (`stream: true`), or followed over SSE.
+            stream = message.body.get("stream") is True or self._is_followed(message.job_id)
+            self._engine.add(
+                message.job_id, prompt, params, priority=Priority(message.priority).rank,
+                stream=stream, job=message,
+            )
         return started
 
     def _answer_from_caches(self, candidates: list[Candidate]) -> list[Candidate]:

@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ import httpx
 from core import metrics
 from core.messages import JobMessage
 from core.settings import Settings
+from storage.token_streams import StreamEntry
 from workers.engine import SamplingParams
 from workers.engine.model_card import ModelCard
 from workers.inference.engine_loop import WAKE, FinishedRequest
@@ -183,6 +185,8 @@ class RemoteEngineLoop:
         self._client: httpx.AsyncClient | None = None
         self._num_output_tokens = 0
         self._last_stats = (time.monotonic(), 0)
+        # Never called: a server's answer comes whole (see `add`); set like EngineLoop's.
+        self.token_sink: Callable[[list[StreamEntry]], None] | None = None
 
     def start(self) -> None:
         """Start the loop's thread (and its client)."""
@@ -200,9 +204,10 @@ class RemoteEngineLoop:
         return self.failure is None
 
     def add(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int,
-            *, job: JobMessage | None = None) -> None:
+            *, stream: bool = False, job: JobMessage | None = None) -> None:
         """Queue `job`'s request (prompt and params were checked by the caller; the
-        request carries the job's own fields, see remote_requests)."""
+        request carries the job's own fields, see remote_requests). A streamed job's text
+        comes whole when the server's answer does: the server is asked without `stream`."""
         if job is None:
             raise ValueError("an engine server runs jobs: pass job=")
         try:
@@ -214,6 +219,9 @@ class RemoteEngineLoop:
         request = _Request(priority, next(self._seq), request_id, job.affinity_key(), path,
                            payload)
         self._call(self._enqueue, request)
+
+    def watch(self, request_id: str) -> None:
+        """Followers of a job on an engine server get its text when it finishes."""
 
     def abort(self, request_id: str) -> None:
         """Abort a request; a FinishedRequest with `aborted=True` follows if it was live."""

@@ -42,6 +42,7 @@ from workers.inference.kv_tier import connect_kv_tier
 from workers.inference.remote_engine import RemoteEngine, RemoteEngineConfig, RemoteEngineLoop
 from workers.inference.semantic_lookup import SemanticLookup
 from workers.inference.service_rate import ServiceRate
+from workers.inference.token_publisher import TokenPublisher
 from workers.inference.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,13 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
         else:
             assert engine is not None
             engine_loop = EngineLoop(engine)
+        # Streamed jobs' text: written by its own thread, stopped after the engine's.
+        tokens = TokenPublisher(redis_client, prefix=settings.topic_prefix,
+                                max_entries=settings.token_stream_max_entries,
+                                ttl_s=settings.token_stream_ttl_s)
+        tokens.start()
+        stack.callback(tokens.stop)
+        engine_loop.token_sink = tokens.put
         engine_loop.start()
         stack.callback(engine_loop.stop, ENGINE_STOP_TIMEOUT_S)
         cancels = CancelSubscription(redis_client, prefix=settings.topic_prefix)

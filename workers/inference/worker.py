@@ -77,6 +77,9 @@ FULL_WAIT_S = 0.25
 # from acceptance to its long-poll's answer, and 32 in flight completed ~170 a second
 # with cores to spare.
 BUSY_WAIT_S = 0.005
+# How long a follow (storage.token_streams.publish_follow) of a job this worker has not
+# started holds: its follower repeats it every few seconds while the job waits.
+FOLLOW_MEMORY_S = 10.0
 
 
 def max_inflight(settings: Settings, engine: object) -> int:
@@ -168,8 +171,12 @@ class Worker:
         self._watchdog = StallWatchdog(consumer, stall_after_s=settings.worker_stall_after_s)
         self._fetch_wait = FetchWait(consumer)
         self._pace = WorkPace()
+        # Jobs an API process asked to stream before this worker started them, and until
+        # when that holds (followers repeat the ask while their job waits).
+        self._follows: dict[str, float] = {}
         self._starter = JobStarter(settings, store=store, outcomes=self._outcomes,
-                                   engine=engine_loop, worker_id=worker_id, ack=self._ack)
+                                   engine=engine_loop, worker_id=worker_id, ack=self._ack,
+                                   is_followed=self._is_followed)
 
     @property
     def num_inflight(self) -> int:
@@ -380,6 +387,27 @@ class Worker:
                 logger.info("cancelling job %s", job_id)
                 job.is_cancelled = True
                 self._engine.abort(job_id)
+        self._handle_follows()
+
+    def _handle_follows(self) -> None:
+        """Stream followed jobs: at once if in flight, else when they start (if soon)."""
+        follows = self._cancels.take_follows()
+        if not follows:
+            return
+        now = time.monotonic()
+        # Pruned when follows come (rare), not every loop: the ones of jobs another
+        # worker started are never popped here.
+        self._follows = {job_id: until for job_id, until in self._follows.items()
+                         if until > now}
+        for job_id in follows:
+            if job_id in self._inflight:
+                self._engine.watch(job_id)
+            else:
+                self._follows[job_id] = now + FOLLOW_MEMORY_S
+
+    def _is_followed(self, job_id: str) -> bool:
+        until = self._follows.pop(job_id, None)
+        return until is not None and until > time.monotonic()
 
     def _on_new_assignment(self) -> bool:
         """After a rebalance: restart from committed offsets, release moved jobs; True if any."""

@@ -66,7 +66,10 @@ def test_shape_errors_name_the_field(field: str, value: object) -> None:
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"stream": True}, "stream"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "stream_options": {"chunk_size": 4}}, "stream_options.chunk_size"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"stream": True, "logprobs": True}, "logprobs"),
     ({"n": 2}, "n"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": -1}, "frequency_penalty"),
@@ -85,6 +88,16 @@ def test_unsupported_features_are_refused_by_name(body: dict[str, Any], param: s
         check_supported(request)
     assert info.value.param == param
     assert info.value.status_code == 400
+
+
+def test_stream_is_accepted_where_it_is_relayed_and_refused_on_jobs() -> None:
+    """The completions endpoints stream; a job is followed with GET /v1/jobs/{id}/events."""
+    streamed = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    check_supported(ChatCompletionRequest.model_validate(streamed))
+    assert ChatCompletionRequest.model_validate(streamed).inference_body()["stream"] is True
+    with pytest.raises(InvalidRequest) as info:
+        check_supported(JobCreate.model_validate({**CHAT, "stream": True}))
+    assert info.value.param == "stream"
 
 
 def test_defaults_clients_send_are_accepted() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from storage.token_streams import StreamEntry
 from tests.unit.engine.tiny_models import save_tiny_llama
 from workers.engine import EngineConfig, LLMEngine, SamplingParams
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
@@ -90,3 +91,61 @@ def test_a_signal_handler_wakes_a_waiting_take_at_once(loop: EngineLoop) -> None
         signal.signal(signal.SIGALRM, previous)
     loop.add("after", "go", SamplingParams(max_tokens=2), priority=1)
     assert collect(loop, 1)["after"].output is not None
+
+
+class Sink:
+    """Collects what the loop hands its token sink, one list per call (per step)."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[StreamEntry]] = []
+
+    def __call__(self, entries: list[StreamEntry]) -> None:
+        self.calls.append(entries)
+
+    def of(self, request_id: str) -> list[StreamEntry]:
+        return [e for call in self.calls for e in call if e.job_id == request_id]
+
+
+def joined(entries: list[StreamEntry]) -> str:
+    """The text the entries' offsets and texts spell, checking they neither skip nor repeat."""
+    text = ""
+    for entry in entries:
+        if entry.offset is not None:
+            assert entry.offset == len(text)
+            text += entry.text
+    return text
+
+
+def test_streamed_requests_hand_their_text_to_the_sink_step_by_step(loop: EngineLoop) -> None:
+    sink = Sink()
+    loop.token_sink = sink
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    loop.add("streamed", "hello", params, priority=0, stream=True)
+    loop.add("plain", "hello", params, priority=0)
+    finished = collect(loop, 2)
+    entries = sink.of("streamed")
+    assert entries[0].event == "started"
+    output = finished["streamed"].output
+    assert output is not None
+    assert joined(entries) == output.text
+    assert entries[-1].finish_reason == "length"
+    assert sum(1 for e in entries if e.text) > 1, "the text came in one piece"
+    assert sink.of("plain") == []  # a request that did not ask pays nothing
+    # One call per step, each holding at most one entry per request.
+    assert all(len({e.job_id for e in call}) == len(call) for call in sink.calls)
+
+
+def test_a_request_watched_late_gets_its_text_so_far_first(loop: EngineLoop) -> None:
+    sink = Sink()
+    loop.token_sink = sink
+    loop.add("late", "go", SamplingParams(max_tokens=300, temperature=0, ignore_eos=True),
+             priority=0)
+    time.sleep(0.3)  # well into its decode
+    loop.watch("late")
+    loop.watch("unknown")  # not live: nothing
+    output = collect(loop, 1)["late"].output
+    assert output is not None
+    entries = sink.of("late")
+    assert entries[0].event == "started"
+    assert joined(entries) == output.text
+    assert sink.of("unknown") == []

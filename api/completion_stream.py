@@ -1,0 +1,117 @@
+"""`stream: true` on `/v1/chat/completions` and `/v1/completions`: the job's tokens as SSE.
+
+The request is a job like any other (validated, queued at high priority, cached,
+recorded); its body says `stream`, so the worker that runs it publishes its text step by
+step (`workers.inference.token_publisher`), and this relays it (`api.token_relay`) as
+OpenAI's chunks (`api.stream_chunks`). A cached answer finishes at once and goes out as
+one chunk. A client that goes away cancels the job, as a non-streaming one does; a job
+still unfinished after `sync_request_timeout_s` is cancelled and the stream ends with an
+error event.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.auth import CurrentTenant
+from api.job_state import cancel_and_announce
+from api.resources import LazyProducer, Resources
+from api.schemas import JobPublic
+from api.stream_chunks import DONE, KEEPALIVE, ChunkMaker, error_event, sse
+from api.submission import submit
+from api.token_relay import Finished, Idle, TextDelta, follow_job
+from core.requests import ChatCompletionRequest, CompletionRequest
+from core.topics import Priority
+from storage.models import JobStatus
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def stream_completion(
+    body: ChatCompletionRequest | CompletionRequest,
+    tenant: CurrentTenant,
+    resources: Resources,
+    producer: LazyProducer,
+    idempotency_key: str | None,
+) -> StreamingResponse:
+    """Queue the request as a high-priority job and answer with its chunks as they come."""
+    submission = await submit(request=body, priority=Priority.HIGH, tenant=tenant,
+                              idempotency_key=idempotency_key, resources=resources,
+                              producer=producer)
+    job = submission.job
+    options = body.stream_options or {}
+    chunks = ChunkMaker(kind=body.kind, job_id=job.id, model=body.model,
+                        created=int(time.time()),
+                        include_usage=options.get("include_usage") is True)
+    events = _events(resources, chunks, job_id=job.id, tenant_id=tenant.id)
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={**SSE_HEADERS, "X-Job-Id": job.id})
+
+
+async def _events(resources: Resources, chunks: ChunkMaker, *, job_id: str,
+                  tenant_id: str) -> AsyncIterator[bytes]:
+    """The SSE body; cancels the job when it ends before the job did (a client gone)."""
+    is_over = False
+    try:
+        first = chunks.first()
+        if first is not None:
+            yield sse(first)
+        limit_s = resources.settings.sync_request_timeout_s
+        async for event in follow_job(resources, job_id=job_id, tenant_id=tenant_id,
+                                      timeout_s=limit_s):
+            if isinstance(event, TextDelta):
+                yield sse(chunks.text(event.text))
+            elif isinstance(event, Idle):
+                yield KEEPALIVE
+            elif isinstance(event, Finished):
+                is_over = event.view.status.is_terminal
+                for part in _ending(chunks, event.view, limit_s):
+                    yield part
+                return
+    finally:
+        if not is_over:
+            # The client went away (Starlette cancels this generator) or the time ran
+            # out: the job is abandoned. Shielded, as the cancelled scope would cancel
+            # the database call too.
+            with anyio.CancelScope(shield=True):
+                logger.info("stream of job %s ended before the job; cancelling it", job_id)
+                await run_in_threadpool(_cancel, resources, job_id=job_id,
+                                        tenant_id=tenant_id)
+
+
+def _ending(chunks: ChunkMaker, view: JobPublic, limit_s: float) -> list[bytes]:
+    """The events after the last text: the finish (and usage) chunks and [DONE], or the
+    error event of a job that did not succeed."""
+    if view.status is JobStatus.SUCCEEDED and view.result is not None:
+        result: dict[str, Any] = view.result
+        choice = (result.get("choices") or [{}])[0]
+        parts = [sse(chunks.finish(choice.get("finish_reason") or "stop"))]
+        if chunks.include_usage and result.get("usage") is not None:
+            parts.append(sse(chunks.usage(result["usage"])))
+        parts.append(DONE)
+        return parts
+    if view.status is JobStatus.CANCELLED:
+        error = {"message": f"Job '{view.id}' was cancelled before it finished.",
+                 "type": "invalid_request_error", "code": "job_cancelled"}
+    elif not view.status.is_terminal:
+        error = {"message": f"The request did not finish within {limit_s:g} s and was "
+                 f"cancelled (job '{view.id}'); for long requests use POST /v1/jobs.",
+                 "type": "timeout", "code": "timeout"}
+    else:
+        error = view.error or {"message": f"Job '{view.id}' failed."}
+    return [error_event(error)]
+
+
+def _cancel(resources: Resources, *, job_id: str, tenant_id: str) -> None:
+    with resources.sessions() as session:
+        cancel_and_announce(session, resources.redis, prefix=resources.settings.topic_prefix,
+                            job_id=job_id, tenant_id=tenant_id)

@@ -1,0 +1,107 @@
+"""OpenAI's streaming chunks and the Server-Sent Events that carry them.
+
+A streamed chat completion is a run of `chat.completion.chunk` objects: the first delta
+holds the role (`{"role": "assistant", "content": ""}`), the next ones text, the last
+one an empty delta with the `finish_reason`; with `stream_options.include_usage` every
+chunk carries `"usage": null` and one more chunk follows with no choices and the usage.
+A streamed text completion is the same run of `text_completion` objects with `text` in
+place of a delta (and no role chunk). Each goes out as `data: <json>\\n\\n`, and the
+stream ends with `data: [DONE]`. A failure after the stream began is an
+`{"error": {...}}` event, which OpenAI's clients raise as an APIError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+DONE = b"data: [DONE]\n\n"
+# An SSE comment: keeps proxies and clients from timing out a stream that waits in a queue.
+KEEPALIVE = b": keepalive\n\n"
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    """One `data:` event (JSON on one line, as SSE requires)."""
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def named_sse(event: str, data: dict[str, Any]) -> bytes:
+    """One event with a name (`event: <name>`), as `GET /v1/jobs/{id}/events` sends."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMaker:
+    """Builds the chunks of one streamed completion (module docstring)."""
+
+    kind: str  # "chat.completion" or "text_completion"
+    job_id: str
+    model: str
+    created: int
+    include_usage: bool = False
+
+    @property
+    def is_chat(self) -> bool:
+        """Whether the chunks are `chat.completion.chunk`s."""
+        return self.kind == "chat.completion"
+
+    def first(self) -> dict[str, Any] | None:
+        """The chunk sent before any text: the role, for a chat; none for a text one."""
+        if not self.is_chat:
+            return None
+        return self._chunk({"role": "assistant", "content": ""}, finish_reason=None)
+
+    def text(self, text: str) -> dict[str, Any]:
+        """A chunk that adds `text`."""
+        return self._chunk({"content": text} if self.is_chat else text, finish_reason=None)
+
+    def finish(self, finish_reason: str) -> dict[str, Any]:
+        """The last chunk with a choice: no new text, the finish reason."""
+        return self._chunk({} if self.is_chat else "", finish_reason=finish_reason)
+
+    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The chunk after the last one, with `include_usage`: no choices, the usage."""
+        chunk = self._envelope()
+        chunk["choices"] = []
+        chunk["usage"] = usage
+        return chunk
+
+    def _chunk(self, delta: dict[str, Any] | str, *, finish_reason: str | None
+               ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if isinstance(delta, dict):
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason
+        chunk = self._envelope()
+        chunk["choices"] = [choice]
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _envelope(self) -> dict[str, Any]:
+        if self.is_chat:
+            return {"id": f"chatcmpl-{self.job_id}", "object": "chat.completion.chunk",
+                    "created": self.created, "model": self.model,
+                    "system_fingerprint": None}
+        return {"id": f"cmpl-{self.job_id}", "object": "text_completion",
+                "created": self.created, "model": self.model, "system_fingerprint": None}
+
+
+def result_text(result: dict[str, Any]) -> str:
+    """The text of a stored `chat.completion` or `text_completion` result."""
+    choice = (result.get("choices") or [{}])[0]
+    if "message" in choice:
+        return str(choice["message"].get("content") or "")
+    return str(choice.get("text") or "")
+
+
+def error_event(error: dict[str, Any]) -> bytes:
+    """The event that ends a stream that failed: OpenAI's `{"error": {...}}`."""
+    return sse({"error": {"message": error.get("message") or "The request failed.",
+                          "type": error.get("type") or "server_error",
+                          "param": error.get("param"), "code": error.get("code")}})

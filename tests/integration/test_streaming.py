@@ -1,0 +1,189 @@
+"""Streaming through the real service: the API on uvicorn, a worker on the tiny model, the
+broker, Redis and PostgreSQL; requests from the official `openai` client and httpx.
+
+What is checked: a streamed completion's chunks join to the text of the same request
+without `stream`, in OpenAI's chunk shapes; `include_usage` ends with the usage; a cached
+answer streams; a client that leaves cancels its job; `GET /v1/jobs/{id}/events`
+follows a job from queued to finished.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import httpx
+import openai
+import pytest
+from openai import Stream
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
+
+from tests.utils.api import TenantKey, make_tenant_key
+from tests.utils.service import running_api
+from tests.utils.worker_service import Service
+
+OFF = {"cache": {"mode": "off"}}  # each request runs in the engine
+
+
+@dataclass
+class Api:
+    """The service under test, its model's name and a tenant's key."""
+
+    url: str
+    model: str
+    tenant: TenantKey
+    service: Service
+
+    def openai(self) -> openai.OpenAI:
+        """The official client, pointed at the API."""
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.tenant.key,
+                             max_retries=0, timeout=300)
+
+    def http(self) -> httpx.Client:
+        """An authenticated httpx client."""
+        return httpx.Client(base_url=self.url, headers=self.tenant.headers, timeout=120)
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        """The job as GET /v1/jobs/{id} shows it."""
+        with self.http() as client:
+            return client.get(f"/v1/jobs/{job_id}").json()
+
+
+@pytest.fixture
+def api(service: Callable[..., Service]) -> Iterator[Api]:
+    """The API and one worker on the tiny model."""
+    svc = service(tenant_rate_limit_per_s=1000.0)
+    tenant = make_tenant_key(svc.sessions, "streams")
+    with running_api(svc.settings) as url:
+        yield Api(url, svc.settings.served_model_name, tenant, svc)
+
+
+def _started(api: Api) -> None:
+    api.service.start_worker()
+
+
+def test_streamed_chat_joins_to_the_same_text_chunk_by_chunk(api: Api) -> None:
+    _started(api)
+    client = api.openai()
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Tell me a long story."}]
+    whole = client.chat.completions.create(model=api.model, messages=messages,
+                                           max_tokens=48, temperature=0, extra_body=OFF)
+    stream = client.chat.completions.create(
+        model=api.model, messages=messages, max_tokens=48, temperature=0,
+        extra_body=OFF, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and
+             c.choices[0].delta.content]
+    assert len(texts) > 1, "the text came in one piece, not as the engine produced it"
+    assert "".join(texts) == whole.choices[0].message.content
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    # include_usage: one last chunk without choices carries the usage.
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert whole.usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_streamed_text_completion_without_usage(api: Api) -> None:
+    _started(api)
+    client = api.openai()
+    whole = client.completions.create(model=api.model, prompt="Once upon a time",
+                                      max_tokens=32, temperature=0, extra_body=OFF)
+    chunks = list(client.completions.create(model=api.model, prompt="Once upon a time",
+                                            max_tokens=32, temperature=0, extra_body=OFF,
+                                            stream=True))
+    assert all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)
+
+
+def test_a_cached_answer_streams_at_once(api: Api) -> None:
+    _started(api)
+    client = api.openai()
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Cache me."}]
+    first = client.chat.completions.create(model=api.model, messages=messages,
+                                           max_tokens=16, temperature=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model=api.model, messages=messages, max_tokens=16, temperature=0,
+        stream=True)
+    chunks = list(cast(Stream[ChatCompletionChunk], raw.parse()))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == first.choices[0].message.content
+    assert api.job(raw.headers["x-job-id"])["cached"] == "exact"
+
+
+def test_a_client_that_leaves_cancels_its_job(api: Api) -> None:
+    _started(api)
+    body = {"model": api.model, "prompt": "Go on and on", "max_tokens": 900,
+            "ignore_eos": True, "temperature": 0, "stream": True, **OFF}
+    with api.http() as client, client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        job_id = response.headers["x-job-id"]
+        for line in response.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                break  # text is flowing: hang up
+    deadline = time.monotonic() + 60
+    while (job := api.job(job_id))["status"] not in ("cancelled", "succeeded", "failed"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.1)
+    assert job["status"] == "cancelled"
+
+
+def _events(response: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(event name, data) pairs of an SSE response."""
+    name = "message"
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            yield name, json.loads(line[6:])
+            name = "message"
+
+
+def test_job_events_follow_a_job_from_queued_to_finished(api: Api) -> None:
+    body = {"model": api.model, "prompt": "A job to follow", "max_tokens": 64,
+            "temperature": 0, "priority": "high", **OFF}
+    with api.http() as client:
+        created = client.post("/v1/jobs", json=body)
+        assert created.status_code == 202, created.text
+        job_id = created.json()["id"]
+        with client.stream("GET", f"/v1/jobs/{job_id}/events") as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            events = _events(response)
+            assert next(events)[0] == "queued"
+            _started(api)  # the worker comes after the follower: every token is seen
+            seen = list(events)
+    names = [name for name, _ in seen]
+    assert names[0] == "started" and names[-1] == "finished"
+    assert set(names[1:-1]) == {"token"} and len(names) > 3
+    finished = seen[-1][1]
+    assert finished["status"] == "succeeded"
+    text = "".join(data["text"] for name, data in seen if name == "token")
+    assert text == finished["result"]["choices"][0]["text"]
+    # A job that ended answers at once with its result.
+    with api.http() as client, client.stream("GET", f"/v1/jobs/{job_id}/events") as again:
+        assert [name for name, _ in _events(again)] == ["finished"]
+
+
+def test_stream_is_refused_where_nothing_relays_it(api: Api) -> None:
+    with api.http() as client:
+        job = client.post("/v1/jobs", json={"model": api.model, "prompt": "x", "stream": True})
+        options = client.post("/v1/completions", json={"model": api.model, "prompt": "x",
+                                                       "stream_options": {"include_usage": True}})
+        missing = client.get("/v1/jobs/job_missing/events")
+    assert job.status_code == 400 and job.json()["error"]["param"] == "stream"
+    assert options.status_code == 400
+    assert options.json()["error"]["param"] == "stream_options"
+    assert missing.status_code == 404
