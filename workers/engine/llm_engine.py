@@ -7,6 +7,7 @@ Responsibilities:
 - own the Scheduler and the ModelRunner and run the step loop: schedule, execute,
   postprocess; on CUDA, detokenize and build the previous step's outputs while the GPU
   runs the current step (`overlap_output_processing`);
+- compile each request's grammar and start its next mask while the model runs;
 - detokenize incrementally, apply stop strings, and emit one RequestOutput per request
   that progressed (with its deltas) or finished;
 - keep per-request timings and engine-wide counters for `stats()`.
@@ -17,12 +18,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import Detokenizer
+from workers.engine.grammar import GrammarCompiler, GrammarState, StepMasks
 from workers.engine.kv_tier import KVTier
 from workers.engine.kv_tier_link import KVTierLink
 from workers.engine.model_runner import ModelRunner
@@ -87,6 +90,8 @@ class LLMEngine:
         self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         # Sequences that got a token in the last step, their outputs not built yet (overlap).
         self._deferred: list[Sequence] = []
+        # Built at the first request with a grammar (it reads the whole vocabulary).
+        self._grammars: GrammarCompiler | None = None
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d",
             block_manager.num_blocks,
@@ -122,6 +127,11 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; skip_tokenizer_init is set")
+        bad_bias = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias has token ids outside [0, {self.vocab_size}): "
+                             f"{bad_bias[:5]}")
+        grammar = self._grammar_state(params)
         prompt_text, token_ids = self._tokenize(prompt)
         if len(token_ids) > self.max_model_len:
             raise ValueError(
@@ -135,6 +145,7 @@ class LLMEngine:
             arrival_order=next(self._arrivals),
             deadline=None if deadline is None else float(deadline),
         )
+        seq.grammar = grammar
         self.scheduler.add(seq)  # may raise: the pool could never hold it
         detokenizer = None
         if self.tokenizer is not None:
@@ -189,7 +200,8 @@ class LLMEngine:
         kv_link = self.scheduler.block_manager.kv_link
         if kv_link is not None:  # blocks evicted this step are overwritten by this forward
             kv_link.flush()
-        pending = self.runner.execute_async(out.seqs, out.num_scheduled_tokens)
+        masks = self._fill_masks(out.seqs, out.num_scheduled_tokens)
+        pending = self.runner.execute_async(out.seqs, out.num_scheduled_tokens, masks)
         outputs = self._advance_all(self._deferred)  # host work while the GPU runs
         sampled = pending.result()
         updated = self.scheduler.postprocess(out, sampled)
@@ -206,6 +218,34 @@ class LLMEngine:
         # The whole step is what a running sequence waits between two tokens.
         self.scheduler.cost_model.observe(out.shape, seconds)
         return outputs
+
+    def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
+        """A matcher for the request's schema (compiled once per schema); None without one."""
+        if params.json_schema is None:
+            return None
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("response_format needs a tokenizer; skip_tokenizer_init is set")
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.vocab_size, sorted(self.runner.eos_token_ids)
+            )
+        return self._grammars.new_state(params.json_schema)
+
+    def _fill_masks(
+        self, seqs: list[Sequence], num_scheduled_tokens: list[int]
+    ) -> Future[StepMasks] | None:
+        """Start filling the masks of the constrained sequences that sample this step."""
+        if self._grammars is None:
+            return None
+        sampling = [
+            seq for seq, n in zip(seqs, num_scheduled_tokens, strict=True)
+            if seq.num_computed_tokens + n == seq.num_tokens
+        ]
+        if all(seq.grammar is None for seq in sampling):
+            return None
+        return self._grammars.fill_async(
+            [seq.grammar for seq in sampling], [seq.output_token_ids for seq in sampling]
+        )
 
     def stats(self) -> EngineStats:
         """Current load and totals since start."""

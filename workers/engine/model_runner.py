@@ -10,6 +10,7 @@ It reads sequences and never changes them.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from workers.engine.attention import BatchLayout, to_device
 from workers.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from workers.engine.cpu_threads import CpuThreadGovernor
 from workers.engine.cuda_graphs import DecodeGraphs
+from workers.engine.grammar import StepMasks
 from workers.engine.loader import load_hf_config, load_model, read_eos_token_ids
 from workers.engine.models import check_supported, head_dim_of
 from workers.engine.placement import (
@@ -139,16 +141,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_async(
-        self, seqs: list[Sequence], num_scheduled_tokens: list[int]
+        self,
+        seqs: list[Sequence],
+        num_scheduled_tokens: list[int],
+        masks: Future[StepMasks] | None = None,
     ) -> PendingTokens:
         """execute() without waiting: on CUDA the step is queued on the GPU and its tokens
-        start copying to pinned host memory; the host is free until result()."""
+        start copying to pinned host memory; the host is free until result().
+
+        `masks` (rows: the sequences that sample this step, in ascending order) are being
+        filled on another thread while the forward runs; they are awaited only before
+        sampling.
+        """
         indices, logits = self.compute_logits(seqs, num_scheduled_tokens)
+        step_masks = masks.result() if masks is not None else None
         if not indices:
             return PendingTokens(len(seqs), [], [], None, None, None)
         params = [seqs[i].params for i in indices]
+        output_ids = None
+        if any(p.has_penalties for p in params):
+            output_ids = [seqs[i].output_token_ids for i in indices]
         token_ids, logprobs = self.sampler.sample_on_device(
-            logits, params, [seqs[i].num_output_tokens for i in indices]
+            logits, params, [seqs[i].num_output_tokens for i in indices],
+            output_token_ids=output_ids, masks=step_masks,
         )
         event = None
         if self.device.type == "cuda":

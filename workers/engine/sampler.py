@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.engine.grammar import StepMasks
+from workers.engine.logit_adjustments import adjust_logits, needs_adjusting
 from workers.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -47,23 +49,41 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        steps: list[int],
+        *,
+        output_token_ids: list[list[int]] | None = None,
+        masks: StepMasks | None = None,
     ) -> list[SampledToken]:
         """logits (R, V) float32; params and steps (tokens generated so far) per row.
 
+        `output_token_ids` (each row's generated tokens) are needed when a row has a
+        penalty; `masks` constrain the rows a grammar governs (see logit_adjustments).
         Transfers the results to the host once: the only device sync of a step.
         """
-        token_ids, logprobs = self.sample_on_device(logits, params, steps)
+        token_ids, logprobs = self.sample_on_device(
+            logits, params, steps, output_token_ids=output_token_ids, masks=masks
+        )
         return self.to_host(token_ids, logprobs, params)
 
     def sample_on_device(
-        self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        steps: list[int],
+        *,
+        output_token_ids: list[list[int]] | None = None,
+        masks: StepMasks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token ids (R,) int64 and, when any row asked, logprobs (R,) float64 (NaN for the
         rows that did not), both still on the logits' device: no host sync."""
         num_rows = logits.shape[0]
         if len(params) != num_rows or len(steps) != num_rows:
             raise ValueError("params and steps must have one entry per logits row")
+        if needs_adjusting(params, masks):
+            logits = adjust_logits(logits, params, output_token_ids, masks)
         token_ids = self._pick(logits, params, steps)
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs]
         if not want_logprobs:

@@ -11,6 +11,8 @@ class SamplingParams:
 
     `temperature == 0` means greedy. `seed` makes sampling reproducible whatever else
     shares the batch. `logprobs` asks for the log-probability of every sampled token.
+    Penalties and `logit_bias` (token id -> bias) adjust the logits as OpenAI's do;
+    `json_schema` (JSON text) constrains the output to documents the schema accepts.
     """
 
     max_tokens: int = 16
@@ -27,6 +29,10 @@ class SamplingParams:
     # False: this request neither reuses cached prefix blocks (pool or KV tier) nor
     # leaves its own blocks for others; it computes its whole prompt.
     use_prefix_cache: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +47,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         if not isinstance(self.use_prefix_cache, bool):
             raise ValueError(f"use_prefix_cache must be a bool, got {self.use_prefix_cache!r}")
 
@@ -48,3 +59,8 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the most likely token is always taken."""
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when the tokens generated so far change the next token's logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0

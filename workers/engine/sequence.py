@@ -10,8 +10,12 @@ the model runner samples one new token for the sequence.
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from workers.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.engine.grammar import GrammarState
 
 
 class SequenceStatus(Enum):
@@ -72,6 +76,8 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.output_logprobs: list[float] = []
+        # The grammar its output must follow (`params.json_schema`), set by the engine.
+        self.grammar: GrammarState | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

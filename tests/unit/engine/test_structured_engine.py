@@ -1,0 +1,75 @@
+"""Grammar-constrained decoding through LLMEngine on a random-weight Llama (CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tests.unit.engine.test_engine import make_llm, model_dir  # noqa: F401 - fixture
+from workers.engine import SamplingParams
+
+# A finite language: every path through it ends within a few tokens, so a random model
+# under the grammar must reach the end and stop.
+FINITE = {
+    "type": "object",
+    "properties": {
+        "colour": {"type": "string", "enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["colour", "ok", "tags"],
+    "additionalProperties": False,
+}
+
+
+def params(schema: dict[str, object], **kw: object) -> SamplingParams:
+    """Constrained parameters; max_tokens far above what the finite language needs."""
+    return SamplingParams(json_schema=json.dumps(schema), **{"max_tokens": 120, **kw})  # type: ignore[arg-type]
+
+
+def test_constrained_outputs_parse_validate_and_stop(model_dir: Path) -> None:  # noqa: F811
+    """Greedy and sampled rows, beside an unconstrained row, all end in a valid document."""
+    llm = make_llm(model_dir)
+    prompts = ["hello world", "the quick brown fox", "User: what is", "0123"]
+    batch = [params(FINITE, temperature=0), params(FINITE, temperature=1.0, seed=3),
+             params(FINITE, temperature=0.8, top_p=0.9, seed=4),
+             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
+    outputs = llm.generate(prompts, batch)
+    for out in outputs[:3]:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), FINITE)
+    assert outputs[3].finish_reason == "length"
+    assert len(outputs[3].token_ids) == 8
+
+
+def test_json_object_and_length_mid_object(model_dir: Path) -> None:  # noqa: F811
+    """max_tokens reached inside the object: finish_reason length, the text a prefix."""
+    llm = make_llm(model_dir)
+    [out] = llm.generate(["hello"], [params(FINITE, temperature=0, max_tokens=3)])
+    assert out.finish_reason == "length"
+    assert len(out.token_ids) == 3
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out.text)
+    [full] = llm.generate(["hello"], [params(FINITE, temperature=0)])
+    assert full.text.startswith(out.text)
+
+
+def test_eos_only_where_the_grammar_accepts(model_dir: Path) -> None:  # noqa: F811
+    """A strong bias towards EOS cannot end the output before the document is whole."""
+    llm = make_llm(model_dir)
+    eos = min(llm.engine.runner.eos_token_ids)
+    [out] = llm.generate(["hello"], [params(FINITE, temperature=0, logit_bias={eos: 100.0})])
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), FINITE)
+
+
+def test_uncompilable_schema_is_refused_for_that_request(model_dir: Path) -> None:  # noqa: F811
+    """A schema xgrammar cannot compile is a ValueError naming response_format."""
+    llm = make_llm(model_dir)
+    with pytest.raises(ValueError, match="response_format"):
+        llm.generate(["hello"], [SamplingParams(json_schema='{"type": "nonsense"}')])
+    with pytest.raises(ValueError, match="response_format"):
+        llm.generate(["hello"], [SamplingParams(json_schema="{not json")])

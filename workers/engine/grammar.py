@@ -1,0 +1,116 @@
+"""Grammar-constrained decoding: JSON schemas turned into per-step token bitmasks (xgrammar).
+
+Responsible for:
+- compiling a request's JSON schema against the model's vocabulary, once per distinct
+  schema (the compiler caches), and refusing a schema it cannot compile (ValueError);
+- one matcher per constrained sequence, which follows the tokens the sequence accepted;
+- filling the allowed-token bitmask of every constrained sequence that samples in a step,
+  on a background thread, so the work overlaps the forward pass instead of lengthening
+  the step. The matchers catch up on the tokens sampled since their last fill first, so
+  accepting a token costs the step nothing either.
+
+The bitmask is xgrammar's layout: int32 words, bit `t % 32` of word `t // 32` set when
+token `t` is allowed; a stop token is allowed only where the grammar may end.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GrammarState:
+    """One sequence's matcher and how many of its output tokens the matcher has accepted."""
+
+    matcher: Any  # xgrammar.GrammarMatcher
+    num_accepted: int = 0
+    failed: bool = False  # a sampled token the grammar refused: the row runs unconstrained
+
+    def catch_up(self, output_token_ids: list[int]) -> None:
+        """Accept the output tokens sampled since the last call."""
+        for token_id in output_token_ids[self.num_accepted :]:
+            if not self.failed and not self.matcher.accept_token(token_id):
+                # The mask allowed only tokens the grammar takes, so this is a bug; the
+                # sequence carries on unconstrained rather than taking the engine down.
+                logger.error("grammar refused sampled token %d; row unconstrained", token_id)
+                self.failed = True
+        self.num_accepted = len(output_token_ids)
+
+
+@dataclass(slots=True)
+class StepMasks:
+    """Allowed-token bitmasks of the constrained rows among one step's sampled rows."""
+
+    rows: list[int]  # indices into the step's sampled rows
+    bitmask: torch.Tensor  # (len(rows), ceil(vocab / 32)) int32, on the host
+
+
+class GrammarCompiler:
+    """The model's vocabulary for xgrammar, a schema cache and the mask-filling thread."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+
+    def new_state(self, json_schema: str) -> GrammarState:
+        """A fresh matcher for `json_schema` (JSON text); ValueError if it cannot compile."""
+        try:
+            compiled = self._compiler.compile_json_schema(
+                json_schema, any_whitespace=False, strict_mode=True
+            )
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"response_format: the JSON schema cannot be compiled: {e}") from e
+        return GrammarState(self._xgr.GrammarMatcher(compiled))
+
+    def fill_async(
+        self, states: list[GrammarState | None], output_token_ids: list[list[int]]
+    ) -> Future[StepMasks] | None:
+        """Masks for the rows whose state is not None, computed on the background thread.
+
+        `output_token_ids[i]` are row i's generated tokens so far; they must not change
+        until the future is resolved (the engine appends tokens only after sampling).
+        """
+        rows: list[int] = []
+        work: list[tuple[GrammarState, list[int]]] = []
+        for i, state in enumerate(states):
+            if state is not None and not state.failed:
+                rows.append(i)
+                work.append((state, output_token_ids[i]))
+        if not rows:
+            return None
+        return self._pool.submit(self._fill, rows, work)
+
+    def _fill(self, rows: list[int], work: list[tuple[GrammarState, list[int]]]) -> StepMasks:
+        bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        matchers = []
+        for state, output_ids in work:
+            state.catch_up(output_ids)
+            matchers.append(state.matcher)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        return StepMasks(rows, bitmask)
+
+    def close(self) -> None:
+        """Stop the mask thread (after the fill in flight, if any)."""
+        self._pool.shutdown(wait=True)
+
+
+def bitmask_to_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(R, W) int32 bitmask → (R, vocab_size) bool, True where the token is allowed."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # (R, W, 32): bit j of word w = token 32w+j
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
