@@ -25,7 +25,7 @@ def check_model(model_dir: Path) -> None:
     if model_kind(model_dir, read_config(model_dir)) == "embedding":
         return
     # The one place that names the engine's check.
-    from workers.engine.model import check_supported
+    from workers.engine.models import check_supported
 
     try:
         check_supported(load_hf_config(model_dir))
