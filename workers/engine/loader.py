@@ -12,6 +12,7 @@ import json
 import logging
 import shutil
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from workers.engine.attention import AttentionBackend
 from workers.engine.models import CausalLM, model_class_for
 from workers.engine.models.experts import ExpertWeights
 from workers.engine.models.linear import FusedLinear
+from workers.engine.quantization import dequantized_tensors, quant_scheme_of
 
 logger = logging.getLogger(__name__)
 
@@ -73,18 +75,23 @@ def load_model(
     model.reset_buffers(device, dtype)
     params = dict(model.named_parameters())
     loaded: set[tuple[str, int | None]] = set()
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                target = _target_of(name, model)
-                if target is None:
-                    continue
-                param_name, shard = target
-                if param_name not in params:
-                    raise ValueError(f"model checkpoint has an unexpected weight {name!r}")
-                sizes = _output_sizes(model, param_name)
-                _copy_into(params[param_name], sizes, shard, f.get_tensor(name), name)
-                loaded.add(target)
+    scheme = quant_scheme_of(hf_config)
+    with ExitStack() as stack:
+        # Every file open at once: a quantized linear's parts may sit in different shards.
+        handles = [stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+                   for path in files]
+        file_of = {name: f for f in handles for name in f.keys()}  # noqa: SIM118
+        for name, tensor in dequantized_tensors(scheme, list(file_of),
+                                                lambda n: file_of[n].get_tensor(n)):
+            target = _target_of(name, model)
+            if target is None:
+                continue
+            param_name, shard = target
+            if param_name not in params:
+                raise ValueError(f"model checkpoint has an unexpected weight {name!r}")
+            sizes = _output_sizes(model, param_name)
+            _copy_into(params[param_name], sizes, shard, tensor, name)
+            loaded.add(target)
     _check_complete(model, params, loaded)
     model.eval()
     logger.info("loaded %s (%d files) as %s on %s", model_dir, len(files), dtype, device)

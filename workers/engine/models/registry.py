@@ -9,6 +9,7 @@ from workers.engine.models.llama import LlamaForCausalLM
 from workers.engine.models.mixtral import MixtralForCausalLM
 from workers.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from workers.engine.models.rotary import rope_inv_freq
+from workers.engine.quantization import quant_scheme_of
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -37,3 +38,4 @@ def check_supported(hf_config: PretrainedConfig) -> None:
         )
     model_class.check_config(hf_config)
     rope_inv_freq(hf_config)  # raises for unsupported rope scaling
+    quant_scheme_of(hf_config)  # raises for unsupported quantization formats
