@@ -5,13 +5,19 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from workers.engine.models.base import CausalLM
+from workers.engine.models.gemma import GemmaForCausalLM
 from workers.engine.models.llama import LlamaForCausalLM
-from workers.engine.models.rotary import rope_inv_freq
+from workers.engine.models.phi3 import Phi3ForCausalLM
+from workers.engine.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
 }
 SUPPORTED_MODEL_TYPES = frozenset(MODEL_CLASSES)
 
@@ -31,5 +37,4 @@ def check_supported(hf_config: PretrainedConfig) -> None:
             f"model architecture {model_type!r} is not supported; "
             f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
         )
-    model_class.check_config(hf_config)
-    rope_inv_freq(hf_config)  # raises for unsupported rope scaling
+    model_class.check_config(hf_config)  # rope kind, layer types, activation
