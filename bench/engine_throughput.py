@@ -32,6 +32,12 @@ cores, and --threads 1 gives the steadiest CPU-time comparison.
         --busy 1                                             # quiet, then beside a busy loop
     .venv/bin/python -m bench.engine_throughput --random-llama-1b --num-prompts 512 \\
         --dtype bfloat16 --roofline                                  # CUDA
+    .venv/bin/python -m bench.engine_throughput --family gemma3 --hf-batch-sizes \\
+        --skip-hf-cb                     # a random-weight 135M model of one family
+
+With --family, the model is a random-weight one of that family at SmolLM2-135M's shape
+(bench/family_models.py); the same shape in every family makes their figures comparable
+per FLOP.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from typing import Any
 
 import torch
 
+from bench.family_models import FAMILY_CONFIGS, random_family_model
 from bench.vllm_contender import run_vllm
 from workers.engine import LLM, SamplingParams
 from workers.engine.config import DEFAULT_MODELS_DIR
@@ -383,6 +390,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--models-dir", type=Path, default=DEFAULT_MODELS_DIR)
     parser.add_argument("--random-llama-1b", action="store_true", help="random 1B Llama weights")
+    parser.add_argument("--family", choices=sorted(FAMILY_CONFIGS), default=None,
+                        help="a random-weight 135M model of this family")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     parser.add_argument(
@@ -418,6 +427,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_llama_1b:
             model_dir = random_llama_1b(Path(tmp))
+        elif args.family:
+            model_dir = random_family_model(args.family, Path(tmp))
         elif args.model in KNOWN_MODELS:
             model_dir = pull_model(args.model, args.models_dir)
         else:

@@ -36,6 +36,20 @@ logger = logging.getLogger(__name__)
 _DECODE_GROUP_GROWTH = 1.05
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionParams:
+    """What one layer's attention asks of the backend beyond q, k and v."""
+
+    scale: float | None = None  # None: head_dim ** -0.5
+    # A query at position p sees keys p - sliding_window + 1 .. p (Hugging Face's
+    # `kv_idx > q_idx - sliding_window`); None: every earlier key.
+    sliding_window: int | None = None
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+
+
+FULL_ATTENTION = AttentionParams()
+
+
 @dataclass(slots=True)
 class BatchLayout:
     """Host-side description of one step, from which each backend builds its metadata."""
@@ -68,6 +82,10 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+
+    def scale_of(self, params: AttentionParams) -> float:
+        """The layer's softmax scale: its own, else head_dim ** -0.5."""
+        return self.scale if params.scale is None else params.scale
 
     def check_block_size(self, block_size: int) -> None:
         """Raise ValueError naming block_size when this backend cannot page with it."""
@@ -110,6 +128,7 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: object,
+        params: AttentionParams = FULL_ATTENTION,
     ) -> torch.Tensor:
         """Store k/v, attend q; q (N, H, D), k/v (N, Hkv, D) -> (N, H * D)."""
 
@@ -142,6 +161,7 @@ class _DecodeGroup:
     offset: int  # first workspace block of the group
     num_blocks: int  # blocks per sequence, padded to the longest in the group
     mask: torch.Tensor  # (rows, 1, 1, num_blocks * block_size) additive: 0 or -inf
+    seq_lens: torch.Tensor  # (rows,) on the device: the windowed masks are built from it
 
 
 @dataclass(slots=True)
@@ -164,6 +184,10 @@ class TorchAttentionMetadata:
     max_part_blocks: int = 0  # the largest part: the workspace every part reuses
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
     chunks: list[_Chunk] = field(default_factory=list)
+    dtype: torch.dtype = torch.float32
+    # Sliding-window masks, built on first use by a windowed layer and shared by the rest:
+    # (window, "group" or "chunk", index) -> additive mask shaped like the full one.
+    window_masks: dict[tuple[int, str, int], torch.Tensor] = field(default_factory=dict)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -201,7 +225,9 @@ class TorchAttentionBackend(AttentionBackend):
         """
         block_size = layout.block_size
         seq_lens_dev: torch.Tensor | None = None
-        meta = TorchAttentionMetadata(layout.slot_mapping, torch.empty(0, dtype=torch.int64))
+        meta = TorchAttentionMetadata(
+            layout.slot_mapping, torch.empty(0, dtype=torch.int64), dtype=layout.dtype
+        )
         seq_nblocks = [-(-n // block_size) for n in layout.seq_lens]
         gather: list[int] = []
         start = 0
@@ -221,7 +247,9 @@ class TorchAttentionBackend(AttentionBackend):
             keys = torch.arange(num_blocks * block_size, device=device)
             allowed = keys[None, :] < seq_lens_dev[start:end, None]
             mask = _additive(allowed, layout.dtype)[:, None, None, :]
-            meta.decode_groups.append(_DecodeGroup(start, end, offset, num_blocks, mask))
+            meta.decode_groups.append(
+                _DecodeGroup(start, end, offset, num_blocks, mask, seq_lens_dev[start:end])
+            )
             meta.max_part_blocks = max(meta.max_part_blocks, len(gather) - offset)
             start = end
         row = layout.num_decodes
@@ -251,11 +279,12 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: object,
+        params: AttentionParams = FULL_ATTENTION,
     ) -> torch.Tensor:
         """Store k/v, then attend decodes in groups and longer chunks one by one."""
         assert isinstance(metadata, TorchAttentionMetadata)
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        return self.attend(q, k, v, k_cache, v_cache, metadata)
+        return self.attend(q, k, v, k_cache, v_cache, metadata, params)
 
     def attend(
         self,
@@ -265,14 +294,16 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: TorchAttentionMetadata,
+        params: AttentionParams = FULL_ATTENTION,
     ) -> torch.Tensor:
         """Attention alone, once this step's K/V are in the pool; rows as in `meta`."""
         hkv, d = self.num_kv_heads, self.head_dim
+        scale, window, cap = self.scale_of(params), params.sliding_window, params.softcap
         group = self.num_heads // hkv
         k_buf, v_buf = self._workspaces(k_cache, meta.max_part_blocks)
         ids = meta.gather_block_ids
         parts: list[torch.Tensor] = []  # (rows, H * D) each, in row order
-        for g in meta.decode_groups:
+        for i, g in enumerate(meta.decode_groups):
             rows = g.end - g.start
             part = ids[g.offset : g.offset + rows * g.num_blocks]
             # (rows * nb, block_size, Hkv, D) -> (rows, Hkv, nb * block_size, D), strided view.
@@ -283,25 +314,28 @@ class TorchAttentionBackend(AttentionBackend):
             # One query per row: its query heads of one KV head act as `group` query rows of
             # that head, so GQA needs no repeated K/V. (rows, Hkv, group, D)
             qg = q[g.start : g.end].view(rows, hkv, group, d)
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale)
+            mask = g.mask if window is None else _group_window_mask(meta, i, window)
+            o = _attention(qg, kg, vg, mask, scale, cap, group=1)
             parts.append(o.view(rows, self.num_heads * d))
-        for c in meta.chunks:
+        for j, c in enumerate(meta.chunks):
             qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
             if c.offset is None:
                 kc = k[c.start : c.end].transpose(0, 1).unsqueeze(0)  # (1, Hkv, n, D)
                 vc = v[c.start : c.end].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(
-                    qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=group > 1
-                )
+                if window is None and cap is None:
+                    o = F.scaled_dot_product_attention(
+                        qc, kc, vc, is_causal=True, scale=scale, enable_gqa=group > 1
+                    )
+                else:
+                    o = _attention(qc, kc, vc, _chunk_mask(meta, j, c, window), scale, cap, group)
             else:
                 part = ids[c.offset : c.offset + -(-c.seq_len // k_cache.shape[1])]
                 kc = torch.index_select(k_cache, 0, part, out=k_buf[: part.numel()])
                 vc = torch.index_select(v_cache, 0, part, out=v_buf[: part.numel()])
                 kc = kc.view(-1, hkv, d)[: c.seq_len].transpose(0, 1).unsqueeze(0)
                 vc = vc.view(-1, hkv, d)[: c.seq_len].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(
-                    qc, kc, vc, attn_mask=c.mask, scale=self.scale, enable_gqa=group > 1
-                )
+                cmask = c.mask if window is None else _chunk_mask(meta, j, c, window)
+                o = _attention(qc, kc, vc, cmask, scale, cap, group)
             parts.append(o[0].transpose(0, 1).reshape(c.end - c.start, self.num_heads * d))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -328,3 +362,60 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool mask -> 0 / -inf in q's dtype, built once per step instead of by SDPA per layer."""
     zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return zeros.masked_fill_(~allowed, float("-inf"))
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    group: int,
+) -> torch.Tensor:
+    """SDPA with an additive mask, or, with soft-capping (which SDPA cannot do), the same
+    in plain ops as Hugging Face's eager attention computes it. q (..., H, n, D), k/v
+    (..., H / group, keys, D), mask broadcastable to (..., H, n, keys)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1
+        )
+    if group > 1:  # each KV head once per query head of its group
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+def _group_window_mask(meta: TorchAttentionMetadata, index: int, window: int) -> torch.Tensor:
+    """A decode group's mask with only each row's last `window` keys allowed."""
+    key = (window, "group", index)
+    mask = meta.window_masks.get(key)
+    if mask is None:
+        g = meta.decode_groups[index]
+        keys = torch.arange(g.mask.shape[-1], device=g.mask.device)
+        lens = g.seq_lens[:, None]
+        allowed = (keys[None, :] < lens) & (keys[None, :] >= lens - window)
+        mask = meta.window_masks[key] = _additive(allowed, meta.dtype)[:, None, None, :]
+    return mask
+
+
+def _chunk_mask(
+    meta: TorchAttentionMetadata, index: int, c: _Chunk, window: int | None
+) -> torch.Tensor:
+    """A chunk's causal mask over its seq_len keys, windowed when `window` is set."""
+    key = (window or 0, "chunk", index)
+    mask = meta.window_masks.get(key)
+    if mask is None:
+        n = c.end - c.start
+        device = meta.slot_mapping.device
+        keys = torch.arange(c.seq_len, device=device)[None, :]
+        queries = torch.arange(c.seq_len - n, c.seq_len, device=device)[:, None]
+        allowed = keys <= queries
+        if window is not None:
+            allowed &= keys > queries - window
+        mask = meta.window_masks[key] = _additive(allowed, meta.dtype)
+    return mask

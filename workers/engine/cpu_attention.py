@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine.attention import (
+    FULL_ATTENTION,
     AttentionBackend,
+    AttentionParams,
     BatchLayout,
     TorchAttentionBackend,
     TorchAttentionMetadata,
@@ -130,6 +132,7 @@ class CpuAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: object,
+        params: AttentionParams = FULL_ATTENTION,
     ) -> torch.Tensor:
         """Store k/v, attend the decode rows in one kernel call, then the chunks in one."""
         assert isinstance(metadata, CpuAttentionMetadata)
@@ -138,14 +141,18 @@ class CpuAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         ops = torch.ops.batchinfer_cpu
+        # The kernels take 0 for "no window" and "no soft-capping".
+        scale = self.scale_of(params)
+        window, cap = params.sliding_window or 0, params.softcap or 0.0
         if nd:
             ops.paged_decode_attention(out[:nd], q[:nd], k_cache, v_cache,
                                        meta.decodes.block_tables, meta.decodes.seq_lens,
-                                       self.scale)
+                                       scale, window, cap)
         if isinstance(meta.chunks, PagedRows):
             ops.paged_prefill_attention(out[nd:], q[nd:], k_cache, v_cache,
                                         meta.chunks.block_tables, meta.chunks.query_starts,
-                                        meta.chunks.seq_lens, self.scale)
+                                        meta.chunks.seq_lens, scale, window, cap)
         elif meta.chunks is not None:
-            out[nd:] = self._torch.attend(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.chunks)
+            out[nd:] = self._torch.attend(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.chunks,
+                                          params)
         return out

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.attention import AttentionBackend, BatchLayout, to_device, write_kv
+from workers.engine.attention import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionParams,
+    BatchLayout,
+    to_device,
+    write_kv,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -114,12 +121,20 @@ class FlashAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: object,
+        params: AttentionParams = FULL_ATTENTION,
     ) -> torch.Tensor:
         """Store k/v into the pool, then attend through the block table."""
         assert isinstance(metadata, FlashAttentionMetadata)
         meta = metadata
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_tokens = q.shape[0]
+        # flash-attn's window counts keys left of the query: ours counts the query too.
+        extra = {
+            "softmax_scale": self.scale_of(params),
+            "window_size": (-1, -1) if params.sliding_window is None
+            else (params.sliding_window - 1, 0),
+            "softcap": params.softcap or 0.0,
+        }
         if meta.is_decode_only:
             # q (B, 1, H, D); cache_seqlens already counts the token written above.
             o = flash_attn_with_kvcache(
@@ -128,8 +143,8 @@ class FlashAttentionBackend(AttentionBackend):
                 v_cache,
                 cache_seqlens=meta.seq_lens,
                 block_table=meta.block_tables,
-                softmax_scale=self.scale,
                 causal=True,
+                **extra,
             )
         elif not meta.has_cached_context:
             # Fresh prompts only: keys are the chunks themselves, no pool reads.
@@ -141,8 +156,8 @@ class FlashAttentionBackend(AttentionBackend):
                 cu_seqlens_k=meta.cu_seqlens_q,
                 max_seqlen_q=meta.max_seqlen_q,
                 max_seqlen_k=meta.max_seqlen_q,
-                softmax_scale=self.scale,
                 causal=True,
+                **extra,
             )
         else:
             # Causal masks align bottom-right, so a chunk of n queries over seq_len keys sees
@@ -155,8 +170,8 @@ class FlashAttentionBackend(AttentionBackend):
                 cu_seqlens_k=meta.cu_seqlens_k,
                 max_seqlen_q=meta.max_seqlen_q,
                 max_seqlen_k=meta.max_seqlen_k,
-                softmax_scale=self.scale,
                 causal=True,
+                **extra,
                 block_table=meta.block_tables,
             )
         return o.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 
 # model_type → the transformers class a dequantized GGUF of that family loads as.
 _CAUSAL_LM_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "mistral": "MistralForCausalLM"}
+                      "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                      "gemma3_text": "Gemma3ForCausalLM"}
 # Buffers some checkpoints carry that the decoder recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -166,6 +168,8 @@ def _check_complete(
     """Every parameter (every shard of a fused one) must have come from the checkpoint."""
     missing = []
     for name in params:
+        if (name, None) in loaded:  # whole, fused or not (Phi-3 packs q/k/v itself)
+            continue
         sizes = _output_sizes(model, name)
         shards: list[int | None] = list(range(len(sizes))) if sizes else [None]
         missing += [

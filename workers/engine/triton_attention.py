@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.attention import AttentionBackend, BatchLayout, to_device
+from workers.engine.attention import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionParams,
+    BatchLayout,
+    to_device,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +106,7 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: object,
+        params: AttentionParams = FULL_ATTENTION,
     ) -> torch.Tensor:
         """Store k/v into the pool (one launch), attend q over pool and chunk (one launch)."""
         assert isinstance(metadata, TritonAttentionMetadata)
@@ -109,6 +116,7 @@ class TritonAttentionBackend(AttentionBackend):
         paged_attention(
             q, k, v, k_cache, v_cache, out,
             meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-            self.scale, meta.max_query_len,
+            self.scale_of(params), meta.max_query_len,
+            params.sliding_window or 0, params.softcap or 0.0,
         )  # fmt: skip
         return out.view(q.shape[0], self.num_heads * self.head_dim)

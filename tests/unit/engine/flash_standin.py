@@ -49,14 +49,28 @@ def _check_paged(k_cache: torch.Tensor, block_table: torch.Tensor) -> None:
         raise FlashArgumentError("Paged KV cache block size must be divisible by 256")
 
 
+def _windowed(valid: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor,
+              window_size: tuple[int, int]) -> torch.Tensor:
+    """flash-attn's local attention: keys from query_pos - left to query_pos + right."""
+    left, right = window_size
+    if left >= 0:
+        valid = valid & (key_pos >= query_pos - left)
+    if right >= 0:
+        valid = valid & (key_pos <= query_pos + right)
+    return valid
+
+
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q (B, n, H, D) over k/v (B, L, Hkv, D); valid (B, n, L) bool -> (B, n, H, D) fp32."""
     group = q.shape[2] // k.shape[2]
     k = k.float().repeat_interleave(group, dim=2)
     v = v.float().repeat_interleave(group, dim=2)
     scores = torch.einsum("bnhd,blhd->bhnl", q.float(), k) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~valid[:, None], float("-inf"))
     return torch.einsum("bhnl,blhd->bnhd", scores.softmax(-1), v)
 
@@ -70,6 +84,8 @@ def flash_attn_with_kvcache(
     block_table: torch.Tensor,
     softmax_scale: float,
     causal: bool,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q (B, n, H, D) over each row's first cache_seqlens[b] paged keys; sync-free."""
     _check(q, k_cache, v_cache)
@@ -85,7 +101,9 @@ def flash_attn_with_kvcache(
     valid = positions[None, None, :] < cache_seqlens[:, None, None]
     if causal:
         valid = valid & (positions[None, None, :] <= query_pos[:, :, None])
-    return _attend(q, keys, values, valid, softmax_scale).to(q.dtype).view(batch, n, *q.shape[2:])
+    valid = _windowed(valid, positions[None, None, :], query_pos[:, :, None], window_size)
+    out = _attend(q, keys, values, valid, softmax_scale, softcap)
+    return out.to(q.dtype).view(batch, n, *q.shape[2:])
 
 
 def flash_attn_varlen_func(
@@ -100,6 +118,8 @@ def flash_attn_varlen_func(
     softmax_scale: float,
     causal: bool,
     block_table: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Packed q (N, H, D) over packed k/v (Nk, Hkv, D), or paged k/v with block_table."""
     _check(q, k, v)
@@ -121,10 +141,13 @@ def flash_attn_varlen_func(
             values = v[table].flatten(0, 1)[:num_keys]
         n = q_end - q_start
         query_pos = num_keys - n + torch.arange(n, device=q.device)
-        valid = torch.arange(num_keys, device=q.device)[None, :] <= query_pos[:, None]
+        key_pos = torch.arange(num_keys, device=q.device)[None, :]
+        valid = key_pos <= query_pos[:, None]
         if not causal:
             valid = torch.ones_like(valid)
-        o = _attend(q[None, q_start:q_end], keys[None], values[None], valid[None], softmax_scale)
+        valid = _windowed(valid, key_pos, query_pos[:, None], window_size)
+        o = _attend(q[None, q_start:q_end], keys[None], values[None], valid[None], softmax_scale,
+                    softcap)
         out[q_start:q_end] = o[0].to(q.dtype)
     return out
 

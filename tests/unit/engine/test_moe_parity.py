@@ -1,7 +1,7 @@
 """Mixtures of experts decode greedily as Hugging Face does, token for token (fp32).
 
-Tiny random-weight Mixtral and Qwen2-MoE models (Qwen2-MoE with a shared expert, a dense
-layer among sparse ones and unnormalised routing), built here: prompts of 1-200 tokens,
+Tiny random-weight Mixtral (also with a sliding window), Qwen2-MoE (a shared expert, a
+dense layer among sparse ones, unnormalised routing) and Qwen3-MoE models, built here: prompts of 1-200 tokens,
 some sharing a prefix, under prefix caching with chunked prefill, and a pool small enough
 to force preemptions; on the torch attention path and on the default CPU backend.
 """
@@ -20,6 +20,8 @@ from transformers import (
     PretrainedConfig,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from tests.unit.engine.tiny_models import hf_greedy, save_tokenizer
@@ -38,6 +40,13 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], Any, dict[str, Any]]] = {
                   {"intermediate_size": 128, "moe_intermediate_size": 48, "num_experts": 8,
                    "num_experts_per_tok": 3, "shared_expert_intermediate_size": 80,
                    "norm_topk_prob": False, "mlp_only_layers": [1]}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                  {"intermediate_size": 128, "moe_intermediate_size": 40, "num_experts": 8,
+                   "num_experts_per_tok": 2, "norm_topk_prob": True, "head_dim": 32}),
+    # Every layer windowed: keys further back than 24 positions are never read.
+    "mixtral-window": (MixtralConfig, MixtralForCausalLM,
+                       {"intermediate_size": 96, "num_local_experts": 4,
+                        "num_experts_per_tok": 2, "sliding_window": 24}),
 }  # fmt: skip
 LENGTHS = [1, 3, 16, 17, 40, 64, 100, 150, 200, 200]
 MAX_TOKENS = [8, 12, 5, 16]

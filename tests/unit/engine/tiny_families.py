@@ -50,7 +50,40 @@ def save_family(model_dir: Path, family: str, seed: int = 0, **overrides: Any) -
     return model
 
 
+# Short windows so the parity prompts (up to 150 tokens) cross them many times.
+WINDOW = 24
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    # Hugging Face picks short or long factors per forward pass by its longest position,
+    # the engine per position (see rotary.py): the parity prompts stay below the switch,
+    # where both agree; factor = 1024 / 512 still scales attention (attention_factor).
+    "original_max_position_embeddings": 512,
+    "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0],
+    "long_factor": [1.0, 1.3, 1.7, 2.5, 4.0, 6.0, 9.0, 12.0],
+}
+GEMMA: dict[str, Any] = {
+    "head_dim": 16,
+    "query_pre_attn_scalar": 16,
+    "sliding_window": WINDOW,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+    "initializer_range": 0.3,
+}
+
 # family name -> (model_type, config keys beyond COMMON)
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", {"head_dim": 32}),
-}
+    "qwen3-window": ("qwen3", {"use_sliding_window": True, "sliding_window": WINDOW,
+                               "max_window_layers": 1}),
+    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW,
+                               "max_window_layers": 0}),
+    "mistral-window": ("mistral", {"sliding_window": WINDOW}),
+    "phi3-longrope": ("phi3", {"rope_parameters": LONGROPE, "max_position_embeddings": 1024}),
+    "llama-yarn": ("llama", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 256}}),
+    "gemma2": ("gemma2", {**GEMMA, "attn_logit_softcapping": 5.0,
+                          "final_logit_softcapping": 30.0}),
+    "gemma3": ("gemma3_text", GEMMA),
+}  # fmt: skip

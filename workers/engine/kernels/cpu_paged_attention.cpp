@@ -120,6 +120,19 @@ inline const float* float_row(const T* row, float* buf, int64_t n) {
   }
 }
 
+// Gemma 2's attention-logit soft-capping: scores -> cap * tanh(scores / cap); cap 0: none.
+inline void soft_cap(float* scores, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < n; ++i) scores[i] = cap * std::tanh(scores[i] * inv);
+}
+
+// First key a query at `pos` sees: the whole prefix, or the last `window` positions
+// (itself included) under sliding-window attention; window 0: no window.
+inline int64_t window_start(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
 // Element offset of token `pos` of a sequence in a pool, through its block table.
 inline int64_t table_offset(const Shape& s, const int32_t* table, int64_t pos) {
   return static_cast<int64_t>(table[pos / s.block_size]) * s.pool_block +
@@ -129,8 +142,8 @@ inline int64_t table_offset(const Shape& s, const int32_t* table, int64_t pos) {
 // One (sequence, KV head) pair: `group` query heads over `len` cached keys.
 template <typename T>
 void attend_one(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
-                const int32_t* table, int64_t len, float scale, T* out,
-                std::vector<float>& scratch) {
+                const int32_t* table, int64_t start, int64_t len, float scale, float cap,
+                T* out, std::vector<float>& scratch) {
   const int64_t G = s.group, D = s.head_dim, BS = s.block_size;
   scratch.resize(G * D * 2 + G * BS + 2 * D + 2 * G);
   float* qf = scratch.data();           // (G, D) queries, pre-scaled
@@ -147,14 +160,22 @@ void attend_one(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
   }
   std::fill(acc, acc + G * D, 0.f);
   const int64_t num_blocks = (len + BS - 1) / BS;
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = start / BS; b < num_blocks; ++b) {
     const int64_t base = static_cast<int64_t>(table[b]) * s.pool_block;
     const int64_t n = std::min(BS, len - b * BS);
+    const int64_t t0 = std::max<int64_t>(0, start - b * BS);  // keys before it: outside the window
     const T* k_rows = k_pool + base;
     const T* v_rows = v_pool + base;
     for (int64_t t = 0; t < n; ++t) {
+      if (t < t0) {
+        for (int64_t g = 0; g < G; ++g) scores[g * BS + t] = -1e30f;
+        continue;
+      }
       widen(k_rows + t * s.pool_token, row, D);
       for (int64_t g = 0; g < G; ++g) scores[g * BS + t] = dot(qf + g * D, row, D);
+    }
+    if (cap > 0.f) {
+      for (int64_t g = 0; g < G; ++g) soft_cap(scores + g * BS + t0, n - t0, cap);
     }
     for (int64_t g = 0; g < G; ++g) {
       float* sg = scores + g * BS;
@@ -176,7 +197,7 @@ void attend_one(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
       }
       sums[g] += block_sum;
     }
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = t0; t < n; ++t) {
       widen(v_rows + t * s.pool_token, row, D);
       for (int64_t g = 0; g < G; ++g) axpy(scores[g * BS + t], row, acc + g * D, D);
     }
@@ -252,8 +273,8 @@ constexpr int64_t kTile = 32;  // tokens scored per softmax update
 
 template <typename T, int D, int G>
 void attend_fixed(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
-                  const int32_t* table, int64_t len, float scale, T* out, int64_t h0,
-                  int64_t nh, float* work) {
+                  const int32_t* table, int64_t first, int64_t len, float scale, float cap,
+                  T* out, int64_t h0, int64_t nh, float* work) {
   static_assert(D % kLanes == 0 && kTile % kLanes == 0, "rows and tiles are whole vectors");
   constexpr int kVecs = D / kLanes;
   constexpr int64_t head_bytes = D * static_cast<int64_t>(sizeof(T));
@@ -284,12 +305,12 @@ void attend_fixed(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
       if (++off == s.block_size) off = 0, ++block;
     }
   };
-  tile_offsets(0, next);
-  for (int64_t t = 0; t < std::min(kTile, len); ++t) {  // the first tile of K and V
+  tile_offsets(first, next);
+  for (int64_t t = 0; t < std::min(kTile, len - first); ++t) {  // the first tile of K and V
     prefetch(k_pool + next[t], nh * head_bytes);
     prefetch(v_pool + next[t], nh * head_bytes);
   }
-  for (int64_t start = 0; start < len; start += kTile) {
+  for (int64_t start = first; start < len; start += kTile) {
     const int64_t n = std::min(kTile, len - start);
     std::copy(next, next + n, cur);
     // The next tile's rows are prefetched a head and a token at a time beside this tile's.
@@ -324,6 +345,7 @@ void attend_fixed(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
     }
     for (int64_t i = 0; i < nh * G; ++i) {
       float* si = scores + i * kTile;
+      soft_cap(si, n, cap);
       float block_max = -FLT_MAX;
       for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, si[t]);
       const float new_max = std::max(maxes[i], block_max);
@@ -366,7 +388,7 @@ void attend_fixed(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
 
 template <typename T>
 using AttendFn = void (*)(const Shape&, const T*, const T*, const T*, const int32_t*, int64_t,
-                          float, T*, int64_t, int64_t, float*);
+                          int64_t, float, float, T*, int64_t, int64_t, float*);
 
 // The compiled (head size, group) pairs; others take the generic walk.
 template <typename T>
@@ -384,7 +406,7 @@ AttendFn<T> fixed_kernel(int64_t head_dim, int64_t group) {
 template <typename T>
 void run(const Shape& s, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
          const at::Tensor& v_cache, const at::Tensor& block_tables,
-         const std::vector<int64_t>& lens, float scale) {
+         const std::vector<int64_t>& lens, float scale, int64_t window, float cap) {
   const int64_t num_seqs = static_cast<int64_t>(lens.size());
   const T* q_ptr = q.data_ptr<T>();
   const T* k_ptr = k_cache.data_ptr<T>();
@@ -419,11 +441,13 @@ void run(const Shape& s, const at::Tensor& out, const at::Tensor& q, const at::T
         }
         const T* qs = q_ptr + seq * s.q_row;
         const int32_t* table = tables + seq * s.width;
+        const int64_t first = window_start(len - 1, window);  // the query sits at len - 1
         if (fixed != nullptr) {
-          fixed(s, qs, k_ptr, v_ptr, table, len, scale, o, h0, heads_per_item, scratch.data());
+          fixed(s, qs, k_ptr, v_ptr, table, first, len, scale, cap, o, h0, heads_per_item,
+                scratch.data());
         } else {
           attend_one<T>(s, qs + h0 * s.group * s.q_head, k_ptr + h0 * s.head_dim,
-                        v_ptr + h0 * s.head_dim, table, len, scale,
+                        v_ptr + h0 * s.head_dim, table, first, len, scale, cap,
                         o + h0 * s.group * s.head_dim, scratch);
         }
       }
@@ -463,9 +487,11 @@ Shape make_shape(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 
 // out (B, H * D); q (B, H, D), last dim contiguous; pools (num_blocks, block_size, Hkv, D)
 // contiguous; block_tables (B, W) int32; seq_lens (B,) int32: keys each row attends to.
+// window > 0: each query sees only its last `window` keys; softcap > 0: scores soft-capped.
 void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& seq_lens, double scale, int64_t window,
+                            double softcap) {
   check_common(out, q, k_cache, v_cache, block_tables);
   TORCH_CHECK(block_tables.size(0) == q.size(0), "block_tables must have a row per query");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == q.size(0),
@@ -477,16 +503,16 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at
   for (int64_t len : lens) {
     TORCH_CHECK(len <= s.width * s.block_size, "a seq_len exceeds its block table");
   }
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
   switch (q.scalar_type()) {
     case at::kFloat:
-      run<float>(s, out, q, k_cache, v_cache, block_tables, lens, fscale);
+      run<float>(s, out, q, k_cache, v_cache, block_tables, lens, fscale, window, fcap);
       break;
     case at::kBFloat16:
-      run<c10::BFloat16>(s, out, q, k_cache, v_cache, block_tables, lens, fscale);
+      run<c10::BFloat16>(s, out, q, k_cache, v_cache, block_tables, lens, fscale, window, fcap);
       break;
     case at::kHalf:
-      run<c10::Half>(s, out, q, k_cache, v_cache, block_tables, lens, fscale);
+      run<c10::Half>(s, out, q, k_cache, v_cache, block_tables, lens, fscale, window, fcap);
       break;
     default:
       TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16");
@@ -574,7 +600,8 @@ constexpr int64_t prefill_work_floats() {
 
 template <typename T, int D>
 void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T* q_ptr,
-                  const T* k_pool, const T* v_pool, float scale, T* out_ptr, float* work) {
+                  const T* k_pool, const T* v_pool, float scale, int64_t window, float cap,
+                  T* out_ptr, float* work) {
   constexpr int64_t R = kTileRows;
   static_assert(D % kDimBlock == 0 && kKTile % kKeyBlock == 0, "blocks must tile");
   const int64_t G = s.group;
@@ -602,9 +629,13 @@ void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T
     for (int d = 0; d < D; ++d) qt[d * R + r] = row[d] * scale;
   }
   const int64_t num_keys = first_pos + nq;  // the last query sees keys 0..first_pos + nq - 1
+  // Under a sliding window the first query sees keys from key_start on, later ones fewer:
+  // query at p sees keys p - window + 1 .. p (a key before that is masked like a future one).
+  const int64_t key_start = window_start(first_pos, window);
+  const int64_t last_start = window_start(first_pos + nq - 1, window);
   const float* krow[kKTile];
   const float* vrow[kKTile];
-  for (int64_t j0 = 0; j0 < num_keys; j0 += kKTile) {
+  for (int64_t j0 = key_start; j0 < num_keys; j0 += kKTile) {
     const int64_t nk = std::min(kKTile, num_keys - j0);
     for (int64_t t = 0; t < nk; ++t) {
       const int64_t at = table_offset(s, c.table, j0 + t) + h * D;
@@ -626,6 +657,9 @@ void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T
         store_block(sc + t0 * R + r0, R, acc_s);
       }
     }
+    if (cap > 0.f) {
+      for (int64_t t = 0; t < nk; ++t) soft_cap(sc + t * R, live, cap);
+    }
     // Masked keys score -1e30 (not -inf: -ffast-math assumes no infinities), so their
     // weights come out 0. Only a tile that reaches past the first query needs a mask; keys
     // past nk lie after every query.
@@ -635,6 +669,18 @@ void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T
         float* st = sc + t * R;
 #pragma omp simd
         for (int64_t r = 0; r < live; ++r) st[r] = pos > qpos[r] ? -1e30f : st[r];
+      }
+    }
+    // And, under a window, a tile that starts before the last query's first key. A row
+    // with every key of a tile masked takes weights 1 there, wiped by the next tile's
+    // alpha = exp(-1e30 - max) = 0 (its own keys always come later).
+    if (window > 0 && j0 < last_start) {
+      const float w = static_cast<float>(window);
+      for (int64_t t = 0; t < kKTile; ++t) {
+        const float pos = static_cast<float>(j0 + t);
+        float* st = sc + t * R;
+#pragma omp simd
+        for (int64_t r = 0; r < live; ++r) st[r] = pos <= qpos[r] - w ? -1e30f : st[r];
       }
     }
     alignas(64) float new_max[R], alpha[R], tile_sum[R];
@@ -694,7 +740,7 @@ void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T
 template <typename T, int D>
 void run_prefill(const Shape& s, const at::Tensor& out, const at::Tensor& q,
                  const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const std::vector<Chunk>& chunks, float scale) {
+                 const std::vector<Chunk>& chunks, float scale, int64_t window, float cap) {
   // Items: (chunk, KV head, query tile), dealt round-robin so every thread gets early
   // (short) and late (long) tiles alike.
   std::vector<std::array<int64_t, 3>> items;
@@ -712,7 +758,8 @@ void run_prefill(const Shape& s, const at::Tensor& out, const at::Tensor& q,
       for (int64_t i = w; i < n; i += workers) {
         const auto& [c, h, q0] = items[i];
         prefill_tile<T, D>(s, chunks[c], h, q0, q.data_ptr<T>(), k_cache.data_ptr<T>(),
-                           v_cache.data_ptr<T>(), scale, out.data_ptr<T>(), work.data());
+                           v_cache.data_ptr<T>(), scale, window, cap, out.data_ptr<T>(),
+                           work.data());
       }
     }
   });
@@ -724,7 +771,7 @@ void run_prefill(const Shape& s, const at::Tensor& out, const at::Tensor& q,
 void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_starts, const at::Tensor& seq_lens,
-                             double scale) {
+                             double scale, int64_t window, double softcap) {
   check_common(out, q, k_cache, v_cache, block_tables);
   const int64_t num_chunks = block_tables.size(0);
   TORCH_CHECK(query_starts.scalar_type() == at::kInt && query_starts.is_contiguous() &&
@@ -754,13 +801,13 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
     TORCH_CHECK(lens[c] <= s.width * s.block_size, "a seq_len exceeds its block table");
     chunks.push_back({starts[c], num_q, lens[c], block_tables.data_ptr<int32_t>() + c * s.width});
   }
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
   auto run = [&](auto zero) {
     using T = decltype(zero);
     switch (head_dim) {
-#define BATCHINFER_HEAD(D)                                          \
-  case D:                                                           \
-    run_prefill<T, D>(s, out, q, k_cache, v_cache, chunks, fscale); \
+#define BATCHINFER_HEAD(D)                                                        \
+  case D:                                                                         \
+    run_prefill<T, D>(s, out, q, k_cache, v_cache, chunks, fscale, window, fcap); \
     break;
       BATCHINFER_PREFILL_HEAD_DIMS(BATCHINFER_HEAD)
 #undef BATCHINFER_HEAD
@@ -786,10 +833,11 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
 TORCH_LIBRARY(batchinfer_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+      "Tensor block_tables, Tensor seq_lens, float scale, int window=0, float softcap=0.) -> ()");
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_tables, Tensor query_starts, Tensor seq_lens, float scale) -> ()");
+      "Tensor block_tables, Tensor query_starts, Tensor seq_lens, float scale, int window=0, "
+      "float softcap=0.) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) {

@@ -18,6 +18,12 @@ It first walks the cached prefix page by page through the block table (every cac
 is visible to every query), then the chunk's own keys straight from k/v, causally. A
 prefill with nothing cached therefore never touches the pool or the block table, and the
 KV write may run before or after this kernel. Softmax is online, in fp32, base 2.
+
+Sliding window (`window` > 0): a query at position p sees keys p - window + 1 .. p; the
+walks start at the first block (tile) any query of the program can see, and keys before a
+row's window score -1e30 rather than -inf, so a row whose whole first tile lies before its
+window keeps a finite running max (its weights there are wiped by the next tile's alpha).
+Soft-capping (`softcap` > 0): scores -> softcap * tanh(scores / softcap) before the softmax.
 """
 
 from __future__ import annotations
@@ -27,8 +33,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-_LOG2_E = 1.4426950408889634
 
 
 @triton.jit
@@ -43,10 +47,19 @@ def _softmax_step(m, den, acc, scores, v, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _scores(q, k, scale, softcap, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Scores of a tile in base-2 units: (q k^T) * scale, soft-capped, times log2(e)."""
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    if HAS_SOFTCAP:  # tanh(x) = 2 sigmoid(2 x) - 1
+        scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+    return scores * 1.4426950408889634
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2,
+    scale, window, softcap,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
     GROUP: tl.constexpr,
@@ -58,6 +71,8 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -87,7 +102,11 @@ def _paged_attention_kernel(
     # The cached prefix, one pool block per iteration. Every row sees at least key 0 of the
     # first tile it meets, so m is finite after it and exp2(m - m_new) never makes a NaN.
     slots = tl.arange(0, BLOCK_SIZE)
-    for j in range(0, tl.cdiv(num_cached, BLOCK_SIZE)):
+    pos = num_cached + tok  # each row's query position
+    first_key = 0
+    if HAS_WINDOW:  # the first key the program's first query sees
+        first_key = tl.maximum(num_cached + first - window + 1, 0)
+    for j in range(first_key // BLOCK_SIZE, tl.cdiv(num_cached, BLOCK_SIZE)):
         block = tl.load(block_tables_ptr + seq * stride_table + j).to(tl.int64)
         key_ok = j * BLOCK_SIZE + slots < num_cached
         offs = block * stride_cache_block + slots[:, None] * stride_cache_slot
@@ -98,7 +117,10 @@ def _paged_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = _scores(q, k, scale, softcap, DOT_PRECISION, HAS_SOFTCAP)
+        if HAS_WINDOW:
+            seen = j * BLOCK_SIZE + slots[None, :] > pos[:, None] - window
+            scores = tl.where(seen, scores, -1e30)
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m, den, acc = _softmax_step(m, den, acc, scores, v, DOT_PRECISION)
 
@@ -106,7 +128,10 @@ def _paged_attention_kernel(
     # token t sees keys 0..t. The tile's last query is the last key it needs.
     last = tl.minimum(q_len, first + BLOCK_Q)
     cols = tl.arange(0, BLOCK_N)
-    for i in range(0, last, BLOCK_N):
+    first_new = 0
+    if HAS_WINDOW:  # tiles wholly before the first query's window are skipped
+        first_new = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+    for i in range(first_new, last, BLOCK_N):
         idx = i + cols
         key_ok = idx < last
         kv_mask = key_ok[:, None] & dim_ok[None, :]
@@ -123,7 +148,9 @@ def _paged_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = _scores(q, k, scale, softcap, DOT_PRECISION, HAS_SOFTCAP)
+        if HAS_WINDOW:
+            scores = tl.where(idx[None, :] > tok[:, None] - window, scores, -1e30)
         scores = tl.where(key_ok[None, :] & (idx[None, :] <= tok[:, None]), scores, float("-inf"))
         m, den, acc = _softmax_step(m, den, acc, scores, v, DOT_PRECISION)
 
@@ -193,6 +220,8 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_query_len: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Write into out (N, H, D) the causal paged attention of q; see the module docstring.
 
@@ -217,7 +246,7 @@ def paged_attention(
     grid = (num_seqs, k.shape[1], triton.cdiv(max_query_len, block_q))
     _paged_attention_kernel[grid](
         q, k, v, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
-        scale * _LOG2_E,
+        scale, window, softcap,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -230,6 +259,8 @@ def paged_attention(
         BLOCK_N=32,
         UPCAST=upcast,
         DOT_PRECISION=precision,
+        HAS_WINDOW=window > 0,
+        HAS_SOFTCAP=softcap > 0,
     )  # fmt: skip
 
 
@@ -246,6 +277,8 @@ def _paged_attention_fake(
     block_tables: torch.Tensor,
     scale: float,
     max_query_len: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Shape/device checks only: what FakeTensorMode, compile and graph capture rely on."""
     check_paged_attention_args(q, k, v, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables)

@@ -34,8 +34,13 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached prefix plus its new keys.
+
+    window > 0: a query at position p sees only keys p - window + 1 .. p; softcap > 0:
+    scores become softcap * tanh(scores / softcap) before the softmax.
 
     The cached prefix (seq_len - query_len tokens) is read from the pool through the block
     table; the new keys come from k/v, not from the pool. Returns (N, H, D) in fp32.
@@ -56,10 +61,13 @@ def paged_attention_reference(
         keys = torch.cat([cached_k, k[start:end]]).float().repeat_interleave(group, dim=1)
         values = torch.cat([cached_v, v[start:end]]).float().repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,lhd->hnl", q[start:end].float(), keys) * scale
-        allowed = (
-            torch.arange(seq_len, device=q.device)[None, :]
-            <= (num_cached + torch.arange(num_new, device=q.device))[:, None]
-        )
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
+        query_pos = (num_cached + torch.arange(num_new, device=q.device))[:, None]
+        allowed = key_pos <= query_pos
+        if window > 0:
+            allowed &= key_pos > query_pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[start:end] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values)
     return out

@@ -6,7 +6,7 @@ attention.py (the attention layer over a paged-KV backend), mlp.py. One module p
 """
 
 from workers.engine.models.base import CausalLM
-from workers.engine.models.hf_config import head_dim_of, num_kv_heads_of
+from workers.engine.models.hf_config import head_dim_of, kv_window, num_kv_heads_of
 from workers.engine.models.registry import (
     MODEL_CLASSES,
     SUPPORTED_MODEL_TYPES,
@@ -20,6 +20,7 @@ __all__ = [
     "CausalLM",
     "check_supported",
     "head_dim_of",
+    "kv_window",
     "model_class_for",
     "num_kv_heads_of",
 ]

@@ -1,21 +1,23 @@
-"""The attention layer of a decoder: fused q/k/v projection, rotary, attention over the
-paged KV cache (through the step's attention backend) and the output projection."""
+"""The attention layer of a decoder: fused q/k/v projection, optional per-head q/k norms,
+rotary, attention over the paged KV cache (through the step's attention backend, with the
+layer's own scale, sliding window and soft-capping) and the output projection."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from workers.engine.attention import AttentionBackend
+from workers.engine.attention import FULL_ATTENTION, AttentionBackend, AttentionParams
 from workers.engine.models.hf_config import head_dim_of, num_kv_heads_of
 from workers.engine.models.linear import FusedLinear, Linear
 
 
 class Attention(nn.Module):
-    """Fused q/k/v projection, RoPE, paged attention and output projection."""
+    """Fused q/k/v projection, (q/k norm,) RoPE, paged attention and output projection."""
 
     def __init__(
         self,
@@ -24,7 +26,11 @@ class Attention(nn.Module):
         *,
         qkv_bias: bool,
         o_bias: bool,
+        params: AttentionParams = FULL_ATTENTION,
+        qk_norm: nn.Module | None = None,
     ) -> None:
+        """qk_norm: a norm over head_dim, applied to each query and key head before RoPE
+        (Qwen3, Gemma 3); it is copied for k, so q and k keep their own weights."""
         super().__init__()
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = num_kv_heads_of(hf_config)
@@ -34,7 +40,12 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = FusedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
         self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if qk_norm is not None:
+            self.q_norm, self.k_norm = qk_norm, copy.deepcopy(qk_norm)
         self.backend = backend
+        self.params = params
 
     def forward(
         self,
@@ -48,10 +59,13 @@ class Attention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # (N, (H + 2 Hkv) * D)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # Rotate q and k together: one kernel chain for H + Hkv heads. (N, H + Hkv, D)
-        qk = self.backend.pointwise.rotate(
-            qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), rope)
+        qk = self.backend.pointwise.rotate(qk, rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, k_cache, v_cache, metadata)  # (N, H * D)
-        return self.o_proj(out)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, self.params)
+        return self.o_proj(out)  # (N, H * D) -> (N, hidden)

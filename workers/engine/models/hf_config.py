@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from transformers import PretrainedConfig
 
 
@@ -18,13 +16,37 @@ def num_kv_heads_of(hf_config: PretrainedConfig) -> int:
     return int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
 
 
-def rope_parameters(hf_config: PretrainedConfig) -> tuple[float, dict[str, Any]]:
-    """(theta, scaling dict) from either transformers' new `rope_parameters` or the old keys."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-    scaling = dict(params) if params.get("rope_type", "default") != "default" else {}
-    legacy = getattr(hf_config, "rope_scaling", None)
-    if not scaling and legacy:
-        scaling = dict(legacy)
-        scaling.setdefault("rope_type", scaling.get("type", "default"))
-    return theta, scaling
+def kv_window(hf_config: PretrainedConfig) -> int | None:
+    """The widest sliding window when every layer has one: keys further back than it are
+    never read again. None when any layer attends to the whole sequence (Gemma's global
+    layers) or none has a window."""
+    windows = layer_windows(hf_config)
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)
+
+
+def layer_windows(hf_config: PretrainedConfig) -> list[int | None]:
+    """Each layer's sliding window (None: full attention).
+
+    Configs with `layer_types` (Qwen2/3, Gemma 2/3) window the "sliding_attention" layers;
+    those without (Mistral, Phi-3) window every layer when `sliding_window` is set. Qwen2's
+    config leaves `sliding_window` None unless `use_sliding_window` is on.
+    """
+    num_layers = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"model layer_types {unknown} are not supported")
+        if len(layer_types) != num_layers:
+            raise ValueError(f"model layer_types has {len(layer_types)} entries for "
+                             f"{num_layers} layers")
+    if not window:
+        return [None] * num_layers
+    if int(window) < 1:
+        raise ValueError(f"model sliding_window must be >= 1, got {window}")
+    if layer_types is None:
+        return [int(window)] * num_layers
+    return [int(window) if t == "sliding_attention" else None for t in layer_types]

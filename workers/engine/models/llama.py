@@ -1,4 +1,5 @@
-"""Llama-layout decoders (Llama, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""Llama-layout decoders (Llama, SmolLM2, Mistral, Qwen2; Qwen3 and Phi-3 build on it)
+over a paged KV cache.
 
 Tokens of every sequence in a step are packed along one axis (no padding): the model sees
 `input_ids (N,)` and `positions (N,)`, and attention finds each token's sequence through
@@ -17,12 +18,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from workers.engine.attention import AttentionBackend
+from workers.engine.attention import AttentionBackend, AttentionParams
 from workers.engine.models.attention import Attention
 from workers.engine.models.base import CausalLM
+from workers.engine.models.hf_config import head_dim_of, layer_windows
 from workers.engine.models.mlp import GatedMLP
 from workers.engine.models.norm import RMSNorm
-from workers.engine.models.rotary import RotaryEmbedding, rope_inv_freq
+from workers.engine.models.rotary import RotaryEmbedding, rope_spec
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -32,7 +34,12 @@ class LlamaDecoderLayer(nn.Module):
     the next norm, so a fused kernel can do add and norm in one pass.
     """
 
-    def __init__(self, hf_config: PretrainedConfig, backend: AttentionBackend) -> None:
+    # Qwen3: RMSNorm over each query and key head before RoPE.
+    qk_norm = False
+
+    def __init__(
+        self, hf_config: PretrainedConfig, backend: AttentionBackend, layer_index: int
+    ) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
         hidden = hf_config.hidden_size
@@ -40,9 +47,12 @@ class LlamaDecoderLayer(nn.Module):
         # Qwen2 biases q/k/v only; Llama's attention_bias covers all four projections.
         is_qwen2 = hf_config.model_type in ("qwen2", "qwen2_moe")
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        window = layer_windows(hf_config)[layer_index]
         self.self_attn = Attention(
             hf_config, backend,
             qkv_bias=is_qwen2 or attention_bias, o_bias=not is_qwen2 and attention_bias,
+            params=AttentionParams(sliding_window=window),
+            qk_norm=RMSNorm(head_dim_of(hf_config), eps) if self.qk_norm else None,
         )  # fmt: skip
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = GatedMLP(
@@ -71,34 +81,39 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, the decoder stack and the final norm (Hugging Face's `model.*` weights)."""
 
-    def __init__(self, hf_config: PretrainedConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        backend: AttentionBackend,
+        layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, backend) for _ in range(hf_config.num_hidden_layers)
+            layer_class(hf_config, backend, i) for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
 
 class LlamaForCausalLM(CausalLM):
-    """Llama, Mistral and Qwen2: one rotary table, pre-norm layers, SwiGLU."""
+    """Llama, Mistral and Qwen2: one rotary table, pre-norm layers, SwiGLU, sliding
+    windows where the config has them."""
+
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, hf_config: PretrainedConfig, backend: AttentionBackend) -> None:
         super().__init__(hf_config, backend)
-        self.model = LlamaModel(hf_config, backend)
-        self.rotary = RotaryEmbedding(rope_inv_freq(hf_config), hf_config.max_position_embeddings)
+        self.model = LlamaModel(hf_config, backend, self.layer_class)
+        self.rotary = RotaryEmbedding(rope_spec(hf_config), hf_config.max_position_embeddings)
 
     @classmethod
     def check_config(cls, hf_config: PretrainedConfig) -> None:
-        """SwiGLU only; no sliding windows."""
+        """SwiGLU only; rope kinds and layer types this engine runs."""
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(
                 f"model hidden_act {hf_config.hidden_act!r} is not supported (silu only)")
-        model_type = hf_config.model_type
-        if model_type == "qwen2" and getattr(hf_config, "use_sliding_window", False):
-            raise ValueError("model uses sliding-window attention, which is not supported")
-        if model_type == "mistral" and getattr(hf_config, "sliding_window", None):
-            raise ValueError("model uses sliding-window attention, which is not supported")
+        layer_windows(hf_config)
+        rope_spec(hf_config)
 
     def forward(
         self,

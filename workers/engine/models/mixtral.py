@@ -24,14 +24,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     expert_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = MIXTRAL_EXPERTS
 
-    @classmethod
-    def check_config(cls, hf_config: PretrainedConfig) -> None:
-        """SwiGLU experts; no sliding window."""
-        super().check_config(hf_config)
-        if getattr(hf_config, "sliding_window", None):
-            raise ValueError("model uses sliding-window attention, which is not supported "
-                             "for mixtral")
-
     def __init__(self, hf_config: PretrainedConfig, backend: AttentionBackend) -> None:
         super().__init__(hf_config, backend)
         for layer in self.model.layers:

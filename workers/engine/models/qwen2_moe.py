@@ -1,4 +1,4 @@
-"""Qwen2-MoE: the Qwen2 layout (q/k/v biases) with sparse feed-forward blocks.
+"""Qwen2-MoE and Qwen3-MoE: the Qwen2 and Qwen3 layouts with sparse feed-forward blocks.
 
 A layer is sparse unless listed in `mlp_only_layers` or off the `decoder_sparse_step`
 grid; its block adds a shared expert behind a sigmoid gate to the routed experts, whose
@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 from workers.engine.attention import AttentionBackend
 from workers.engine.models.llama import LlamaForCausalLM
 from workers.engine.models.moe import SparseMoeBlock
+from workers.engine.models.qwen3 import Qwen3DecoderLayer
 
 # checkpoint projection name of an expert -> (our stacked projection, matrix index)
 QWEN_EXPERTS: dict[str, tuple[str, int]] = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1),
@@ -46,16 +47,14 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
 
     expert_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = QWEN_EXPERTS
 
-    @classmethod
-    def check_config(cls, hf_config: PretrainedConfig) -> None:
-        """SwiGLU experts; no sliding window."""
-        super().check_config(hf_config)
-        if getattr(hf_config, "use_sliding_window", False):
-            raise ValueError("model uses sliding-window attention, which is not supported "
-                             "for qwen2_moe")
-
     def __init__(self, hf_config: PretrainedConfig, backend: AttentionBackend) -> None:
         super().__init__(hf_config, backend)
         for index, layer in enumerate(self.model.layers):
             if is_sparse_layer(hf_config, index):
                 layer.mlp = sparse_block(hf_config, backend)
+
+
+class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
+    """Qwen3 attention (q/k norms, no biases); the same sparse blocks, no shared expert."""
+
+    layer_class = Qwen3DecoderLayer

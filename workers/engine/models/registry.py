@@ -5,18 +5,25 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from workers.engine.models.base import CausalLM
+from workers.engine.models.gemma import GemmaForCausalLM
 from workers.engine.models.llama import LlamaForCausalLM
 from workers.engine.models.mixtral import MixtralForCausalLM
-from workers.engine.models.qwen2_moe import Qwen2MoeForCausalLM
-from workers.engine.models.rotary import rope_inv_freq
+from workers.engine.models.phi3 import Phi3ForCausalLM
+from workers.engine.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from workers.engine.models.qwen3 import Qwen3ForCausalLM
 from workers.engine.quantization import quant_scheme_of
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen2_moe": Qwen2MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 SUPPORTED_MODEL_TYPES = frozenset(MODEL_CLASSES)
 
@@ -36,6 +43,5 @@ def check_supported(hf_config: PretrainedConfig) -> None:
             f"model architecture {model_type!r} is not supported; "
             f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
         )
-    model_class.check_config(hf_config)
-    rope_inv_freq(hf_config)  # raises for unsupported rope scaling
+    model_class.check_config(hf_config)  # rope kind, layer types, activation
     quant_scheme_of(hf_config)  # raises for unsupported quantization formats

@@ -1,42 +1,104 @@
 """Rotary position embeddings: the inverse frequencies of each scaling kind, and the
-cos/sin table the pointwise kernels read."""
+cos/sin table the pointwise kernels read.
+
+Scaled kinds (linear, llama3, yarn, dynamic, longrope) take their frequencies and
+attention factor from transformers' own `ROPE_INIT_FUNCTIONS`, so they match Hugging Face
+bit for bit. Two kinds recompute frequencies as a sequence grows in Hugging Face, and are
+fixed per position here:
+- dynamic (NTK) changes them only past `max_position_embeddings`, which max_model_len
+  never exceeds: every served position uses the unscaled frequencies, as Hugging Face does.
+- longrope switches from its short to its long factors once a sequence passes
+  `original_max_position_embeddings`; Hugging Face then uses the long factors for every
+  position of later forward passes (keys already cached keep the short ones), while here
+  position p uses the long factors exactly when p >= original_max_position_embeddings
+  (as vLLM does). Sequences that stay within the original length are identical.
+"""
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from workers.engine.models.hf_config import head_dim_of, rope_parameters
+from workers.engine.models.hf_config import head_dim_of
 from workers.engine.pointwise import TorchPointwise
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """Frequencies of one rotary table: below `switch_position` the first set, from it on
+    the second (longrope's long factors); cos and sin scaled by `attention_scaling`."""
+
+    inv_freq: torch.Tensor  # (D/2,) float32
+    attention_scaling: float = 1.0
+    long_inv_freq: torch.Tensor | None = None
+    switch_position: int | None = None
+
+
+def rope_parameters_of(hf_config: PretrainedConfig, layer_type: str | None) -> dict[str, Any]:
+    """The rope parameter dict of the config, or of one layer type where it has one per
+    type (Gemma 3: a local and a global base)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:  # a config class without rope_parameters: the old keys
+        legacy = dict(getattr(hf_config, "rope_scaling", None) or {})
+        legacy.setdefault("rope_type", legacy.get("type", "default"))
+        legacy.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        return legacy
+    if layer_type is not None and layer_type in params:
+        return dict(params[layer_type])
+    return dict(params)
+
+
+def rope_spec(hf_config: PretrainedConfig, layer_type: str | None = None) -> RopeSpec:
+    """The rotary frequencies of the config (of one layer type, when it names them per
+    type); ValueError for kinds this engine does not run."""
+    params = rope_parameters_of(hf_config, layer_type)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"model rope_scaling type {rope_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = float(params.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"model partial_rotary_factor {partial} is not supported (1.0 only)")
+    if rope_type in ("default", "dynamic"):  # dynamic: unscaled up to max_position_embeddings
+        dim = head_dim_of(hf_config)
+        theta = float(params.get("rope_theta", 10000.0))
+        # Same arithmetic as Hugging Face so fp32 results match bit for bit.
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+        return RopeSpec(1.0 / (theta**exponents))
+    kwargs: dict[str, Any] = {} if layer_type is None else {"layer_type": layer_type}
+    # On the CPU even while the model is built on the meta device: the table needs values.
+    with torch.device("cpu"):
+        return _scaled_spec(hf_config, params, rope_type, **kwargs)
+
+
+def _scaled_spec(
+    hf_config: PretrainedConfig, params: dict[str, Any], rope_type: str, **kwargs: Any
+) -> RopeSpec:
+    """rope_spec() of a scaled kind, through transformers' own initialisation."""
+    init = ROPE_INIT_FUNCTIONS[rope_type]
+    try:
+        inv_freq, scaling = init(hf_config, torch.device("cpu"), **kwargs)
+        if rope_type != "longrope":
+            return RopeSpec(inv_freq.float(), float(scaling))
+        switch = int(params["original_max_position_embeddings"])
+        long_inv_freq, _ = init(hf_config, torch.device("cpu"), seq_len=switch + 1, **kwargs)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"model rope_scaling {rope_type!r} lacks a parameter: {e}") from e
+    return RopeSpec(inv_freq.float(), float(scaling), long_inv_freq.float(), switch)
 
 
 def rope_inv_freq(hf_config: PretrainedConfig) -> torch.Tensor:
-    """Inverse frequencies (D/2,) float32, with linear or llama3 scaling when configured."""
-    theta, scaling = rope_parameters(hf_config)
-    dim = head_dim_of(hf_config)
-    # Same arithmetic as Hugging Face so fp32 results match bit for bit.
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (theta**exponents)
-    rope_type = scaling.get("rope_type", "default")
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"model rope_scaling type {rope_type!r} is not supported")
+    """Inverse frequencies (D/2,) float32 of the config's rotary embedding."""
+    return rope_spec(hf_config).inv_freq
 
 
 class RotaryEmbedding(nn.Module):
@@ -47,16 +109,23 @@ class RotaryEmbedding(nn.Module):
     Face's rotate_half(x) * sin = (-x2 * sin, x1 * sin), bit for bit.
     """
 
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
+    def __init__(self, spec: RopeSpec | torch.Tensor, max_positions: int) -> None:
         super().__init__()
-        self.inv_freq = inv_freq
+        self.spec = spec if isinstance(spec, RopeSpec) else RopeSpec(spec)
+        self.inv_freq = self.spec.inv_freq
         self.max_positions = max_positions
         self.register_buffer("table", self._table(), persistent=False)
 
     def _table(self) -> torch.Tensor:
+        spec = self.spec
         positions = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
-        freqs = positions[:, None] * self.inv_freq[None, :]  # (P, D/2)
+        freqs = positions[:, None] * spec.inv_freq[None, :]  # (P, D/2)
+        if spec.long_inv_freq is not None and spec.switch_position is not None:
+            long = positions[:, None] * spec.long_inv_freq[None, :]
+            freqs = torch.where(positions[:, None] >= spec.switch_position, long, freqs)
         cos, sin = freqs.cos(), freqs.sin()
+        if spec.attention_scaling != 1.0:
+            cos, sin = cos * spec.attention_scaling, sin * spec.attention_scaling
         return torch.cat([cos, cos, -sin, sin], dim=-1)  # (P, 2 D)
 
     def reset_table(self, device: torch.device, dtype: torch.dtype) -> None:

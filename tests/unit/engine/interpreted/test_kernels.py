@@ -121,3 +121,21 @@ def test_triton_backend_matches_dense_and_torch_backend(dtype: torch.dtype) -> N
     if dtype == torch.float32:
         torch_out, _ = run_backend(TorchAttentionBackend(6, 2, 16), 16, cpu, dtype, SHAPES)
         torch.testing.assert_close(out, torch_out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(24, 0.0), (5, 3.0), (1, 0.0), (0, 2.0)],
+    ids=["window24", "window5-softcap", "window1", "softcap"],
+)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_attention_window_and_softcap(window: int, softcap: float, block_size: int) -> None:
+    """Sliding windows (walks start at the first visible block and tile; keys before a
+    row's window masked) and soft-capped scores, in decodes and chunks, fp32."""
+    step = [*STEP, (70, 1), (30, 33), (100, 40)]
+    t = paged_inputs(step, 6, 2, 16, block_size, torch.float32)
+    out = torch.full_like(t["q"], float("nan"), memory_format=torch.contiguous_format)
+    max_query_len = max(n for _, n in step)
+    paged_attention(**t, out=out, scale=0.25, max_query_len=max_query_len,
+                    window=window, softcap=softcap)
+    ref = paged_attention_reference(**t, scale=0.25, window=window, softcap=softcap)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
