@@ -29,7 +29,7 @@ from storage.files import MAX_EXPIRES_AFTER_S, MIN_EXPIRES_AFTER_S
 from storage.models import Job, JobStatus, unix_seconds
 
 if TYPE_CHECKING:
-    from api.estimates import Estimate
+    from storage.queue_estimates import Estimate
 
 
 class ExpiresAfter(BaseModel):

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from datetime import datetime
 from functools import partial
 
 from kafka.errors import KafkaError
@@ -79,6 +80,7 @@ async def submit(
     idempotency_key: str | None,
     resources: Resources,
     producer: LazyProducer,
+    deadline: datetime | None = None,
 ) -> Submission:
     """Store and publish one job, or return the job an identical earlier request made.
 
@@ -104,7 +106,7 @@ async def submit(
     try:
         return await _queue(request, priority=priority, tenant=tenant,
                             idempotency_key=idempotency_key, digest=digest,
-                            resources=resources, producer=producer)
+                            resources=resources, producer=producer, deadline=deadline)
     finally:
         resources.active_jobs.settle(tenant_id=tenant.id)
 
@@ -118,6 +120,7 @@ async def _queue(
     digest: str | None,
     resources: Resources,
     producer: LazyProducer,
+    deadline: datetime | None = None,
 ) -> Submission:
     """`submit` of an admitted request: its new job stored and published, or the replay
     of a concurrent request's with the same Idempotency-Key."""
@@ -133,6 +136,7 @@ async def _queue(
         request_hash=digest,
         cache_key=request.cache_key,
         published=True,
+        deadline=deadline,
     )
     try:
         await _store(job, resources, producer)

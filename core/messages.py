@@ -39,6 +39,9 @@ class JobMessage(BaseModel):
     # results looks up only those jobs' rows; None (a message from before the field)
     # means it may have one.
     has_callback: bool | None = None
+    # When the job must be done by (seconds since the epoch): the engine runs it before
+    # jobs of its priority with later deadlines or none.
+    deadline: float | None = None
 
     def encode(self) -> bytes:
         """Bytes for the Kafka record value (UTF-8 JSON).

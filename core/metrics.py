@@ -31,6 +31,10 @@ JOBS_FAILED = Counter(
 JOBS_CANCELLED = Counter(
     "batchinfer_jobs_cancelled", "Running jobs aborted on a cancel request.", ["priority"]
 )
+JOBS_EXPIRED = Counter(
+    "batchinfer_jobs_expired", "Jobs still unfinished at their deadline, by priority.",
+    ["priority"]
+)
 RESULT_CACHE_HITS = Counter(
     "batchinfer_result_cache_hits",
     "Jobs answered from the exact-result cache without the engine, by priority.",
@@ -130,6 +134,22 @@ WORKER_DATABASE_ERRORS = Counter(
     "batchinfer_worker_database_errors",
     "Claims and result writes a worker could not make because the database was "
     "unreachable (each tried again after a back-off).",
+)
+ESTIMATED_DRAIN_SECONDS = Gauge(
+    "batchinfer_estimated_drain_seconds",
+    "Seconds the model's live workers need, at their measured pace, for all its queued and "
+    "running work (the horizon of the ETAs jobs and batches show), by served model.",
+    ["model"],
+)
+SERVICE_TOKENS_PER_SECOND = Gauge(
+    "batchinfer_service_tokens_per_second",
+    "Tokens per busy second the model's live workers measured (summed), by served model.",
+    ["model"],
+)
+DEADLINE_WORKERS = Gauge(
+    "batchinfer_deadline_workers",
+    "Workers the queued deadlines need at the measured pace per worker, by served model.",
+    ["model"],
 )
 AUTOSCALER_DESIRED_WORKERS = Gauge(
     "batchinfer_autoscaler_desired_workers",

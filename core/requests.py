@@ -12,6 +12,7 @@ is refused by `core.request_checks`.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -21,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     model_validator,
 )
@@ -339,6 +341,13 @@ class JobCreate(SamplingRequest):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     priority: Priority = Priority.NORMAL
     callback_url: CallbackUrl | None = Field(default=None, max_length=2048)
+    # When the job must be done by: an RFC 3339 time with its offset, or seconds from now
+    # (1 minute to 7 days). Within a priority the earliest deadline runs first; a job
+    # still unfinished at it is expired.
+    deadline: StrictInt | StrictFloat | datetime | None = None
+    # With a deadline the backlog cannot meet: `refuse` (409 deadline_unattainable, the
+    # default) or `accept` it as best effort.
+    on_unattainable: Literal["refuse", "accept"] | None = None
 
 
 AnyRequest = ChatCompletionRequest | CompletionRequest | JobCreate

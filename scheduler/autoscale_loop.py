@@ -81,6 +81,7 @@ class AutoscaleLoop:
         interval_s: float,
         clock: Callable[[], float] = time.monotonic,
         model: str | None = None,
+        read_deadline_floor: Callable[[], int] | None = None,
     ) -> None:
         self.autoscaler = autoscaler
         # Named in the log lines and the metrics' `model` label, where several models each
@@ -91,6 +92,8 @@ class AutoscaleLoop:
         self.job_topics = job_topics
         self.interval_s = interval_s
         self.clock = clock
+        # Workers the queued deadlines need (None: lag alone decides).
+        self.read_deadline_floor = read_deadline_floor
         self._is_failing = False
 
     def step(self) -> ScaleDecision:
@@ -115,7 +118,8 @@ class AutoscaleLoop:
         # bounds the workers that get any work.
         num_partitions = max((found[t].num_partitions for t in self.job_topics.values()
                               if t in found), default=0)
-        decision = self.autoscaler.observe(lag, num_partitions=num_partitions, now=now)
+        decision = self.autoscaler.observe(lag, num_partitions=num_partitions, now=now,
+                                           num_for_deadlines=self._deadline_floor())
         model = self.model or ""
         for priority, weighted in decision.weighted_lag.items():
             metrics.AUTOSCALER_WEIGHTED_LAG.labels(model, priority).set(weighted)
@@ -128,6 +132,15 @@ class AutoscaleLoop:
         else:
             logger.debug("keeping %d workers: %s", decision.num_workers, decision.reason)
         return decision
+
+    def _deadline_floor(self) -> int:
+        if self.read_deadline_floor is None:
+            return 0
+        try:
+            return self.read_deadline_floor()
+        except Exception as e:  # the lag still decides; the next reading tries again
+            logger.warning("cannot read queued deadlines: %s", e)
+            return 0
 
     def run(self, stop: threading.Event) -> None:
         """Step now and every interval_s until stop is set; a failed step is not fatal."""

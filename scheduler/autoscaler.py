@@ -90,10 +90,11 @@ class Autoscaler:
         self._num_most_wanted_lower = 0
 
     def observe(
-        self, lag: Mapping[str, int], *, num_partitions: int, now: float
+        self, lag: Mapping[str, int], *, num_partitions: int, now: float,
+        num_for_deadlines: int = 0,
     ) -> ScaleDecision:
-        """Take the reading made at `now`: priority → lag, and the most partitions any
-        job topic has."""
+        """Take the reading made at `now`: priority → lag, the most partitions any job
+        topic has, and the workers queued deadlines need (see scheduler.deadline_floor)."""
         policy = self.policy
         weighted = {p: lag.get(p, 0) * weight for p, weight in policy.weights.items()}
         total = sum(weighted.values())
@@ -103,6 +104,11 @@ class Autoscaler:
                + f") at {policy.lag_threshold} per worker asks for {num_wanted}"
                + f" (min {policy.min_workers}, max {policy.max_workers}, "
                + f"{num_partitions} partitions)")
+        if num_for_deadlines > num_wanted:
+            # Within the same limits as the lag: a worker beyond the partitions would idle.
+            num_wanted = policy.num_workers_for(
+                num_for_deadlines * policy.lag_threshold, num_partitions)
+            why += f"; queued deadlines ask for {num_for_deadlines}, so {num_wanted}"
         num_previous = self.num_workers
         if num_wanted >= num_previous:
             self._lower_since = None

@@ -94,7 +94,8 @@ def _add_chunk(
         rows = [
             new_job_values(tenant_id=batch.tenant_id, priority=batch.priority,
                            model=request.model, kind=kind, request=request.body,
-                           callback_url=None, batch_id=batch.id, custom_id=request.custom_id)
+                           callback_url=None, batch_id=batch.id, custom_id=request.custom_id,
+                           deadline=batch.expires_at)
             for request in chunk
         ]
         num_refused = 0

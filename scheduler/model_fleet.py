@@ -27,6 +27,7 @@ from core.settings import Settings
 from core.topics import model_slug
 from scheduler.autoscale_loop import AutoscaleLoop, LagReader, MainThreadScaler
 from scheduler.autoscaler import AutoscalePolicy, Autoscaler
+from scheduler.deadline_floor import DeadlineFloor
 from scheduler.periodic import Periodic
 from scheduler.supervisor import Supervisor
 
@@ -110,6 +111,7 @@ class ModelFleet:
     supervisors: dict[str, Supervisor] = field(default_factory=dict)
     _scalers: list[MainThreadScaler] = field(default_factory=list)
     _readers: list[LagReader] = field(default_factory=list)
+    _floors: list[DeadlineFloor] = field(default_factory=list)
 
     def start(self, argv: list[str]) -> None:
         """Start num_workers of `argv` per model (workers read their model from the env)."""
@@ -143,10 +145,14 @@ class ModelFleet:
                 read_lag = read_lag_of(model.name)
             autoscaler = Autoscaler(AutoscalePolicy.from_settings(settings),
                                     num_workers=supervisor.num_desired)
+            floor = None
+            if read_lag_of is None:
+                floor = DeadlineFloor(settings, model=model.name)
+                self._floors.append(floor)
             loops.append(AutoscaleLoop(autoscaler, read_lag=read_lag, scale_to=scaler,
                                        job_topics=settings.job_topics_for(model.name),
                                        interval_s=settings.autoscale_interval_s,
-                                       model=model.name))
+                                       model=model.name, read_deadline_floor=floor))
             self._scalers.append(scaler)
         return loops
 
@@ -167,6 +173,8 @@ class ModelFleet:
 
     def close_readers(self) -> None:
         """Close the lag readers' Kafka clients (after their thread has ended)."""
+        for floor in self._floors:
+            floor.close()
         for reader in self._readers:
             reader.close()
 

@@ -36,8 +36,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from core import metrics
 from core.settings import Settings
 from scheduler.job_publisher import count_failed, publish_jobs, record_output
-from storage.events import publish_job_done
-from storage.jobs import fail_orphaned_jobs, get_job, requeue_orphaned_jobs, stale_queued_jobs
+from storage.events import publish_cancel, publish_job_done
+from storage.jobs import (
+    expire_past_deadline,
+    fail_orphaned_jobs,
+    get_job,
+    requeue_orphaned_jobs,
+    stale_queued_jobs,
+)
 from storage.models import Job, JobStatus, utcnow
 from storage.webhook_events import enqueue_job_event
 from storage.workers import orphaned_jobs, prune_dead_workers
@@ -80,6 +86,7 @@ class Reconciler:
         requeue_after_s. At start-up pass now, so everything left queued by an earlier run
         goes out again. Orphans are judged by the heartbeat timeout either way.
         """
+        self.expire_past_deadline()
         num_republished = self.reclaim_orphans()
         cutoff = older_than or utcnow() - timedelta(seconds=self.settings.requeue_after_s)
         num_stale = 0
@@ -97,6 +104,33 @@ class Reconciler:
             logger.info("re-published %d queued job(s) older than %s", num_stale,
                         cutoff.isoformat())
         return num_republished + num_stale
+
+    def expire_past_deadline(self) -> int:
+        """Expire jobs still unfinished at their deadline; abort the running ones in their
+        workers, wake their long-polls and send their webhooks. Returns how many."""
+        total = 0
+        while True:
+            with self.sessions() as session:
+                expired = expire_past_deadline(session, now=utcnow(), limit=PAGE_SIZE)
+                for job, _ in expired:
+                    enqueue_job_event(session, job=job)
+                session.commit()
+                jobs = [(job.id, job.priority, was_running) for job, was_running in expired]
+            for job_id, priority, was_running in jobs:
+                metrics.JOBS_EXPIRED.labels(priority).inc()
+                if self.redis_client is None:
+                    continue
+                if was_running:
+                    publish_cancel(self.redis_client, prefix=self.settings.topic_prefix,
+                                   job_id=job_id)
+                publish_job_done(self.redis_client, prefix=self.settings.topic_prefix,
+                                 job_id=job_id, status=JobStatus.EXPIRED)
+            total += len(jobs)
+            if len(jobs) < PAGE_SIZE:
+                break
+        if total:
+            logger.info("expired %d job(s) past their deadline", total)
+        return total
 
     def reclaim_orphans(self) -> int:
         """Requeue and re-publish (or fail) running jobs of dead workers; returns re-published."""

@@ -33,6 +33,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
+from core.deadlines import duration_seconds
 from storage.models import Base, UTCDateTime, utcnow
 
 
@@ -157,11 +158,10 @@ class Batch(Base):
 
 def completion_window_seconds(completion_window: str) -> int:
     """Seconds in a completion window such as `24h`, `30m`, `90s` or `7d`; ValueError else."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    number, unit = completion_window[:-1], completion_window[-1:]
-    if unit not in units or not number.isdigit() or int(number) <= 0:
-        raise ValueError(f"completion_window {completion_window!r} is not like 24h, 30m or 90s")
-    return int(number) * units[unit]
+    try:
+        return duration_seconds(completion_window)
+    except ValueError as e:
+        raise ValueError(f"completion_window {e}") from e
 
 
 def _unix(at: datetime | None) -> int | None:

@@ -94,6 +94,7 @@ def new_job_values(
     custom_id: str | None = None,
     cache_key: str | None = None,
     published: bool = False,
+    deadline: datetime | None = None,
 ) -> dict[str, Any]:
     """A new queued job's values by `Job` attribute; ValueError for a bad priority or kind.
 
@@ -119,6 +120,7 @@ def new_job_values(
         "request": request,
         "callback_url": callback_url,
         "metadata_": metadata,
+        "deadline": deadline,
         "idempotency_key": idempotency_key,
         "request_hash": request_hash,
         "batch_id": batch_id,
@@ -134,7 +136,7 @@ def new_job_values(
 NEW_JOB_FIELDS = (
     "id", "tenant_id", "status", "priority", "model", "kind", "request", "callback_url",
     "metadata_", "idempotency_key", "request_hash", "batch_id", "custom_id", "cache_key",
-    "attempts", "created_at", "queued_at",
+    "attempts", "created_at", "queued_at", "deadline",
 )
 
 
@@ -470,6 +472,7 @@ def job_message(job: Job) -> JobMessage:
         cache_key=job.cache_key,
         attempt=job.attempts + 1,
         has_callback=job.callback_url is not None,
+        deadline=job.deadline.timestamp() if job.deadline is not None else None,
     )
 
 
@@ -487,4 +490,38 @@ def new_job_message(values: dict[str, Any]) -> JobMessage:
         cache_key=values["cache_key"],
         attempt=values["attempts"] + 1,
         has_callback=values["callback_url"] is not None,
+        deadline=values["deadline"].timestamp() if values.get("deadline") else None,
     )
+
+
+def expire_past_deadline(
+    session: Session, *, now: datetime, limit: int
+) -> list[tuple[Job, bool]]:
+    """Move up to `limit` unfinished jobs whose deadline has passed to `expired`; each job
+    moved with whether it was running (its engine must then abort it).
+
+    A batch's jobs are left to their batch, whose window ends them with partial output
+    kept (scheduler.batches). Guarded like every status write (`WHERE status IN`), so a
+    result stored meanwhile wins and a later result write for an expired job is refused.
+    """
+    candidates = list(session.scalars(
+        select(Job).where(Job.status.in_(UNFINISHED), Job.deadline < now,
+                          Job.batch_id.is_(None))
+        .order_by(Job.deadline, Job.id).limit(limit)
+    ))  # fmt: skip
+    if not candidates:
+        return []
+    before = {job.id: job.status for job in candidates}
+    error = {"message": "the job did not finish before its deadline", "type": "expired",
+             "param": "deadline", "code": "deadline_exceeded"}
+    moved = session.execute(
+        update(Job)
+        .where(Job.id.in_(list(before)), Job.status.in_(UNFINISHED))
+        .values(status=JobStatus.EXPIRED, finished_at=now, error=error)
+        .returning(Job.id)
+        .execution_options(synchronize_session=False)
+    )
+    moved_ids = {job_id for (job_id,) in moved}
+    _expire(session, list(moved_ids))
+    return [(job, before[job.id] == JobStatus.RUNNING)
+            for job in candidates if job.id in moved_ids]

@@ -78,11 +78,15 @@ class JobStatus(enum.StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    # Still unfinished at its deadline (a job's own `deadline`; a batch's jobs end with
+    # their batch's window instead).
+    EXPIRED = "expired"
 
     @property
     def is_terminal(self) -> bool:
         """True once the job can no longer change."""
-        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED,
+                        JobStatus.EXPIRED)
 
 
 class Tenant(Base):

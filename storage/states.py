@@ -1,8 +1,10 @@
 """The job state machine: which status may follow which.
 
-    queued ◄──► running ──► succeeded | failed | cancelled
+    queued ◄──► running ──► succeeded | failed | cancelled | expired
       │           ▲──┘ (re-claim after a redelivery)
-      └──► failed | cancelled
+      └──► failed | cancelled | expired
+
+expired: still unfinished at its deadline (the reconciler moves it).
 
 running → queued hands a job back when its worker drained without finishing it, or
 stopped heart-beating (see `storage.workers`).
@@ -27,16 +29,20 @@ UNFINISHED = (_QUEUED, _RUNNING)
 
 # old status → the statuses it may move to.
 ALLOWED_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
-    JobStatus.QUEUED: frozenset({_RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
+    JobStatus.QUEUED: frozenset(
+        {_RUNNING, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED}
+    ),
     # running → running: a worker re-claims a job Kafka redelivered after a crash.
     # running → queued: handed back by a draining worker, or by the reconciler when the
     # worker that claimed it stopped heart-beating.
     JobStatus.RUNNING: frozenset(
-        {_QUEUED, _RUNNING, JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED}
+        {_QUEUED, _RUNNING, JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED,
+         JobStatus.EXPIRED}
     ),
     JobStatus.SUCCEEDED: frozenset(),
     JobStatus.FAILED: frozenset(),
     JobStatus.CANCELLED: frozenset(),
+    JobStatus.EXPIRED: frozenset(),
 }
 
 

@@ -26,6 +26,7 @@ class EventType(enum.StrEnum):
     JOB_SUCCEEDED = "job.succeeded"
     JOB_FAILED = "job.failed"
     JOB_CANCELLED = "job.cancelled"
+    JOB_EXPIRED = "job.expired"
     BATCH_COMPLETED = "batch.completed"
     BATCH_FAILED = "batch.failed"
     BATCH_EXPIRED = "batch.expired"
@@ -41,6 +42,7 @@ JOB_STATUS_TO_EVENT: dict[JobStatus, EventType] = {
     JobStatus.SUCCEEDED: EventType.JOB_SUCCEEDED,
     JobStatus.FAILED: EventType.JOB_FAILED,
     JobStatus.CANCELLED: EventType.JOB_CANCELLED,
+    JobStatus.EXPIRED: EventType.JOB_EXPIRED,
 }
 
 BATCH_STATUS_TO_EVENT: dict[str, EventType] = {
@@ -118,6 +120,11 @@ def job_event_data(job: Job) -> dict[str, Any]:
         "usage": usage,
         "metadata": job.metadata_,
         "cached": (job.result or {}).get("cached"),
+        "deadline": unix_seconds(job.deadline),
+        # A finished job has no place in a queue and nothing left to estimate.
+        "queue_position": None,
+        "estimated_start_at": None,
+        "estimated_completion_at": None,
         "links": {"self": path, "cancel": f"{path}/cancel"},
     }
 

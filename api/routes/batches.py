@@ -8,6 +8,7 @@ small queries. The objects are OpenAI's (`openai.types.Batch`), plus `priority`.
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import timedelta
 from typing import Annotated, Any, Literal
@@ -17,8 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.batch_state import wait_for_batch
 from api.capabilities import check_model
+from api.deadlines import check_attainable
 from api.deps import (
     RedisDep,
+    ResourcesDep,
     SessionDep,
     SettingsDep,
     TenantDep,
@@ -29,6 +32,7 @@ from api.deps import (
 from api.errors import Conflict, InvalidParameter, InvalidRequest, NotFound
 from api.pagination import invalid_cursor, list_page
 from api.schemas import CallbackUrl, ExpiresAfter, Metadata
+from core.deadlines import check_window
 from core.topics import Priority
 from core.webhook_urls import validate_callback_url
 from storage.batches import (
@@ -40,7 +44,7 @@ from storage.batches import (
     request_cancel,
 )
 from storage.events import publish_batches_wake
-from storage.files import FilePurpose, get_file
+from storage.files import FilePurpose, FileStore, get_file
 from storage.models import utcnow
 
 logger = logging.getLogger(__name__)
@@ -67,11 +71,15 @@ class BatchCreate(BaseModel):
     # Runs every request on this model, whatever each line names.
     model: str | None = Field(default=None, min_length=1, max_length=200)
     callback_url: CallbackUrl | None = None
+    # When the backlog and the fleet cannot finish it within its window: `refuse` (409
+    # deadline_unattainable with the estimate, the default) or `accept` as best effort.
+    on_unattainable: Literal["refuse", "accept"] | None = None
 
 
 @router.post("/v1/batches")
 def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
-           settings: SettingsDep, redis_client: RedisDep) -> dict[str, Any]:
+           settings: SettingsDep, redis_client: RedisDep,
+           resources: ResourcesDep) -> dict[str, Any]:
     """Create a batch from an uploaded `purpose=batch` file."""
     file = get_file(session, file_id=body.input_file_id, tenant_id=tenant.id)
     if file is None:
@@ -80,11 +88,14 @@ def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
         raise InvalidRequest(f"File '{file.id}' has purpose '{file.purpose}'; a batch reads "
                              "a file uploaded with purpose 'batch'.", param="input_file_id",
                              code="invalid_file")
-    if body.completion_window not in settings.batch_completion_windows:
-        allowed = ", ".join(repr(w) for w in settings.batch_completion_windows)
-        raise InvalidRequest(f"completion_window must be one of {allowed}.",
-                             param="completion_window", code="invalid_value")
-    window_s = completion_window_seconds(body.completion_window)
+    try:
+        window_s = completion_window_seconds(body.completion_window)
+        # Any window from a minute to seven days; the configured ones (tests add seconds)
+        # are accepted as they are.
+        if body.completion_window not in settings.batch_completion_windows:
+            check_window(window_s, what="completion_window")
+    except ValueError as e:
+        raise InvalidRequest(f"{e}.", param="completion_window", code="invalid_value") from e
     if body.model is not None:
         check_model(body.model, settings.served_models)
     callback_url = body.callback_url or (body.metadata or {}).get(CALLBACK_METADATA_KEY)
@@ -93,6 +104,14 @@ def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
             validate_callback_url(callback_url, settings)
         except ValueError as e:
             raise InvalidParameter(str(e), param="callback_url") from e
+    if body.on_unattainable != "accept":
+        num_lines, model = _lines_and_model(FileStore.from_settings(settings), file.id)
+        model = body.model or model
+        if model is not None and num_lines:
+            check_attainable(resources.estimates, model=model, priority=body.priority.value,
+                             deadline=utcnow() + timedelta(seconds=window_s),
+                             num_jobs=num_lines, on_unattainable=body.on_unattainable,
+                             what="completion_window")
     now = utcnow()
     batch = create_batch(
         session, tenant_id=tenant.id, input_file_id=file.id, endpoint=body.endpoint,
@@ -106,6 +125,28 @@ def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
     publish_batches_wake(redis_client, prefix=settings.topic_prefix, batch_id=batch.id)
     logger.info("batch %s created from %s for tenant %s", batch.id, file.id, tenant.id)
     return batch_object(batch)
+
+
+def _lines_and_model(files: FileStore, file_id: str) -> tuple[int, str | None]:
+    """Requests in a batch file (its lines) and the model its first line names, for the
+    deadline check; validation proper happens later (scheduler.batch_input)."""
+    num_lines, model, last, first_line = 0, None, b"\n", b""
+    try:
+        for chunk in files.iter_chunks(file_id):
+            if not first_line:
+                first_line = chunk.split(b"\n", 1)[0]
+            num_lines += chunk.count(b"\n")
+            last = chunk[-1:] or last
+    except OSError:
+        return 0, None  # its bytes are gone: validation fails the batch
+    num_lines += last != b"\n"  # a last line without its newline
+    try:
+        first = json.loads(first_line)
+        named = first.get("body", {}).get("model") if isinstance(first, dict) else None
+        model = named if isinstance(named, str) else None
+    except (ValueError, AttributeError):
+        model = None  # validation reports it
+    return num_lines, model
 
 
 @router.get("/v1/batches/{batch_id}")

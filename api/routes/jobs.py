@@ -8,8 +8,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from api.auth import CurrentTenant
+from api.deadlines import check_attainable
 from api.deps import (
     IdempotencyKeyDep,
     ProducerDep,
@@ -21,18 +23,19 @@ from api.deps import (
     long_poll_s,
     resources_of,
 )
-from api.errors import Conflict, NotFound
+from api.errors import Conflict, InvalidRequest, NotFound
 from api.job_filters import from_unix, list_filters
 from api.job_state import cancel_and_announce, wait_for_job
 from api.pagination import invalid_cursor
 from api.resources import LazyProducer, Resources
 from api.schemas import JobCreate, JobListPublic, JobPublic, job_path, model_response
 from api.submission import submit
+from core.deadlines import resolve_deadline
 from core.embedding_requests import EmbeddingJobCreate
 from core.topics import Priority
 from storage.job_queries import JobFilter, list_jobs_where
 from storage.jobs import MAX_LIST_LIMIT
-from storage.models import JobStatus
+from storage.models import JobStatus, utcnow
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +74,20 @@ async def accept_job(raw: dict[str, Any], *, tenant: CurrentTenant,
     The hottest route answers with its own Response (see `model_response`).
     """
     body = _job_request(raw)
+    deadline = None
+    if isinstance(body, JobCreate) and body.deadline is not None:
+        try:
+            deadline = resolve_deadline(body.deadline, now=utcnow())
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="deadline", code="invalid_value") from e
+        # The estimate may read the load (once a second): off the event loop.
+        await run_in_threadpool(
+            check_attainable, resources.estimates, model=body.model,
+            priority=body.priority.value, deadline=deadline,
+            on_unattainable=body.on_unattainable)
     submission = await submit(request=body, priority=body.priority, tenant=tenant,
                               idempotency_key=idempotency_key, resources=resources,
-                              producer=producer)
+                              producer=producer, deadline=deadline)
     headers = {"Location": job_path(submission.job.id)}
     if submission.is_replay:
         headers["Idempotent-Replayed"] = "true"

@@ -2,8 +2,8 @@
 
 `workers.model`, `workers.tokens_per_s` and `workers.step_s` let the API estimate, per
 served model, when queued work starts and finishes. `jobs.deadline` orders work within a
-priority (earliest first) and expires jobs that pass it; the reconciler finds them through
-ix_jobs_status_deadline.
+priority (earliest first) and expires jobs that pass it (status `expired`, a new value of
+PostgreSQL's job_status type); the reconciler finds them through ix_jobs_status_deadline.
 
 Revision ID: 0005
 Revises: 0004
@@ -24,7 +24,10 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    """Add the columns and the deadline index."""
+    """Add the columns, the deadline index and the `expired` job status."""
+    if op.get_bind().dialect.name == "postgresql":
+        with op.get_context().autocommit_block():  # ADD VALUE outside the transaction
+            op.execute("ALTER TYPE job_status ADD VALUE IF NOT EXISTS 'expired'")
     with op.batch_alter_table("workers") as batch:
         batch.add_column(sa.Column("model", sa.String(length=200), nullable=True))
         batch.add_column(sa.Column("tokens_per_s", sa.Float(), nullable=True))
@@ -35,7 +38,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    """Drop them again."""
+    """Drop them again; PostgreSQL keeps the enum value (it cannot drop one), and expired
+    jobs read as cancelled."""
+    op.execute("UPDATE jobs SET status = 'cancelled' WHERE status = 'expired'")
     op.drop_index("ix_jobs_status_deadline", table_name="jobs")
     with op.batch_alter_table("jobs") as batch:
         batch.drop_column("deadline")

@@ -3,6 +3,7 @@ jobs: a heartbeat row stands for a measured worker, as a live one writes it)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,3 +74,71 @@ def test_finished_jobs_carry_no_estimate(service: Service) -> None:
         view = client.get(f"/v1/jobs/{job_id}").json()
     assert view["status"] == "cancelled"
     assert view["queue_position"] is None and view["estimated_completion_at"] is None
+
+
+def _measured_worker(service: Service, tokens_per_s: float) -> None:
+    with service.sessions() as session:
+        record_heartbeat(session, worker_id="w1", model=MODEL, tokens_per_s=tokens_per_s,
+                         step_s=0.01)
+        session.commit()
+    time.sleep(0.1)  # past estimate_refresh_s
+
+
+def test_a_deadline_the_backlog_cannot_meet_is_refused_with_the_estimate(
+    service: Service,
+) -> None:
+    with service.client() as client:
+        for _ in range(10):
+            assert client.post("/v1/jobs", json=CHAT).status_code == 202
+        _measured_worker(service, tokens_per_s=10.0)  # 19.2 s a job
+        # Low: behind the ten normal jobs, about 11 x 19.2 = 211 s away.
+        late = CHAT | {"priority": "low", "deadline": 120}
+        refused = client.post("/v1/jobs", json=late)
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "deadline_unattainable" and error["param"] == "deadline"
+        assert error["estimated_completion_at"] - time.time() == pytest.approx(211, abs=15)
+        assert "on_unattainable" in error["message"]
+
+        accepted = client.post("/v1/jobs", json=late | {"on_unattainable": "accept"})
+        assert accepted.status_code == 202, accepted.text
+        view = client.get(f"/v1/jobs/{accepted.json()['id']}").json()
+        assert view["deadline"] - time.time() == pytest.approx(120, abs=5)
+        # Normal with a deadline: before the ten without one, so it can make it.
+        urgent = client.post("/v1/jobs", json=CHAT | {"deadline": 120})
+        assert urgent.status_code == 202, urgent.text
+        assert client.get(f"/v1/jobs/{urgent.json()['id']}").json()["queue_position"] == 0
+
+
+def test_deadlines_outside_a_minute_to_seven_days_or_without_an_offset_are_400(
+    service: Service,
+) -> None:
+    with service.client() as client:
+        for deadline in (30, 8 * 86_400, "2030-01-01T00:00:00", "tomorrow"):
+            response = client.post("/v1/jobs", json=CHAT | {"deadline": deadline})
+            assert response.status_code in (400, 422), (deadline, response.text)
+            assert response.json()["error"]["param"].startswith("deadline"), deadline
+        rfc3339 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3600))
+        assert client.post("/v1/jobs", json=CHAT | {"deadline": rfc3339}).status_code == 202
+
+
+def test_a_batch_whose_window_the_fleet_cannot_meet_is_refused(service: Service) -> None:
+    lines = "".join(
+        json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}})
+        + "\n"
+        for i in range(50)
+    )
+    with service.client() as client:
+        file_id = client.post("/v1/files", data={"purpose": "batch"},
+                              files={"file": ("in.jsonl", lines.encode())}).json()["id"]
+        _measured_worker(service, tokens_per_s=1.0)  # 50 x 192 s: far beyond 30 minutes
+        body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+                "completion_window": "30m"}
+        refused = client.post("/v1/batches", json=body)
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["code"] == "deadline_unattainable"
+        roomy = client.post("/v1/batches", json=body | {"completion_window": "24h"})
+        assert roomy.status_code == 200, roomy.text
+        accepted = client.post("/v1/batches", json=body | {"on_unattainable": "accept"})
+        assert accepted.status_code == 200, accepted.text

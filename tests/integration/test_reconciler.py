@@ -18,8 +18,9 @@ from core.settings import Settings
 from scheduler import reconciler as reconciler_module
 from scheduler.reconciler import Reconciler
 from storage.db import create_db_engine, session_factory
+from storage.events import cancel_channel
 from storage.jobs import complete_job, create_job, get_job, mark_published, mark_running
-from storage.models import Base, JobStatus, utcnow
+from storage.models import Base, Job, JobStatus, utcnow
 from storage.tenants import create_tenant
 from storage.workers import live_worker_ids, record_heartbeat
 
@@ -247,3 +248,51 @@ def test_running_jobs_of_dead_workers_are_requeued_or_failed_after_the_last_atte
     assert REGISTRY.get_sample_value("batchinfer_jobs_reclaimed_total",
                                      {"outcome": "failed"}) == failed_before + 1
     engine.dispose()
+
+
+def test_jobs_past_their_deadline_expire_and_running_ones_are_aborted(
+    settings, redis_client
+) -> None:
+    """Queued and running jobs past their deadline become `expired`; a batch's jobs are
+    left to their batch's window; a result stored later for an expired job is refused."""
+    s = settings()
+    engine = create_db_engine(s.database_url)
+    Base.metadata.create_all(engine)
+    sessions = session_factory(engine)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    past, future = utcnow() - timedelta(seconds=5), utcnow() + timedelta(hours=1)
+    with sessions() as session:
+        tenant = create_tenant(session, name="acme")
+
+        def job(deadline: Any, **extra: Any) -> str:
+            return create_job(session, tenant_id=tenant.id, priority="normal", model=s.model,
+                              kind="chat.completion", request=body, deadline=deadline,
+                              **extra).id
+
+        ids = {"queued": job(past), "running": job(past), "later": job(future),
+               "none": job(None), "batch": job(past, batch_id="batch_x")}
+        mark_running(session, job_id=ids["running"], worker_id="w1")
+        session.commit()
+
+    cancels = redis_client.pubsub()
+    cancels.subscribe(cancel_channel(s.topic_prefix))
+    assert cancels.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
+    reconciler = Reconciler(s, sessions, make_producer(s), redis_client=redis_client)
+    try:
+        assert reconciler.expire_past_deadline() == 2
+        assert reconciler.expire_past_deadline() == 0
+    finally:
+        reconciler.producer.close()
+    with sessions() as session:
+        status = {name: session.get(Job, i).status for name, i in ids.items()}  # type: ignore[union-attr]
+        expired = get_job(session, job_id=ids["queued"])
+        assert expired is not None and expired.error is not None
+        assert expired.error["code"] == "deadline_exceeded" and expired.finished_at is not None
+        assert not complete_job(session, job_id=ids["running"], result={"x": 1},
+                                prompt_tokens=1, completion_tokens=1, cached_tokens=0,
+                                first_token_at=None)
+    assert status == {"queued": JobStatus.EXPIRED, "running": JobStatus.EXPIRED,
+                      "later": JobStatus.QUEUED, "none": JobStatus.QUEUED,
+                      "batch": JobStatus.QUEUED}
+    message = cancels.get_message(timeout=5)
+    assert message is not None and ids["running"] in message["data"].decode()

@@ -262,3 +262,20 @@ def test_main_thread_scaler_applies_the_latest_count_once() -> None:
     scaler.apply()
     scaler.apply()
     assert calls == [2]
+
+
+def test_queued_deadlines_raise_the_count_within_the_limits() -> None:
+    """Little lag but deadlines that need 5 workers: 5; never past max or the partitions."""
+    scaler = Autoscaler(_policy(), num_workers=1)
+    decision = scaler.observe(_normal(50), num_partitions=8, now=0, num_for_deadlines=5)
+    assert decision.num_workers == 5 and "deadlines ask for 5" in decision.reason
+    assert scaler.observe(_normal(50), num_partitions=8, now=1,
+                          num_for_deadlines=50).num_workers == 8
+    assert scaler.observe(_normal(50), num_partitions=3, now=2,
+                          num_for_deadlines=50).num_workers == 8  # no scale-down at once
+    fresh = Autoscaler(_policy(), num_workers=1)
+    assert fresh.observe(_normal(50), num_partitions=3, now=0,
+                         num_for_deadlines=50).num_workers == 3
+    # Deadlines asking for fewer than the lag change nothing.
+    assert fresh.observe(_normal(700), num_partitions=8, now=1,
+                         num_for_deadlines=2).num_workers == 7

@@ -44,6 +44,7 @@ class _Add:
     params: SamplingParams
     priority: int
     stream: bool = False
+    deadline: float | None = None
 
 
 @dataclass(slots=True)
@@ -115,8 +116,10 @@ class EngineLoop:
             *, stream: bool = False, job: JobMessage | None = None) -> None:
         """Queue a request; it joins the running batch at the engine's next step. With
         `stream`, its text goes to `token_sink` step by step. (`job` is for an engine
-        server, which sends the job's own fields; this engine needs none.)"""
-        self._inbox.put(_Add(request_id, prompt, params, priority, stream))
+        server, which sends the job's own fields; this engine takes its deadline, which
+        orders it within its priority.)"""
+        deadline = job.deadline if job is not None else None
+        self._inbox.put(_Add(request_id, prompt, params, priority, stream, deadline))
 
     def watch(self, request_id: str) -> None:
         """Stream a live request from now on: its text so far, then step by step."""
@@ -189,9 +192,8 @@ class EngineLoop:
                 self._outbox.put(FinishedRequest(command.request_id, aborted=True))
             return
         try:
-            self.engine.add_request(
-                command.request_id, command.prompt, command.params, priority=command.priority
-            )
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    priority=command.priority, deadline=command.deadline)
         except ValueError as e:
             # Bad input for this request only (too long a prompt, unknown template...).
             self._outbox.put(FinishedRequest(command.request_id, error=str(e)))

@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from api.estimates import ModelQueue, queue_key
 from storage.estimates import LoadReading
+from storage.queue_estimates import ModelQueue, queue_key, workers_for_deadlines
 
 T0 = datetime(2026, 11, 28, 12, 0, tzinfo=UTC)
 NOW = T0.timestamp() + 100
@@ -89,3 +89,19 @@ def test_a_running_job_finishes_its_own_run_after_it_started() -> None:
 def test_defaults_before_anything_finished() -> None:
     queue = ModelQueue.of(reading(mean_prompt_tokens=None, mean_completion_tokens=None), NOW)
     assert queue.work_per_job == 64 + 128
+
+
+def test_workers_for_deadlines_from_the_pace_per_worker() -> None:
+    """Two workers at 500 tok/s each; 100 jobs of 200 tokens due in 10 s need 2,000 tok/s:
+    4 workers. Due in a day: the ones there are (1 suffices)."""
+    due_soon = [("normal", at(100 + 10), at(i)) for i in range(100)]
+    queue = ModelQueue.of(reading(num_workers=2, queued=due_soon), NOW)
+    assert workers_for_deadlines(queue, now=NOW) == 4
+    due_late = [("normal", at(100 + 86_400), at(i)) for i in range(100)]
+    assert workers_for_deadlines(ModelQueue.of(reading(num_workers=2, queued=due_late),
+                                               NOW), now=NOW) == 1
+    no_deadlines = [("normal", None, at(i)) for i in range(100)]
+    assert workers_for_deadlines(ModelQueue.of(reading(num_workers=2, queued=no_deadlines),
+                                               NOW), now=NOW) == 0
+    assert workers_for_deadlines(ModelQueue.of(reading(tokens_per_s=None, queued=due_soon),
+                                               NOW), now=NOW) == 0

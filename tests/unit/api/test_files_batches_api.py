@@ -138,7 +138,9 @@ def test_batch_create_refusals(client: TestClient, acme: TenantKey) -> None:
     file_id = upload(client, acme).json()["id"]
     cases: list[tuple[dict[str, Any], int, str]] = [
         ({"input_file_id": "file-nope"}, 404, "input_file_id"),
-        ({"completion_window": "1h"}, 400, "completion_window"),
+        ({"completion_window": "30s"}, 400, "completion_window"),
+        ({"completion_window": "8d"}, 400, "completion_window"),
+        ({"completion_window": "1w"}, 400, "completion_window"),
         ({"endpoint": "/v1/responses"}, 422, "endpoint"),
         ({"model": "gpt-4o"}, 404, "model"),
         ({"priority": "urgent"}, 422, "priority"),
@@ -152,6 +154,15 @@ def test_batch_create_refusals(client: TestClient, acme: TenantKey) -> None:
         assert response.status_code == status_code, (overrides, response.text)
         assert response.json()["error"]["param"] == param, overrides
     assert client.get("/v1/batches", headers=acme.headers).json()["data"] == []
+
+
+def test_any_completion_window_from_a_minute_to_seven_days(client: TestClient,
+                                                          acme: TenantKey) -> None:
+    file_id = upload(client, acme).json()["id"]
+    for window, seconds in (("1m", 60), ("30m", 1800), ("2h", 7200), ("7d", 7 * 86_400)):
+        batch = create(client, acme, file_id, completion_window=window).json()
+        assert batch["completion_window"] == window
+        assert batch["expires_at"] - batch["created_at"] in (seconds - 1, seconds, seconds + 1)
 
 
 def test_short_completion_windows_when_allowed(make_client: ClientFactory,

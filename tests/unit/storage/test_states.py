@@ -9,14 +9,15 @@ import pytest
 from storage.models import JobStatus
 from storage.states import IllegalTransition, can_transition, check_transition, sources_of
 
-Q, R, S, F, C = (
+Q, R, S, F, C, X = (
     JobStatus.QUEUED,
     JobStatus.RUNNING,
     JobStatus.SUCCEEDED,
     JobStatus.FAILED,
     JobStatus.CANCELLED,
+    JobStatus.EXPIRED,
 )
-ALLOWED = {(Q, R), (Q, F), (Q, C), (R, Q), (R, R), (R, S), (R, F), (R, C)}
+ALLOWED = {(Q, R), (Q, F), (Q, C), (Q, X), (R, Q), (R, R), (R, S), (R, F), (R, C), (R, X)}
 
 
 @pytest.mark.parametrize("old,new", sorted(ALLOWED))

@@ -1,0 +1,141 @@
+"""Estimate arithmetic over one model's load reading: queue order, work ahead, times.
+
+Pure (no I/O): the API's estimate board and the autoscaler's deadline floor both use it.
+A queued job's work ahead is the jobs before it in the order workers take them (priority,
+then deadline, earliest first and none last, then creation) plus half of the running
+ones' (on average half done), each worth the model's expected work (prompt tokens the
+engine computes plus output tokens, learned from finished jobs; a share answered from
+caches costs nothing). It finishes once that work and its own are done at the model's
+measured rate (tokens/s summed over its live workers), and not before its own output has
+been decoded one step at a time; it starts that long before.
+
+Worked example: rate 1,000 tokens/s, expected work 200 tokens (150 out), step 20 ms,
+2 running, job 9th in line: ahead = (8 + 2/2) x 200 = 1,800 tokens; completion = now +
+(1,800 + 200) / 1,000 = now + 2.0 s (>= its own 150 x 0.02 = 3.0 s, so now + 3.0 s);
+start = completion - 3.0 s = now.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from core.topics import PRIORITIES
+from storage.estimates import LoadReading
+
+# Before a model has finished anything: what a job is assumed to be.
+DEFAULT_PROMPT_TOKENS = 64.0
+DEFAULT_COMPLETION_TOKENS = 128.0
+
+QueueKey = tuple[float, float]  # (deadline or inf, created_at), seconds since the epoch
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """Where a job stands: jobs ahead of it, and when it should start and finish."""
+
+    queue_position: int | None
+    estimated_start_at: float | None
+    estimated_completion_at: float | None
+
+
+@dataclass(slots=True)
+class ModelQueue:
+    """One model's reading, arranged for estimates."""
+
+    at: float  # seconds since the epoch
+    num_workers: int
+    tokens_per_s: float | None
+    step_s: float | None
+    num_running: int
+    work_per_job: float  # expected engine tokens of one queued job
+    completion_tokens: float
+    # Per priority rank: queued jobs' keys, sorted.
+    queued: list[list[QueueKey]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, reading: LoadReading, at: float) -> ModelQueue:
+        """Arrange a reading."""
+        prompt = reading.mean_prompt_tokens
+        completion = reading.mean_completion_tokens
+        prompt = DEFAULT_PROMPT_TOKENS if prompt is None else prompt
+        completion = DEFAULT_COMPLETION_TOKENS if completion is None else completion
+        queued: list[list[QueueKey]] = [[] for _ in PRIORITIES]
+        for priority, deadline, created_at in reading.queued:
+            rank = PRIORITIES.index(priority) if priority in PRIORITIES else len(PRIORITIES) - 1
+            queued[rank].append(queue_key(deadline, created_at))
+        for keys in queued:
+            keys.sort()
+        return cls(
+            at=at,
+            num_workers=reading.num_workers,
+            tokens_per_s=reading.tokens_per_s,
+            step_s=reading.step_s,
+            num_running=len(reading.running_started),
+            work_per_job=(prompt + completion) * (1 - reading.cache_hit_fraction),
+            completion_tokens=completion,
+            queued=queued,
+        )
+
+    def jobs_ahead(self, rank: int, key: QueueKey) -> int:
+        """Queued jobs a job of this rank and key comes after."""
+        more_urgent = sum(len(keys) for keys in self.queued[:rank])
+        return more_urgent + bisect.bisect_left(self.queued[rank], key)
+
+    @property
+    def own_seconds(self) -> float:
+        """How long one job runs once started: its output, one step per token."""
+        return self.completion_tokens * (self.step_s or 0.0)
+
+    def estimate_queued(self, rank: int, key: QueueKey, now: float) -> Estimate:
+        """A queued job's (or a new one's) position and times."""
+        ahead = self.jobs_ahead(rank, key)
+        if not self.tokens_per_s:
+            return Estimate(ahead, None, None)
+        work = (ahead + self.num_running / 2 + 1) * self.work_per_job
+        completion = max(now + work / self.tokens_per_s, now + self.own_seconds)
+        start = max(now, completion - self.own_seconds)
+        return Estimate(ahead, start, completion)
+
+    def estimate_running(self, started_at: float, now: float) -> Estimate:
+        """A running job's times: done its own run after it started (or a step from now)."""
+        if not self.tokens_per_s:
+            return Estimate(0, started_at, None)
+        completion = max(started_at + self.own_seconds, now + (self.step_s or 0.0))
+        return Estimate(0, started_at, completion)
+
+    def seconds_to_drain(self) -> float | None:
+        """How long the model's fleet needs for all the work it has now."""
+        if not self.tokens_per_s:
+            return None
+        num_queued = sum(len(keys) for keys in self.queued)
+        return (num_queued + self.num_running / 2) * self.work_per_job / self.tokens_per_s
+
+
+    def tokens_per_s_for_deadlines(self, now: float) -> float:
+        """The pace (tokens/s) at which every queued job with a deadline would meet it:
+        the most, over those jobs, of the work up to and including each divided by the
+        time left to its deadline (0.0 when none has one; past deadlines are left to
+        expiry)."""
+        needed = 0.0
+        num_before = self.num_running / 2
+        for keys in self.queued:
+            for deadline, _ in keys:
+                num_before += 1
+                if math.isfinite(deadline) and deadline > now:
+                    needed = max(needed, num_before * self.work_per_job / (deadline - now))
+        return needed
+
+def queue_key(deadline: datetime | None, created_at: datetime) -> QueueKey:
+    """How workers order queued jobs within a priority: deadline, then creation."""
+    return (deadline.timestamp() if deadline is not None else math.inf, created_at.timestamp())
+
+
+def workers_for_deadlines(queue: ModelQueue, *, now: float) -> int:
+    """Workers whose measured pace meets every queued deadline (0 without a measurement)."""
+    if not queue.tokens_per_s or queue.num_workers < 1:
+        return 0
+    per_worker = queue.tokens_per_s / queue.num_workers
+    return math.ceil(queue.tokens_per_s_for_deadlines(now) / per_worker)
