@@ -46,8 +46,9 @@ def test_work_ahead_follows_priority_then_deadline_then_creation() -> None:
     last_low = queue.estimate_queued(2, queue_key(None, at(99)), NOW)
     assert [high.queue_position, with_deadline.queue_position, without.queue_position,
             last_low.queue_position] == [0, 1, 2, 102]
-    completions = [e.estimated_completion_at for e in (high, with_deadline, without, last_low)]
-    assert completions == sorted(completions)
+    completions = [e.estimated_completion_at or 0.0
+                   for e in (high, with_deadline, without, last_low)]
+    assert all(completions) and completions == sorted(completions)
     # 103 jobs of 200 tokens at 1,000 tok/s: the last one is done 20.6 s from now.
     assert last_low.estimated_completion_at == pytest.approx(NOW + 20.6)
 
