@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.cli import build_parser, cmd_worker, engine_urls_of, served_models_of
+from cli.main import build_parser, cmd_worker, engine_urls_of, served_models_of
 
 
 def test_up_binds_each_engine_url_to_the_model_before_it() -> None:
@@ -12,10 +12,11 @@ def test_up_binds_each_engine_url_to_the_model_before_it() -> None:
         "up", "--model", "big", "--engine-url", "http://a:8000/v1", "--engine-url",
         "http://b:8000/v1", "--model", "small", "--model", "other", "--served-model-name",
         "big-name", "--engine-url", "http://c:8000/v1"])
-    served = served_models_of(args.model, args.served_model_name)
-    # --served-model-name pairs by position too: "big-name" names "big"
+    served = served_models_of(args.served)
+    # --served-model-name names the --model just before it: "other" is served as "big-name".
+    assert served == [("big", "big"), ("small", "small"), ("other", "big-name")]
     assert engine_urls_of(served, args.engine_url) == {
-        "big-name": ["http://a:8000/v1", "http://b:8000/v1"], "other": ["http://c:8000/v1"]}
+        "big": ["http://a:8000/v1", "http://b:8000/v1"], "big-name": ["http://c:8000/v1"]}
 
 
 def test_up_refuses_an_engine_url_before_any_model(capsys: pytest.CaptureFixture[str]) -> None:

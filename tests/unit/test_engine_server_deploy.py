@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from core.cli import build_parser
+from cli.main import build_parser
 from core.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
