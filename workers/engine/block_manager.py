@@ -14,6 +14,9 @@ Responsibilities:
 - leave out of all of this a sequence whose request opted out (`use_prefix_cache`
   False): it reuses no cached block, loads nothing from the tier, and registers (so
   offloads) none of its own blocks, which go back to the plain free pool when freed;
+- under sliding-window attention on every layer, give back a running sequence's leading
+  blocks once no query of it can read them (`release_out_of_window`): a cached one stays
+  in the prefix cache for others, its table entry stays in place (no kernel reads it);
 - free everything a sequence holds, leaving no leak.
 
 Block arithmetic, worked once for block_size = 4: a sequence of 10 tokens needs
@@ -86,6 +89,8 @@ class BlockManager:
         # Per waiting request: blocks of its prefix already asked of the tier, so a
         # sequence that waits several steps asks once (reset when it is preempted).
         self._num_tier_checked_blocks: dict[str, int] = {}
+        # Per request: leading blocks of its table already given back (outside the window).
+        self._num_released_blocks: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -263,23 +268,47 @@ class BlockManager:
                     self._offload(block)
         self._num_registered_blocks[seq.request_id] = num_full
 
+    def release_out_of_window(self, seq: Sequence, window: int) -> int:
+        """Give back the sequence's leading blocks that lie wholly before every window it
+        can still attend with; returns how many were given back this time.
+
+        Its next query sits at position num_computed_tokens and sees keys from
+        num_computed_tokens - window + 1 on, later queries fewer. Example, block_size 4,
+        window 6, 13 tokens computed: keys from 8 on stay readable, so blocks 0 and 1
+        (positions 0..7) go back. Call it after cache_computed_blocks, so a full block is
+        registered in the prefix cache (and stays reusable there) before it is released.
+        """
+        first_visible = max(0, seq.num_computed_tokens - window + 1)
+        num_dead = min(first_visible // self.block_size, len(seq.block_table))
+        done = self._num_released_blocks.get(seq.request_id, 0)
+        for block_id in seq.block_table[done:num_dead]:
+            self._release(block_id)
+        if num_dead > done:
+            self._num_released_blocks[seq.request_id] = num_dead
+        return max(0, num_dead - done)
+
     def free(self, seq: Sequence) -> None:
         """Release every block the sequence holds and reset its progress."""
         # Release the tail first: when the pool runs short, a prefix's last blocks are
         # evicted before its first ones, which more sequences are likely to share.
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            assert block.ref_count > 0, f"block {block_id} freed more often than taken"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is None:
-                    self.free_block_ids.append(block_id)
-                else:
-                    self.cached_free_block_ids[block_id] = None
+        done = self._num_released_blocks.pop(seq.request_id, 0)
+        for block_id in reversed(seq.block_table[done:]):
+            self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._num_registered_blocks.pop(seq.request_id, None)
         self._num_tier_checked_blocks.pop(seq.request_id, None)
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; at zero the block goes back to a free pool."""
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} freed more often than taken"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is None:
+                self.free_block_ids.append(block_id)
+            else:
+                self.cached_free_block_ids[block_id] = None
 
     def forget(self, seq: Sequence) -> None:
         """Drop the per-request memo once the sequence has left the engine for good."""

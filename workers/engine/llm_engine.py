@@ -29,6 +29,7 @@ from workers.engine.grammar import GrammarCompiler, GrammarState, StepMasks
 from workers.engine.kv_tier import KVTier
 from workers.engine.kv_tier_link import KVTierLink
 from workers.engine.model_runner import ModelRunner
+from workers.engine.models import kv_window
 from workers.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
@@ -80,6 +81,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             watermark=config.watermark,
             step_time_targets=config.step_time_targets,
+            kv_window=kv_window(self.runner.hf_config),
         )
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()

@@ -96,8 +96,12 @@ class Scheduler:
         watermark: float = 0.01,
         step_time_targets: Mapping[int, float] | None = None,
         cost_model: StepCostModel | None = None,
+        kv_window: int | None = None,
     ) -> None:
+        """kv_window: the widest sliding window when every layer has one (blocks before it
+        are given back as sequences advance), None when any layer attends to everything."""
         self.block_manager = block_manager
+        self.kv_window = kv_window
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -216,6 +220,8 @@ class Scheduler:
             assert seq.status is SequenceStatus.RUNNING
             seq.num_computed_tokens += n
             self.block_manager.cache_computed_blocks(seq)
+            if self.kv_window is not None:
+                self.block_manager.release_out_of_window(seq, self.kv_window)
             if token is None:
                 assert seq.num_computed_tokens < seq.num_tokens, "no token for a full prefill"
                 continue

@@ -248,3 +248,30 @@ def test_reset_prefix_cache_and_bad_sizes() -> None:
         BlockManager(0, 16)
     with pytest.raises(ValueError, match="block_size"):
         BlockManager(4, 0)
+
+
+def test_blocks_before_the_window_go_back_and_stay_cached() -> None:
+    """block_size 4, window 6, 13 tokens computed: keys from 8 on stay readable, so blocks
+    0 and 1 go back (their cached copies stay hits for another sequence); freeing the
+    sequence later releases only what it still holds."""
+    bm = BlockManager(8, 4)
+    seq = make_seq(list(range(13)))
+    admit_and_compute(bm, seq)
+    assert bm.num_used_blocks == 4
+    assert bm.release_out_of_window(seq, 6) == 2
+    assert bm.num_used_blocks == 2 and len(seq.block_table) == 4  # the table keeps its shape
+    assert bm.release_out_of_window(seq, 6) == 0  # nothing twice
+    twin = make_seq(list(range(13)))
+    assert bm.find_cached_prefix(twin) == seq.block_table[:3]  # released blocks still hit
+    bm.free(seq)
+    assert bm.num_used_blocks == 0
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_a_window_wider_than_the_sequence_releases_nothing() -> None:
+    """Window 12 over 13 computed tokens: the next query sees keys 2.., block 0 stays."""
+    bm = BlockManager(8, 4)
+    seq = make_seq(list(range(13)))
+    admit_and_compute(bm, seq)
+    assert bm.release_out_of_window(seq, 12) == 0
+    assert bm.num_used_blocks == 4

@@ -10,6 +10,7 @@ eager attention: it is the implementation that applies Gemma 2's soft-capping.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -118,3 +119,22 @@ def test_unservable_configs_are_refused_with_the_reason(
 def test_every_tiny_family_is_supported(name: str) -> None:
     """The registry accepts each family config the parity tests build."""
     check_supported(family_config(name))
+
+
+def test_long_windowed_sequences_hold_only_their_window(tmp_path: Path) -> None:
+    """Every layer windowed (24 tokens, blocks of 16): a 150-token prompt decoding 40
+    tokens holds at most the blocks its window spans, not its whole length."""
+    save_family(tmp_path, "mistral-window")
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", attention_backend="torch",
+              skip_tokenizer_init=True, block_size=16, num_kv_blocks=64,
+              max_num_batched_tokens=64)  # fmt: skip
+    engine = llm.engine
+    engine.add_request("long", list(range(3, 153)), SamplingParams(temperature=0, max_tokens=40))
+    most_held = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        most_held = max(most_held, engine.stats().num_kv_blocks_used)
+    # The window (24) plus a 64-token chunk span at most ceil((24 + 64) / 16) + 1 blocks;
+    # the whole sequence would need ceil(190 / 16) = 12.
+    assert most_held <= 7
+    assert engine.stats().num_kv_blocks_used == 0

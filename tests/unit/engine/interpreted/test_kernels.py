@@ -8,6 +8,7 @@ layouts and masks, and the fp32 arithmetic the GPU runs on bf16 data.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -32,8 +33,9 @@ def paged_inputs(
     head_dim: int,
     block_size: int,
     dtype: torch.dtype,
-) -> dict[str, torch.Tensor]:
-    """Random q/k/v, a pool of random cached K/V and scattered tables for `step`."""
+) -> dict[str, Any]:
+    """Random q/k/v, a pool of random cached K/V and scattered tables for `step` (tensors,
+    typed Any so they spread into keyword arguments of other types too)."""
     gen = torch.Generator().manual_seed(0)
     num_tokens = sum(n for _, n in step)
     needed = [-(-(c + n) // block_size) for c, n in step]
