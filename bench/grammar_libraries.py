@@ -109,7 +109,8 @@ def main() -> None:
             for name, bench in (("xgrammar", _bench_xgrammar), ("llguidance", _bench_llguidance)):
                 compile_s, mask_s = bench(tokenizer, vocab_size)
                 print(  # noqa: T201
-                    f"{label:>24} {name:>10}: compile median {statistics.median(compile_s) * 1e3:7.2f} ms"
+                    f"{label:>24} {name:>10}: compile median "
+                    f"{statistics.median(compile_s) * 1e3:7.2f} ms"
                     f" max {max(compile_s) * 1e3:7.2f} ms; mask+advance per token median "
                     f"{statistics.median(mask_s) * 1e6:6.1f} us max {max(mask_s) * 1e6:6.1f} us"
                 )

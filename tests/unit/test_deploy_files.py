@@ -100,6 +100,13 @@ def _kubernetes() -> dict[str, list[dict[str, Any]]]:
     return objects
 
 
+def _model_workers(compose: dict[str, Any]) -> list[dict[str, Any]]:
+    """Compose's worker services that load their model (not those in front of an engine
+    server, tests/unit/test_engine_server_deploy.py)."""
+    return [s for s in compose["services"].values() if s.get("command") == ["worker"]
+            and "BATCHINFER_ENGINE_URLS" not in s.get("environment", {})]
+
+
 def _worker_container(deployment: dict[str, Any]) -> dict[str, Any]:
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     return container
@@ -150,7 +157,7 @@ def test_compose_and_kubernetes_serve_two_models_each_with_its_workers() -> None
                          in compose["x-batchinfer"]["environment"].items()})
     assert len(shared.served_models) == 2
     assert shared.embedding_models and set(shared.embedding_models) < set(shared.served_models)
-    workers = [s for s in compose["services"].values() if s.get("command") == ["worker"]]
+    workers = _model_workers(compose)
     assert sorted(w["environment"]["BATCHINFER_MODEL"] for w in workers) == sorted(
         shared.served_models)
     objects = _kubernetes()
@@ -254,7 +261,8 @@ def test_worker_image_has_cuda_and_a_compiler_and_the_others_are_cpu_only() -> N
     for name, service in compose["services"].items():
         if "build" not in service:
             continue
-        expected = "worker" if service.get("command") == ["worker"] else "cpu"
+        # A worker in front of an engine server runs no model: the CPU image serves it.
+        expected = "worker" if service in _model_workers(compose) else "cpu"
         assert service["build"]["target"] == expected, name
         assert service["image"] == f"batchinfer:{expected}", name
 
@@ -271,8 +279,7 @@ def test_models_are_prepared_once_before_any_worker_starts() -> None:
     assert all(f"batchinfer models prepare {m}" in prepare for m in shared.served_models)
     assert services["models"]["restart"] == "no"
     assert "batchinfer-models:/models" in services["models"]["volumes"]
-    workers = [s for s in services.values() if s.get("command") == ["worker"]]
-    for worker in workers:
+    for worker in _model_workers(compose):
         assert worker["depends_on"]["models"] == {"condition": "service_completed_successfully"}
         assert "batchinfer-models:/models" in worker["volumes"]
         assert "entrypoint" not in worker
