@@ -9,7 +9,9 @@ Two phases, one after the other (they would share the cores):
   service  `batchinfer up --workers 1` (embedded broker, Redis, SQLite), idle; each
            prompt is POSTed to /v1/completions with `stream: true` (one at a time, one
            kept-alive connection) and the clock stops at the first chunk that carries
-           text: time to first chunk (TTFC); the time to the role-less `[DONE]` too
+           text: time to first chunk (TTFC); the time to `[DONE]` too; and, beside each,
+           the same prompt without `stream` and with `max_tokens: 1`: what the job path
+           costs to the first token without streaming (the service's floor for TTFC)
 
 Every request is distinct and sets `cache: {"mode": "off"}` (no result or prefix cache
 answers it), so each runs its prompt's prefill in full. The figure the issue sets is
@@ -17,7 +19,7 @@ TTFC / TTFT <= 1.2; the difference is what the service adds in front of the engi
 (HTTP, validation, the database insert, Kafka in and out, the claim, Redis both ways).
 
     .venv/bin/python -m bench.stream_latency [--model DIR_OR_NAME] [--trials 20] \
-        [--prompt-words 400] [--max-tokens 16]
+        [--prompt-words 100] [--max-tokens 16]
 
 Without --model it runs the tiny random-weight Llama the tests use.
 """
@@ -74,9 +76,10 @@ def engine_ttft(model: str, texts: list[str], max_tokens: int) -> list[float]:
 
 
 def service_ttfc(url: str, headers: dict[str, str], model: str, texts: list[str],
-                 max_tokens: int) -> tuple[list[float], list[float]]:
-    """Per prompt: seconds to the first chunk with text, and to `[DONE]`."""
-    firsts, totals = [], []
+                 max_tokens: int) -> tuple[list[float], list[float], list[float]]:
+    """Per prompt: seconds to the first chunk with text, to `[DONE]`, and of the same
+    prompt's 1-token request without `stream`."""
+    firsts, totals, one_tokens = [], [], []
     with httpx.Client(base_url=url, headers=headers, timeout=300) as client:
         for i, text in enumerate(["warm up " + texts[0], *texts]):
             body = {"model": model, "prompt": text, "max_tokens": max_tokens,
@@ -93,10 +96,16 @@ def service_ttfc(url: str, headers: dict[str, str], model: str, texts: list[str]
                             and json.loads(line[6:])["choices"][0]["text"]):
                         first = time.perf_counter() - begun
             assert first is not None, "no chunk carried text"
+            total = time.perf_counter() - begun
+            begun = time.perf_counter()
+            one = client.post("/v1/completions", json=body | {
+                "prompt": "one " + text, "max_tokens": 1, "stream": False})
+            one.raise_for_status()
             if i:
                 firsts.append(first)
-                totals.append(time.perf_counter() - begun)
-    return firsts, totals
+                totals.append(total)
+                one_tokens.append(time.perf_counter() - begun)
+    return firsts, totals, one_tokens
 
 
 def summary(name: str, seconds: list[float]) -> str:
@@ -110,7 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model name or directory (default: the tiny Llama)")
     parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--prompt-words", type=int, default=400)
+    parser.add_argument("--prompt-words", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
     print(f"machine: {machine()}")
@@ -126,14 +135,18 @@ def main() -> None:
         print(summary("engine TTFT", ttft))
         up = started(root, "service", Path(model), num_workers=1)
         try:
-            ttfc, totals = service_ttfc(up.url, up.headers, model, texts, args.max_tokens)
+            ttfc, totals, one_tokens = service_ttfc(up.url, up.headers, model, texts,
+                                                    args.max_tokens)
         finally:
             stop_service(up)
     print(summary("service TTFC (first chunk with text)", ttfc))
     print(summary(f"service time to [DONE] ({args.max_tokens} tokens)", totals))
+    print(summary("service 1-token request without stream", one_tokens))
     ratio = statistics.median(ttfc) / statistics.median(ttft)
     print(f"TTFC / TTFT (medians): {ratio:.2f} (target <= 1.20); the service adds "
           f"{1e3 * (statistics.median(ttfc) - statistics.median(ttft)):.1f} ms")
+    print(f"TTFC / 1-token request without stream (medians): "
+          f"{statistics.median(ttfc) / statistics.median(one_tokens):.2f}")
     print(f"load after: {os.getloadavg()}")
 
 
