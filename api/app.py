@@ -26,6 +26,7 @@ from api.last_resort import LastResortMiddleware
 from api.metrics import HTTPMetricsMiddleware
 from api.resources import Resources
 from api.routes import (
+    batch_lines,
     batches,
     cache_stats,
     completions,
@@ -113,6 +114,6 @@ def create_app(settings: Settings | None = None, *, serving: bool = False) -> Fa
     app.add_middleware(LastResortMiddleware)
     app.add_middleware(HTTPMetricsMiddleware)
     for module in (jobs, job_events, completions, embeddings, models, health, metrics, files,
-                   batches, deliveries, cache_stats, usage):
+                   batches, batch_lines, deliveries, cache_stats, usage):
         app.include_router(module.router)
     return app

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from scheduler.batch_input import iter_requests
-from scheduler.batch_output import (
+from storage.batch_jobs import iter_batch_jobs
+from storage.batch_output import (
     encode_job_line,
     encode_line,
     unfinished_line,
     unstarted_line_id,
 )
-from storage.batch_jobs import iter_batch_jobs
 from storage.batches import Batch
 from storage.files import FilePurpose, FileStore, FileWriter, create_file, new_file_id
 

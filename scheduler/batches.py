@@ -44,7 +44,6 @@ from core.error_log import ErrorLog
 from core.settings import Settings
 from scheduler.batch_fanout import fan_out
 from scheduler.batch_input import validate_input
-from scheduler.batch_output import BATCH_CANCELLED, BATCH_EXPIRED, REQUEST_CANCELLED
 from scheduler.batch_results import add_result_file_rows, write_result_files
 from scheduler.periodic import Wakeup
 from storage.batch_jobs import (
@@ -53,6 +52,7 @@ from storage.batch_jobs import (
     stop_batch_jobs,
     sum_batch_usage,
 )
+from storage.batch_output import BATCH_CANCELLED, BATCH_EXPIRED, REQUEST_CANCELLED
 from storage.batches import Batch, BatchStatus, active_batch_ids, batch_object, lock_batch
 from storage.events import publish_batch_done, publish_cancel
 from storage.files import FileStore, get_file

@@ -65,9 +65,16 @@ def _started(api: Api) -> None:
     api.service.start_worker()
 
 
-def test_streamed_chat_joins_to_the_same_text_chunk_by_chunk(api: Api) -> None:
+def test_streams_join_to_the_same_text_chunk_by_chunk(api: Api) -> None:
+    """Chat with include_usage, text without it, and a cached answer: one worker for all."""
     _started(api)
     client = api.openai()
+    _check_chat(api, client)
+    _check_text(api, client)
+    _check_cached(api, client)
+
+
+def _check_chat(api: Api, client: openai.OpenAI) -> None:
     messages: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "Tell me a long story."}]
     whole = client.chat.completions.create(model=api.model, messages=messages,
@@ -95,23 +102,21 @@ def test_streamed_chat_joins_to_the_same_text_chunk_by_chunk(api: Api) -> None:
     assert len({c.id for c in chunks}) == 1
 
 
-def test_streamed_text_completion_without_usage(api: Api) -> None:
-    _started(api)
-    client = api.openai()
+def _check_text(api: Api, client: openai.OpenAI) -> None:
     whole = client.completions.create(model=api.model, prompt="Once upon a time",
                                       max_tokens=32, temperature=0, extra_body=OFF)
     chunks = list(client.completions.create(model=api.model, prompt="Once upon a time",
                                             max_tokens=32, temperature=0, extra_body=OFF,
                                             stream=True))
     assert all(c.object == "text_completion" for c in chunks)
+    assert len([c for c in chunks if c.choices[0].text]) > 1
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     assert all(c.usage is None for c in chunks)
 
 
-def test_a_cached_answer_streams_at_once(api: Api) -> None:
-    _started(api)
-    client = api.openai()
+def _check_cached(api: Api, client: openai.OpenAI) -> None:
+    """A deterministic request asked twice: the second, streamed, comes from the cache."""
     messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Cache me."}]
     first = client.chat.completions.create(model=api.model, messages=messages,
                                            max_tokens=16, temperature=0)

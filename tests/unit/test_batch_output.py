@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from scheduler.batch_output import (
+from storage.batch_jobs import BatchJobRow
+from storage.batch_output import (
     BATCH_CANCELLED,
     BATCH_EXPIRED,
     encode_job_line,
@@ -13,7 +14,6 @@ from scheduler.batch_output import (
     unfinished_line,
     unstarted_line_id,
 )
-from storage.batch_jobs import BatchJobRow
 from storage.models import JobStatus
 
 COMPLETION = {

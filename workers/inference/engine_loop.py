@@ -216,7 +216,9 @@ class EngineLoop:
         text held back, never from text handed out).
         """
         request_id = output.request_id
-        emitted = self._num_emitted_chars.get(request_id, 0) + len(output.delta_text)
+        # An embedding engine's outputs (same loop, duck-typed) carry no text.
+        delta_text: str = getattr(output, "delta_text", "")
+        emitted = self._num_emitted_chars.get(request_id, 0) + len(delta_text)
         self._num_emitted_chars[request_id] = emitted
         published = self._num_published_chars.get(request_id)
         if published is not None:

@@ -10,9 +10,9 @@ import pytest
 from openai.types import Batch as OpenAIBatch
 from sqlalchemy.orm import Session
 
-from scheduler.batch_output import BATCH_EXPIRED
 from scheduler.batch_results import add_result_file_rows, write_result_files
 from storage.batch_jobs import count_batch_jobs, iter_batch_jobs, stop_batch_jobs
+from storage.batch_output import BATCH_EXPIRED
 from storage.batches import (
     Batch,
     BatchStatus,

@@ -11,7 +11,7 @@ import pytest
 
 from storage.token_streams import StreamEntry
 from tests.unit.engine.tiny_models import save_tiny_llama
-from workers.engine import EngineConfig, LLMEngine, SamplingParams
+from workers.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
 
 
@@ -48,9 +48,10 @@ def test_requests_added_while_running_join_and_finish(loop: EngineLoop) -> None:
     time.sleep(0.2)  # the long request is mid-decode when the short one arrives
     loop.add("short", [5, 6, 7], short, priority=0)
     finished = collect(loop, 2)
-    assert finished["short"].output is not None and len(finished["short"].output.token_ids) == 3
-    assert finished["long"].output is not None and len(finished["long"].output.token_ids) == 200
-    assert finished["long"].output.finish_reason == "length"
+    short_output, long_output = finished["short"].output, finished["long"].output
+    assert isinstance(short_output, RequestOutput) and len(short_output.token_ids) == 3
+    assert isinstance(long_output, RequestOutput) and len(long_output.token_ids) == 200
+    assert long_output.finish_reason == "length"
     assert loop.is_healthy
 
 
@@ -126,7 +127,7 @@ def test_streamed_requests_hand_their_text_to_the_sink_step_by_step(loop: Engine
     entries = sink.of("streamed")
     assert entries[0].event == "started"
     output = finished["streamed"].output
-    assert output is not None
+    assert isinstance(output, RequestOutput)
     assert joined(entries) == output.text
     assert entries[-1].finish_reason == "length"
     assert sum(1 for e in entries if e.text) > 1, "the text came in one piece"
@@ -144,7 +145,7 @@ def test_a_request_watched_late_gets_its_text_so_far_first(loop: EngineLoop) -> 
     loop.watch("late")
     loop.watch("unknown")  # not live: nothing
     output = collect(loop, 1)["late"].output
-    assert output is not None
+    assert isinstance(output, RequestOutput)
     entries = sink.of("late")
     assert entries[0].event == "started"
     assert joined(entries) == output.text
