@@ -15,6 +15,7 @@ engine runs the pure-torch attention path, which is slower on decode but equal i
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -22,6 +23,8 @@ import platform
 import shutil
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -108,20 +111,44 @@ def _build_and_load() -> str | None:
     flags = compile_flags()
     try:
         target.mkdir(parents=True, exist_ok=True)
-        load_extension(
-            name="batchinfer_cpu_kernels",
-            sources=[str(source) for source in _SOURCES],
-            extra_cflags=flags,
-            extra_ldflags=_LDFLAGS,
-            build_directory=str(target),
-            is_python_module=False,
-            verbose=False,
-        )
+        with _build_turn(target):
+            load_extension(
+                name="batchinfer_cpu_kernels",
+                sources=[str(source) for source in _SOURCES],
+                extra_cflags=flags,
+                extra_ldflags=_LDFLAGS,
+                build_directory=str(target),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no headers, a full disk: all mean "fall back"
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         return f"building the CPU kernels in {target} failed: {first_line}"
     prune_stale_builds(target)
     return None
+
+
+@contextmanager
+def _build_turn(target: Path) -> Iterator[None]:
+    """Hold this build directory's turn (an flock, which the kernel drops when its holder
+    dies) and clear a lock file that torch's builder left behind.
+
+    torch marks a build in progress with a plain file (`lock`) and waits, without end, for
+    it to go away; a builder killed mid-build (a test timing out, a Ctrl-C) leaves it there
+    for good, and every later start would wait silently. Builders here take their turn
+    under the flock first, so whoever holds it knows any `lock` file is such a leftover.
+    """
+    with open(target / "build.flock", "w") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        try:
+            stale = target / "lock"
+            if stale.exists():
+                logger.warning("removing %s left by a CPU kernel build that did not finish",
+                               stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
 
 
 def prune_stale_builds(loaded: Path, *, max_age_s: float = STALE_BUILD_S) -> list[Path]:

@@ -43,3 +43,12 @@ def test_builds_unused_for_two_weeks_go_when_another_loads(tmp_path: Path) -> No
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loaded", "not-a-build.txt", "recent"]
     assert now - builds["loaded"].stat().st_mtime < 60
     assert cpu_kernels.prune_stale_builds(builds["recent"]) == []
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared_under_the_build_turn(tmp_path: Path) -> None:
+    """torch's builder waits forever on its `lock` file; one left by a dead builder goes."""
+    from workers.engine.cpu_kernels import _build_turn
+
+    (tmp_path / "lock").write_text("")
+    with _build_turn(tmp_path):
+        assert not (tmp_path / "lock").exists()
