@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -12,7 +13,7 @@ from core.settings import Settings
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _settings(env: dict[str, str]) -> Settings:
+def _settings(env: dict[str, Any]) -> Settings:
     return Settings(**{name.removeprefix("BATCHINFER_").lower(): value
                        for name, value in env.items() if name.startswith("BATCHINFER_")})
 
