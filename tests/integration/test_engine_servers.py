@@ -94,7 +94,8 @@ def test_jobs_run_through_an_engine_server_that_is_busy_at_first(
                                                     ignore_eos=True))
             (refused,) = down.submit("normal", [{"messages": [{"role": "user", "content": "x"}],
                                                  "max_tokens": 10**6}])
-            done = down.wait_terminal([*job_ids, refused])
+            # Two workers, an API and the front on a machine others share: room to wait.
+            done = down.wait_terminal([*job_ids, refused], timeout=400)
         finally:
             down.workers[0].stop()
     for job_id in job_ids:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -12,7 +13,7 @@ from core.settings import Settings
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _settings(env: dict[str, str]) -> Settings:
+def _settings(env: dict[str, Any]) -> Settings:
     return Settings(**{name.removeprefix("BATCHINFER_").lower(): value
                        for name, value in env.items() if name.startswith("BATCHINFER_")})
 
@@ -20,12 +21,11 @@ def _settings(env: dict[str, str]) -> Settings:
 def test_compose_worker_drives_the_vllm_service() -> None:
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     worker = services["worker-engine-server"]
-    build_parser().parse_args(worker["command"])
-    settings = _settings(worker["environment"])
-    assert settings.engine_urls == ["http://vllm:8000/v1"]
-    assert "--served-model-name" in services["vllm"]["command"]
+    args = build_parser().parse_args(worker["command"])
+    assert args.engine_url == ["http://vllm:8000/v1"]
+    assert _settings(worker["environment"]).engine_url_send_priority
     served = services["vllm"]["command"]
-    assert served[served.index("--served-model-name") + 1] == settings.model
+    assert served[served.index("--served-model-name") + 1] == args.model
     assert worker["profiles"] == services["vllm"]["profiles"] == ["engine-server"]
 
 
