@@ -31,6 +31,7 @@ from api.active_jobs import ActiveJobGate
 from api.estimates import EstimateBoard
 from api.job_writer import JobWriter
 from api.key_cache import ApiKeyCache
+from api.model_states import ModelStateReader
 from api.rate_limit import TokenBucketLimiter
 from api.single_flight import SingleFlight
 from core.kafka import ensure_topics, make_producer
@@ -261,6 +262,8 @@ class Resources:
     active_jobs: ActiveJobGate
     # The workers' model cards, re-read at most every few seconds.
     cards: CardReader
+    # Each served model's state (loading, ready, failed) and live workers, read every second.
+    model_states: ModelStateReader
     # Live API keys seen lately (see api.key_cache).
     api_keys: ApiKeyCache[CurrentTenant]
     # Wakes long-polls when their job finishes (see storage.job_done_hub).
@@ -297,6 +300,9 @@ class Resources:
             writer=JobWriter(settings, sessions, publish_timeout_s=PUBLISH_TIMEOUT_S),
             active_jobs=ActiveJobGate(settings.tenant_max_active_jobs),
             cards=CardReader(sync_redis, prefix=settings.topic_prefix),
+            model_states=ModelStateReader(async_redis, prefix=settings.topic_prefix,
+                                          names=settings.served_models,
+                                          live_after_s=settings.worker_heartbeat_timeout_s),
             api_keys=api_keys,
             done_hub=JobDoneHub(async_redis, prefix=settings.topic_prefix),
             estimates=EstimateBoard(engine, refresh_s=settings.estimate_refresh_s,

@@ -179,6 +179,13 @@ class ModelPublic(BaseModel):
     kind: Literal["chat", "embedding"] = "chat"
     context_length: int | None = None
     revision: str | None = None
+    # `loading` until a worker takes its jobs, then `ready`; `failed` once its workers
+    # failed to load it MAX_LOAD_FAILURES times in a row (new jobs are refused, 503).
+    # Null when Redis, which holds the states, does not answer.
+    state: Literal["loading", "ready", "failed"] | None = None
+    live_workers: int | None = None
+    # The last failed load's error, while the model has no live worker.
+    error: str | None = None
 
 
 class ModelListPublic(BaseModel):

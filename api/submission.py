@@ -89,6 +89,8 @@ async def submit(
     to look up, a tenant near its active-job cap). The rate limiter is an asyncio Redis
     call and the grouped writer answers through a future.
     """
+    if request.model in resources.settings.served_models:
+        await resources.model_states.refuse_if_failed(request.model)
     if (isinstance(request, EmbeddingRequest)
             or getattr(request, "callback_url", None) is not None
             or not can_check_without_io(request, resources)):

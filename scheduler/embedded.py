@@ -44,7 +44,9 @@ from scheduler.embedded_services import (
 from scheduler.service_keeper import ServiceKeeper
 
 if TYPE_CHECKING:
-    from scheduler.model_fleet import ModelFleet
+    from core.settings import Settings
+    from scheduler.model_fleet import ModelFleet, ServedModel
+    from scheduler.model_watch import ModelWatch
     from scheduler.role import SchedulerRole
     from scheduler.supervisor import Supervisor
 
@@ -271,6 +273,21 @@ def _start_autoscalers(workers: ModelFleet, stop: threading.Event, stack: ExitSt
     stack.callback(stop_autoscalers)
 
 
+def _watch_models(settings: Settings, served: list[ServedModel],
+                  stack: ExitStack) -> ModelWatch:
+    """The watch that announces each model's state; this start's models begin afresh."""
+    import redis as redis_lib
+
+    from scheduler.model_watch import ModelWatch
+
+    client = redis_lib.Redis.from_url(settings.redis_url)
+    stack.callback(client.close)
+    watch = ModelWatch(client, prefix=settings.topic_prefix, names=[m.name for m in served],
+                       live_after_s=settings.worker_heartbeat_timeout_s)
+    watch.reset()
+    return watch
+
+
 def _check_port_free(host: str, port: int) -> None:
     if is_port_open(host, port):
         raise ValueError(f"port {port} on {host} is already in use; pick another with --port")
@@ -330,6 +347,7 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
             _set_env(kafka_bootstrap_servers=f"127.0.0.1:{broker_port}",
                      redis_url=f"redis://127.0.0.1:{redis_port}/0")
             settings = get_settings()
+            watch = _watch_models(settings, served, stack)
             upgrade(settings.database_url)
             api_key = dev_api_key(data_dir, settings.database_url)
             webhook_secret = dev_webhook_secret(settings.database_url)
@@ -357,9 +375,12 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
               f"{num_republished} queued job(s) re-published)", flush=True)
         print(f"API key: {api_key}", flush=True)
         print(f"Webhook secret: {webhook_secret}", flush=True)
-        print("Press Ctrl-C to stop.", flush=True)
+        print("Press Ctrl-C to stop. Jobs are accepted now and run once their model says "
+              "ready.", flush=True)
         keepers = _keep_alive(broker, redis, role, stop)
         while not stop.wait(0.5):
+            for line in watch.poll():
+                print(line, flush=True)
             workers.apply_scaling()
             workers.poll()
             callbacks.poll()

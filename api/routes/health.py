@@ -1,7 +1,8 @@
 """`GET /healthz` (the process answers) and `GET /readyz` (its dependencies answer too,
-and it takes jobs: not while stopping). Both are unauthenticated: /readyz names the
-dependency that is down and in a word why, never where it lives (hosts, ports and the
-errors' own texts go to the log)."""
+and it takes jobs: not while stopping), with each served model's state beside. Both are
+unauthenticated: /readyz names the dependency that is down and in a word why, never where
+it lives (hosts, ports and the errors' own texts go to the log), and a model's state
+without its load error (that is for `GET /v1/models`, behind a key)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from sqlalchemy import text
 from api.deps import ResourcesDep
 from api.errors import SERVER_ERROR, error_body
 from api.resources import Resources
+from storage.model_states import ModelState
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,12 @@ def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(resources: ResourcesDep) -> JSONResponse:
-    """Readiness: database, broker and Redis each answer; 503 naming those that do not."""
+    """Readiness: database, broker and Redis each answer; 503 naming those that do not.
+
+    `models` gives each served model's state and live workers, and `models_not_ready` those
+    without a worker taking jobs: the API is ready (jobs for them are accepted and wait
+    queued) unless a model failed to load, which only its own jobs feel (503 on submit).
+    """
     names = ("database", "broker", "redis")
     outcomes = await asyncio.gather(
         _timed(asyncio.to_thread(_ping_database, resources), "database"),
@@ -43,12 +50,18 @@ async def readyz(resources: ResourcesDep) -> JSONResponse:
     )
     checks = dict(zip(names, outcomes, strict=True))
     failed = {name: outcome for name, outcome in checks.items() if outcome != "ok"}
+    statuses = await resources.model_states.read(fresh=True) if "redis" not in failed else {}
+    models = {name: {"state": status.state.value, "live_workers": status.num_live_workers}
+              for name, status in statuses.items()}
+    not_ready = [name for name in resources.settings.served_models
+                 if name not in statuses or statuses[name].state is not ModelState.READY]
     if not failed:
-        return JSONResponse({"status": "ok", "checks": checks})
+        return JSONResponse({"status": "ok", "checks": checks, "models": models,
+                             "models_not_ready": not_ready})
     detail = "; ".join(f"{name}: {outcome}" for name, outcome in failed.items())
     body: dict[str, Any] = error_body(f"Not ready: {detail}.", type=SERVER_ERROR,
                                       param=", ".join(failed), code="not_ready")
-    body["checks"] = checks
+    body.update(checks=checks, models=models, models_not_ready=not_ready)
     return JSONResponse(body, status_code=503)
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from core.settings import Settings
 from scheduler.embedded_services import free_port
-from tests.unit.engine.tiny_models import save_tiny_llama
+from tests.unit.engine.tiny_models import save_tiny_llama, tiny_llama_config
 from tests.utils.up_process import UpProcess, start_up
 
 
@@ -56,10 +56,16 @@ def test_up_serves_two_models_each_on_its_own_workers(up_two_models: UpProcess) 
     workers = [p for p in run.descendants() if "workers.inference" in " ".join(p.cmdline())]
     served = sorted(p.environ().get("BATCHINFER_SERVED_MODEL_NAME", "") for p in workers)
     assert served == ["emb", "tiny"]
+    # Each model says when a worker takes its jobs; the API then counts that worker.
+    for name in ("tiny", "emb"):
+        run.wait_for_line(f"model {name} ready: 1 worker(s) taking jobs", 600)
     with run.client() as client:
         models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
         assert {name: m["kind"] for name, m in models.items()} == {"tiny": "chat",
                                                                     "emb": "embedding"}
+        assert {name: (m["state"], m["live_workers"]) for name, m in models.items()} == {
+            "tiny": ("ready", 1), "emb": ("ready", 1)}
+        assert client.get("/readyz").json()["models_not_ready"] == []
         chat = client.post("/v1/jobs", json={
             "model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0,
             "ignore_eos": True})
@@ -80,3 +86,38 @@ def test_up_serves_two_models_each_on_its_own_workers(up_two_models: UpProcess) 
         topics = Settings(topic_prefix="batchinfer", served_model_name=name).job_topics
         assert any(all(t in line for t in topics.values()) for line in log.splitlines()), name
     assert run.stop() == 0, run.log_tail()
+
+
+def test_up_marks_a_model_that_never_loads_failed_and_refuses_its_new_jobs(
+        tmp_path: Path) -> None:
+    """A Llama config without weights passes the start-up check (its config is servable)
+    but every worker's load fails: after a few tries `up` says the model failed, the API
+    lists it failed with the load's error and refuses new jobs with 503 model_unavailable;
+    a job accepted before stays queued (nothing lost), and `up` still stops cleanly."""
+    model_dir = tmp_path / "no-weights"
+    tiny_llama_config().save_pretrained(model_dir)
+    run = start_up(tmp_path / "data", free_port(), num_workers=1, log_path=tmp_path / "up.log",
+                   extra_env={"BATCHINFER_MODELS_DIR": str(tmp_path / "models")},
+                   args=["--model", str(model_dir), "--served-model-name", "broken"])
+    try:
+        with run.client() as client:
+            early = client.post("/v1/jobs", json={"model": "broken", "prompt": "hi"})
+            assert early.status_code == 202, early.text
+            line = run.wait_for_line("model broken failed to load", 300)
+            listed = client.get("/v1/models/broken").json()
+            assert (listed["state"], listed["live_workers"]) == ("failed", 0), listed
+            assert listed["error"] and listed["error"] in line
+            deadline = time.monotonic() + 10  # the API re-reads states every second
+            while (refused := client.post("/v1/jobs", json={"model": "broken", "prompt": "hi"})
+                   ).status_code == 202 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "model_unavailable"
+            assert listed["error"] in refused.json()["error"]["message"]
+            job = client.get(f"/v1/jobs/{early.json()['id']}").json()
+            assert job["status"] == "queued", job
+            assert client.get("/readyz").json()["models"]["broken"]["state"] == "failed"
+        assert run.stop() == 0, run.log_tail()
+    finally:
+        if run.process.poll() is None:
+            run.kill_tree()

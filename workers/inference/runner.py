@@ -39,6 +39,7 @@ from workers.inference.engine_loop import EngineLoop
 from workers.inference.heartbeat import Heartbeat
 from workers.inference.job_store import JobStore
 from workers.inference.kv_tier import connect_kv_tier
+from workers.inference.model_presence import ModelPresence, load_recorded
 from workers.inference.remote_engine import RemoteEngine, RemoteEngineConfig, RemoteEngineLoop
 from workers.inference.semantic_lookup import SemanticLookup
 from workers.inference.service_rate import ServiceRate
@@ -125,7 +126,9 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
     remote = (RemoteEngine(RemoteEngineConfig.from_settings(settings))
               if settings.engine_urls else None)
     if remote is None:
-        engine = engine or build_engine(settings)
+        # A failed load counts against the model: a few in a row mark it failed (its new
+        # jobs refused) rather than leaving its queue to wait on a crash loop.
+        engine = engine or load_recorded(settings, lambda: build_engine(settings))
     with ExitStack() as stack:
         db_engine = create_db_engine(settings.database_url)
         stack.callback(db_engine.dispose)
@@ -141,6 +144,9 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
         redis_client = redis.Redis.from_url(settings.redis_url)
         stack.callback(redis_client.close)
         card = announce_model(settings, redis_client, remote)
+        presence = stack.enter_context(ModelPresence(
+            redis_client, prefix=settings.topic_prefix, name=card.name, worker_id=worker_id,
+            interval_s=settings.worker_heartbeat_interval_s))
         # Attached before the engine thread starts: from then on only that thread uses it.
         kv_tier = (connect_kv_tier(settings, engine, revision=card.revision)
                    if engine is not None else None)
@@ -194,6 +200,7 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
             cancels=cancels,
             worker_id=worker_id,
         )
+        worker.on_consuming = presence.start  # the model counts this worker from then on
         stack.enter_context(_SignalStop(worker))
         worker.run()
     logger.info("worker stopped cleanly")

@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime
 
 import redis
@@ -177,6 +178,8 @@ class Worker:
         self._starter = JobStarter(settings, store=store, outcomes=self._outcomes,
                                    engine=engine_loop, worker_id=worker_id, ack=self._ack,
                                    is_followed=self._is_followed)
+        # Called once, after the first poll that returns with partitions assigned.
+        self.on_consuming: Callable[[], None] | None = None
 
     @property
     def num_inflight(self) -> int:
@@ -207,6 +210,9 @@ class Worker:
             batches = self._consumer.poll(timeout_ms=poll_timeout_ms(len(self._inflight)))
             if self._on_new_assignment():
                 batches = {}  # fetched before the restart from committed offsets: refetched
+            if self.on_consuming is not None and self._consumer.assignment():
+                self.on_consuming()
+                self.on_consuming = None
             self._watchdog.on_records(batches)
             num_empty_polls = 0 if batches or len(self._prefetch) else num_empty_polls + 1
             if restarted := self._watchdog.check(is_idle=not self._inflight and not batches
