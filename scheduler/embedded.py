@@ -73,13 +73,21 @@ def _set_env(**values: object) -> None:
     get_settings.cache_clear()
 
 
-def _install_stop_handlers(stop: threading.Event) -> Callable[[], None]:
-    """SIGINT/SIGTERM set stop; returns a function restoring the previous handlers."""
+def _install_stop_handlers(stop: threading.Event,
+                           hurry: list[Callable[[], None]]) -> Callable[[], None]:
+    """SIGINT/SIGTERM set stop, and once stopping, call every `hurry` hook (a second
+    Ctrl-C: workers hand back their unfinished jobs at once instead of draining them);
+    returns a function restoring the previous handlers."""
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def handle(signum: int, frame: object) -> None:
-        if not stop.is_set():
-            logger.info("received %s; stopping", signal.Signals(signum).name)
+        if stop.is_set():
+            print("stopping now: unfinished jobs go back to the queue", flush=True)
+            for hook in hurry:
+                hook()
+            return
+        logger.info("received %s; stopping (again to stop at once)",
+                    signal.Signals(signum).name)
         stop.set()
 
     for sig in previous:
@@ -328,7 +336,8 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
              api_reuse_port=settings.api_processes > 1)
 
     stop = threading.Event()
-    restore_signals = _install_stop_handlers(stop)
+    hurry: list[Callable[[], None]] = []
+    restore_signals = _install_stop_handlers(stop, hurry)
     with ExitStack() as stack:
         stack.callback(restore_signals)
         try:
@@ -360,6 +369,7 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
             callbacks.start()
             workers = ModelFleet(served, num_workers=num_workers)
             stack.callback(workers.stop)
+            hurry.append(workers.hurry)
             workers.start([sys.executable, "-m", "workers.inference"])
             if max_workers is not None:
                 _start_autoscalers(workers, stop, stack)
@@ -387,7 +397,8 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
             api_processes.poll()
             for keeper in keepers:
                 keeper.poll()
-        print("stopping...", flush=True)
+        print("stopping: workers finish what they can, the rest goes back to the queue "
+              "(Ctrl-C again: at once)...", flush=True)
     print("stopped", flush=True)
     # A dependency that dies is restarted, not a reason to stop: a stop is always asked for.
     return 0

@@ -166,6 +166,11 @@ class ModelFleet:
         for supervisor in self.supervisors.values():
             supervisor.poll()
 
+    def hurry(self) -> None:
+        """Ask draining workers to hand their unfinished jobs back now (a second Ctrl-C)."""
+        for supervisor in self.supervisors.values():
+            supervisor.hurry()
+
     def stop(self) -> None:
         """Drain and stop every model's workers."""
         for supervisor in self.supervisors.values():

@@ -158,6 +158,14 @@ class Supervisor:
                     slot.process.wait()
             self.slots.clear()
 
+    def hurry(self) -> None:
+        """SIGTERM the draining workers again: each hands back its unfinished jobs now.
+
+        Safe from a signal handler that interrupted stop() (no lock taken)."""
+        for slot in list(self.slots):
+            if slot.draining:
+                self._signal(slot, signal.SIGTERM)
+
     def _reconcile_count(self) -> None:
         active = [s for s in self.slots if not s.draining]
         for _ in range(self.num_desired - len(active)):

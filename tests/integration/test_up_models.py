@@ -8,6 +8,7 @@ weights revision.
 from __future__ import annotations
 
 import re
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,3 +122,48 @@ def test_up_marks_a_model_that_never_loads_failed_and_refuses_its_new_jobs(
     finally:
         if run.process.poll() is None:
             run.kill_tree()
+
+
+def test_a_second_stop_hands_unfinished_jobs_back_at_once(tmp_path: Path) -> None:
+    """With a drain timeout far longer than the test's, a first SIGTERM starts the drain and
+    a second one makes every worker hand its unfinished jobs back: `up` exits, and every job
+    is either done or `queued` again (none left `running`, none lost)."""
+    from sqlalchemy import func, select
+
+    from storage.db import create_db_engine, session_factory
+    from storage.models import Job
+
+    save_tiny_llama(tmp_path / "tiny-llama")
+    run = start_up(tmp_path / "data", free_port(), num_workers=1, log_path=tmp_path / "up.log",
+                   extra_env={"BATCHINFER_MODELS_DIR": str(tmp_path / "models"),
+                              "BATCHINFER_WORKER_DRAIN_TIMEOUT_S": "3600"},
+                   args=["--model", str(tmp_path / "tiny-llama"), "--served-model-name", "tiny"])
+    try:
+        run.wait_for_line("model tiny ready", 600)
+        with run.client() as client:
+            for i in range(128):
+                response = client.post("/v1/jobs", json={
+                    "model": "tiny", "prompt": f"job {i}", "max_tokens": 1000,
+                    "temperature": 0, "ignore_eos": True})
+                assert response.status_code == 202, response.text
+            deadline = time.monotonic() + 300
+            while client.get("/v1/jobs", params={"status": "running", "limit": 1}
+                             ).json()["total"] == 0:
+                assert time.monotonic() < deadline, "no job started"
+                time.sleep(0.2)
+        run.process.send_signal(signal.SIGTERM)
+        run.wait_for_line("stopping:", 60)
+        run.process.send_signal(signal.SIGTERM)
+        run.wait_for_line("stopping now", 60)
+        assert run.process.wait(300) == 0, run.log_tail()
+    finally:
+        if run.process.poll() is None:
+            run.kill_tree()
+    engine = create_db_engine(f"sqlite:///{tmp_path / 'data' / 'batchinfer.db'}")
+    with session_factory(engine)() as session:
+        counts = dict(session.execute(
+            select(Job.status, func.count()).group_by(Job.status)).all())
+    engine.dispose()
+    assert sum(counts.values()) == 128
+    assert {status.value for status in counts} <= {"queued", "succeeded"}, counts
+    assert "released" in run.log_tail(200_000)

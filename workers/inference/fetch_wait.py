@@ -155,3 +155,13 @@ class FetchWait:
             wait_ms = self.idle_ms
         if self._config is not None and self._config["fetch_max_wait_ms"] != wait_ms:
             self._config["fetch_max_wait_ms"] = wait_ms
+
+
+def num_finishable(seconds_of_work: float, *, num_jobs: int, seconds_left: float) -> int:
+    """How many of `num_jobs` can finish in `seconds_left`, at a pace at which all of them
+    take `seconds_of_work` (0: not known yet, so all may; inf: none finish at all)."""
+    if seconds_of_work <= 0:
+        return num_jobs
+    if math.isinf(seconds_of_work) or seconds_left <= 0:
+        return 0
+    return min(num_jobs, int(num_jobs * seconds_left / seconds_of_work))

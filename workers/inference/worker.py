@@ -46,7 +46,7 @@ from workers.engine import RequestOutput
 from workers.engine.embedding_engine import EmbeddingEngine
 from workers.inference.db_outage import DatabaseOutage
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
-from workers.inference.fetch_wait import FetchWait, WorkPace
+from workers.inference.fetch_wait import FetchWait, WorkPace, num_finishable
 from workers.inference.intake import can_take_any, count_by_rank, room_for_rank
 from workers.inference.job_starter import Candidate, InFlightJob, JobStarter
 from workers.inference.job_store import JobStore
@@ -81,6 +81,9 @@ BUSY_WAIT_S = 0.005
 # How long a follow (storage.token_streams.publish_follow) of a job this worker has not
 # started holds: its follower repeats it every few seconds while the job waits.
 FOLLOW_MEMORY_S = 10.0
+# Seconds over which the drain measures how fast jobs finish: a worker busy this long
+# that finished none in it releases everything at once when asked to stop.
+DRAIN_PACE_WINDOW_S = 10.0
 
 
 def max_inflight(settings: Settings, engine: object) -> int:
@@ -152,6 +155,7 @@ class Worker:
         self._outcomes = OutcomeRecorder(store, token_text=self._token_text)
         self._cancels = cancels
         self._stop = threading.Event()
+        self._hurry = threading.Event()  # a second stop request: release, do not drain
         self._is_redis_down = False
         self._lock = threading.Lock()
         self._tracker = OffsetTracker()
@@ -175,6 +179,9 @@ class Worker:
         # Jobs an API process asked to stream before this worker started them, and until
         # when that holds (followers repeat the ask while their job waits).
         self._follows: dict[str, float] = {}
+        # The pace the drain judges by: over a longer window, since releasing a job that
+        # would have finished costs its whole computation again elsewhere.
+        self._drain_pace = WorkPace(window_s=DRAIN_PACE_WINDOW_S)
         self._starter = JobStarter(settings, store=store, outcomes=self._outcomes,
                                    engine=engine_loop, worker_id=worker_id, ack=self._ack,
                                    is_followed=self._is_followed)
@@ -187,7 +194,10 @@ class Worker:
         return len(self._inflight)
 
     def request_stop(self) -> None:
-        """Begin a clean shutdown (safe from a signal handler or another thread)."""
+        """Begin a clean shutdown (safe from a signal handler or another thread); asked
+        again while draining, hand every unfinished job back now instead."""
+        if self._stop.is_set():
+            self._hurry.set()
         self._stop.set()
         self._engine.wake()  # a full worker's wait would hold the drain back FULL_WAIT_S
 
@@ -275,6 +285,7 @@ class Worker:
         self._unstored.extend(finished)
         self._store_finished()
         self._pace.on_loop(num_finished=len(finished), num_inflight=len(self._inflight))
+        self._drain_pace.on_loop(num_finished=len(finished), num_inflight=len(self._inflight))
         self._handle_cancels()
         self._on_new_assignment()
         self._commit()
@@ -289,19 +300,35 @@ class Worker:
             len(self._inflight),
             self.settings.worker_drain_timeout_s,
         )
-        while self._inflight and time.monotonic() < deadline and self._engine.is_healthy:
+        while (self._inflight and time.monotonic() < deadline and self._engine.is_healthy
+               and not self._hurry.is_set()):
+            num_keep = num_finishable(
+                self._drain_pace.seconds_of_work(len(self._inflight)),
+                num_jobs=len(self._inflight), seconds_left=deadline - time.monotonic())
+            if num_keep < len(self._inflight):
+                # Oldest started first: the likeliest to be nearly done.
+                self._release(list(self._inflight.values())[num_keep:],
+                              why="cannot finish before the drain timeout")
             self._housekeeping(finished_wait_s=0.1)
             # Keeps taking part in rebalances; everything is paused, so nothing is fetched.
             self._consumer.poll(timeout_ms=0)
-        for job in self._inflight.values():
-            job.is_released = True
-            self._engine.abort(job.message.job_id)
-        if self._inflight:
-            logger.warning("released %d unfinished jobs for redelivery", len(self._inflight))
-            self._store.release(list(self._inflight), worker_id=self.worker_id)
-        self._inflight.clear()
+        self._release(list(self._inflight.values()),
+                      why="asked to stop at once" if self._hurry.is_set() else "unfinished")
         self._commit()
         metrics.WORKER_INFLIGHT.set(0)
+
+    def _release(self, jobs: list[InFlightJob], *, why: str) -> None:
+        """Abort `jobs` and hand them back to `queued` now; their records stay
+        unacknowledged, so Kafka redelivers them too (here or elsewhere)."""
+        if not jobs:
+            return
+        for job in jobs:
+            job.is_released = True
+            self._engine.abort(job.message.job_id)
+        logger.warning("released %d job(s) for redelivery: %s", len(jobs), why)
+        self._store.release([job.message.job_id for job in jobs], worker_id=self.worker_id)
+        for job in jobs:
+            self._inflight.pop(job.message.job_id, None)
 
     def _take_record(
         self, tp: TopicPartition, record: ConsumerRecord, candidates: dict[str, Candidate]

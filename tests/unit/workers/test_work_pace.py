@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from workers.inference.fetch_wait import WorkPace
+from workers.inference.fetch_wait import WorkPace, num_finishable
 
 
 def _pace_after(*loops: tuple[float, int, int]) -> WorkPace:
@@ -40,3 +40,18 @@ def test_an_idle_moment_starts_the_busy_window_again() -> None:
     pace.on_loop(num_finished=2, num_inflight=5, now=4.5)
     # Busy for a whole window again; the 5 finished at 3.0 are out of it by 5.2.
     assert pace.seconds_of_work(5, now=5.2) == 5.0
+
+
+def test_a_drain_keeps_only_the_jobs_its_time_allows() -> None:
+    """Unknown pace: keep all. No job finished in a whole busy window: keep none (the drain
+    hands them back at once). Otherwise as many as the pace finishes in the time left."""
+    assert num_finishable(0.0, num_jobs=300, seconds_left=30.0) == 300
+    assert num_finishable(math.inf, num_jobs=300, seconds_left=30.0) == 0
+    assert num_finishable(60.0, num_jobs=300, seconds_left=30.0) == 150
+    assert num_finishable(10.0, num_jobs=300, seconds_left=30.0) == 300
+    assert num_finishable(10.0, num_jobs=3, seconds_left=0.0) == 0
+    pace = WorkPace(window_s=10.0)
+    pace.on_loop(num_finished=0, num_inflight=300, now=0.0)
+    pace.on_loop(num_finished=0, num_inflight=300, now=10.0)
+    assert num_finishable(pace.seconds_of_work(300, now=10.0), num_jobs=300,
+                          seconds_left=30.0) == 0
