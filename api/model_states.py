@@ -16,7 +16,8 @@ import redis
 from redis import asyncio as aioredis
 
 from api.errors import SERVER_ERROR, APIError
-from storage.model_states import ModelState, ModelStatus, aread_statuses
+from core.settings import Settings
+from storage.model_states import ModelState, ModelStatus, aread_statuses, read_statuses
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,19 @@ class ModelUnavailable(APIError):
             f"Model {model!r} failed to load and takes no new jobs: {error or 'unknown error'}. "
             "Jobs already queued for it wait for a worker that loads it.",
             param="model", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def refuse_if_failed(client: redis.Redis, settings: Settings, model: str) -> None:
+    """ModelUnavailable when `model` failed to load (a fresh read, for routes off the hot
+    path: a batch created for one model); nothing when Redis does not answer."""
+    try:
+        status = read_statuses(client, prefix=settings.topic_prefix, names=[model],
+                               live_after_s=settings.worker_heartbeat_timeout_s)[model]
+    except redis.RedisError as e:
+        logger.warning("cannot read the state of model %s from Redis: %s", model, e)
+        return
+    if status.state is ModelState.FAILED:
+        raise ModelUnavailable(model, status.error)
 
 
 class ModelStateReader:

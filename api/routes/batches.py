@@ -30,6 +30,7 @@ from api.deps import (
     resources_of,
 )
 from api.errors import Conflict, InvalidParameter, InvalidRequest, NotFound
+from api.model_states import refuse_if_failed
 from api.pagination import invalid_cursor, list_page
 from api.schemas import CallbackUrl, ExpiresAfter, Metadata
 from core.deadlines import check_window
@@ -98,6 +99,7 @@ def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
         raise InvalidRequest(f"{e}.", param="completion_window", code="invalid_value") from e
     if body.model is not None:
         check_model(body.model, settings.served_models)
+        refuse_if_failed(redis_client, settings, body.model)
     callback_url = body.callback_url or (body.metadata or {}).get(CALLBACK_METADATA_KEY)
     if callback_url is not None:
         try:

@@ -93,3 +93,24 @@ def test_a_model_that_fails_to_load_refuses_new_jobs_and_keeps_queued_ones(
         time.sleep(0.1)
     assert accepted.status_code == 202
     r.close()
+
+
+def test_a_batch_for_a_failed_model_is_refused(make_client: ClientFactory,
+                                               acme: TenantKey) -> None:
+    """A batch whose `model` failed to load: 503 model_unavailable, no batch created; the
+    same batch once the model loads again is accepted."""
+    from tests.unit.api.test_files_batches_api import create, upload
+
+    client = make_client()
+    r, prefix = _redis(client)
+    for _ in range(MAX_LOAD_FAILURES):
+        record_load_failure(r, prefix=prefix, name=MODEL, error="OSError: disk gone")
+    file_id = upload(client, acme).json()["id"]
+    refused = create(client, acme, file_id, model=MODEL)
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "model_unavailable"
+    assert "OSError: disk gone" in refused.json()["error"]["message"]
+    assert client.get("/v1/batches", headers=acme.headers).json()["data"] == []
+    record_load_success(r, prefix=prefix, name=MODEL)
+    assert create(client, acme, file_id, model=MODEL).status_code == 200
+    r.close()
