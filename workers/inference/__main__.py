@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
 
 from core.settings import get_settings
 from workers.inference.runner import run_worker
@@ -22,13 +23,20 @@ def main() -> None:
     run_worker(settings)
 
 
-if __name__ == "__main__":
-    main()
-    # Stopped cleanly: every client, thread and file was closed by run_worker. Leaving
-    # without the interpreter's teardown spares the ~27 lines of "nanobind: leaked ..."
-    # that Triton's extension prints about its objects then; a failure above still exits
-    # the ordinary way, with its traceback.
+def _leave(code: int) -> None:
+    """Exit without the interpreter's teardown, which would print ~27 lines of "nanobind:
+    leaked ..." about Triton's extension objects; run_worker has closed every client,
+    thread and file by then, and what is logged is flushed here."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:  # the traceback says why; the supervisor restarts the worker
+        traceback.print_exc()
+        _leave(1)
+    _leave(0)
