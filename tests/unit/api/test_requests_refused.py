@@ -89,16 +89,19 @@ def test_missing_field_message_names_it(client: TestClient, acme: TenantKey) -> 
     assert response.json()["error"]["message"] == "Missing required parameter: 'messages'."
 
 
-def test_stream_on_completions_is_400(client: TestClient, acme: TenantKey,
-                                      sessions: sessionmaker[Session]) -> None:
-    """OpenAI endpoints refuse streaming plainly."""
-    for path, body in (("/v1/chat/completions", VALID),
-                       ("/v1/completions", {"model": MODEL, "prompt": "hi"})):
-        response = client.post(path, json=body | {"stream": True}, headers=acme.headers)
-        assert response.status_code == 400
-        error = assert_error_shape(response.json())
-        assert error["param"] == "stream"
-        assert error["message"].startswith("stream is not supported")
+def test_streams_the_engine_cannot_serve_are_400(client: TestClient, acme: TenantKey,
+                                                 sessions: sessionmaker[Session]) -> None:
+    """Streaming is served (tests/integration/test_streaming.py), but not with logprobs
+    (chunks carry text only), and stream_options only with a stream and include_usage."""
+    for path, body, logprobs in (("/v1/chat/completions", VALID, True),
+                                 ("/v1/completions", {"model": MODEL, "prompt": "hi"}, 1)):
+        for extra, param in (({"stream": True, "logprobs": logprobs}, "logprobs"),
+                             ({"stream_options": {"include_usage": True}}, "stream_options"),
+                             ({"stream": True, "stream_options": {"x": 1}},
+                              "stream_options.x")):
+            response = client.post(path, json=body | extra, headers=acme.headers)
+            assert response.status_code == 400, (path, extra)
+            assert assert_error_shape(response.json())["param"] == param
     assert count_jobs(sessions) == 0
 
 
