@@ -23,6 +23,7 @@ from workers.inference.embedding_jobs import build_embedding_result
 from workers.inference.job_store import JobStore, Success, epoch_to_datetime
 from workers.inference.remote_requests import RemoteOutput, build_remote_result
 from workers.inference.results import Completion, build_result, error_body, param_of
+from workers.inference.tool_calls import tool_calls_of
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ logger = logging.getLogger(__name__)
 REQUEST_FIELDS = (
     "max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
     "top_logprobs", "logprobs", "ignore_eos", "messages", "prompt", "model", "n",
+    "response_format", "tool_choice", "tools", "logit_bias", "presence_penalty",
+    "frequency_penalty",
 )  # fmt: skip
 
 
@@ -111,6 +114,8 @@ class OutcomeRecorder:
             created=int(time.time()),
             token_text=self._token_text,
             system_fingerprint=self._store.system_fingerprint,
+            tool_calls=tool_calls_of(message.body, output.text) if message.body.get("tools")
+            else None,
         )
 
     def failed(self, message: JobMessage, reason: str, *, code: str | None = None,

@@ -54,20 +54,27 @@ def build_result(
     created: int,
     token_text: Callable[[int], str] | None = None,
     system_fingerprint: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The `chat.completion` or `text_completion` object for a finished job.
 
     `token_text` renders one token id as text; it is needed only when logprobs were asked
-    for (OpenAI lists each sampled token next to its log-probability).
+    for (OpenAI lists each sampled token next to its log-probability). With `tool_calls`
+    the message carries them instead of content, and the finish reason says so.
     """
     if completion.finish_reason not in OPENAI_FINISH_REASONS:
         raise ValueError(f"no result for finish_reason {completion.finish_reason!r}")
     finish_reason = OPENAI_FINISH_REASONS[completion.finish_reason]
     tokens = _token_texts(completion, token_text)
     if kind == "chat.completion":
+        message: dict[str, Any] = {"role": "assistant", "content": completion.text,
+                                   "refusal": None}
+        if tool_calls and finish_reason == "stop":
+            message.update(content=None, tool_calls=tool_calls)
+            finish_reason = "tool_calls"
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": completion.text, "refusal": None},
+            "message": message,
             "logprobs": _chat_logprobs(tokens, completion.logprobs),
             "finish_reason": finish_reason,
         }
