@@ -71,9 +71,9 @@ def validity(llm: LLM, n: int) -> None:
         print("  INVALID", failure)  # noqa: T201
 
 
-def throughput(llm: LLM, rounds: int) -> None:
-    """Constrained vs unconstrained output tokens/s at batch BATCH, alternating."""
-    prompts, params, _ = _requests(BATCH)
+def throughput(llm: LLM, rounds: int, batch: int) -> None:
+    """Constrained vs unconstrained output tokens/s at `batch`, alternating."""
+    prompts, params, _ = _requests(batch)
     constrained_rates, free_rates = [], []
     for _ in range(rounds):
         start = time.perf_counter()
@@ -88,7 +88,7 @@ def throughput(llm: LLM, rounds: int) -> None:
         elapsed = time.perf_counter() - start
         free_rates.append(sum(len(o.token_ids) for o in free_outputs) / elapsed)
     c, f = statistics.median(constrained_rates), statistics.median(free_rates)
-    print(f"batch {BATCH}: constrained {c:.0f} tok/s, unconstrained {f:.0f} tok/s, "  # noqa: T201
+    print(f"batch {batch}: constrained {c:.0f} tok/s, unconstrained {f:.0f} tok/s, "  # noqa: T201
           f"loss {100 * (1 - c / f):.1f}% (median of {rounds}; rounds "
           f"{[round(r) for r in constrained_rates]} vs {[round(r) for r in free_rates]})")
 
@@ -99,11 +99,13 @@ def main() -> None:
     parser.add_argument("--num-outputs", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch", type=int, default=BATCH)
     args = parser.parse_args()
     print(f"load before: {os.getloadavg()}")  # noqa: T201
-    llm = LLM(args.model, device=args.device, max_num_seqs=BATCH)
-    validity(llm, args.num_outputs)
-    throughput(llm, args.rounds)
+    llm = LLM(args.model, device=args.device, max_num_seqs=args.batch)
+    if args.num_outputs:
+        validity(llm, args.num_outputs)
+    throughput(llm, args.rounds, args.batch)
     print(f"load after: {os.getloadavg()}")  # noqa: T201
 
 

@@ -72,11 +72,19 @@ class OutcomeRecorder:
         successes = []
         for message, cached, _, marker in hits:
             result = dict(cached)
-            prefix = "chatcmpl" if message.kind == "chat.completion" else "cmpl"
-            result.update(id=f"{prefix}-{message.job_id}", created=int(time.time()),
-                          cached=marker)
+            if message.kind == "response":
+                result.update(id=f"resp_{message.job_id}", created_at=int(time.time()),
+                              cached=marker)
+            else:
+                prefix = "chatcmpl" if message.kind == "chat.completion" else "cmpl"
+                result.update(id=f"{prefix}-{message.job_id}", created=int(time.time()),
+                              cached=marker)
             usage = dict(result.get("usage") or {})
-            if usage:
+            if usage and message.kind == "response":
+                usage["output_tokens"] = 0
+                usage["total_tokens"] = usage.get("input_tokens", 0)
+                result["usage"] = usage
+            elif usage:
                 usage["completion_tokens"] = 0
                 usage["total_tokens"] = usage.get("prompt_tokens", 0)
                 result["usage"] = usage
@@ -116,6 +124,7 @@ class OutcomeRecorder:
             system_fingerprint=self._store.system_fingerprint,
             tool_calls=tool_calls_of(message.body, output.text) if message.body.get("tools")
             else None,
+            body=message.body,
         )
 
     def failed(self, message: JobMessage, reason: str, *, code: str | None = None,

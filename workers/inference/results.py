@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from core.responses_api import response_object
+
 # The engine says "abort" for a cancelled request; such a job has no result to shape.
 OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length"}
 
@@ -55,6 +57,7 @@ def build_result(
     token_text: Callable[[int], str] | None = None,
     system_fingerprint: str | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `chat.completion` or `text_completion` object for a finished job.
 
@@ -62,6 +65,11 @@ def build_result(
     for (OpenAI lists each sampled token next to its log-probability). With `tool_calls`
     the message carries them instead of content, and the finish reason says so.
     """
+    if kind == "response":  # a /v1/responses batch line: the chat result, reshaped
+        chat = build_result("chat.completion", job_id=job_id, model=model,
+                            completion=completion, created=created,
+                            system_fingerprint=system_fingerprint)
+        return response_object(chat, job_id=job_id, body=body or {})
     if completion.finish_reason not in OPENAI_FINISH_REASONS:
         raise ValueError(f"no result for finish_reason {completion.finish_reason!r}")
     finish_reason = OPENAI_FINISH_REASONS[completion.finish_reason]

@@ -21,7 +21,7 @@ Prompt = str | list[int] | list[dict[str, Any]]
 
 def prompt_from_body(kind: str, body: dict[str, Any]) -> Prompt:
     """The engine prompt: chat messages for `chat.completion`, text or token ids otherwise."""
-    if kind == "chat.completion":
+    if kind in ("chat.completion", "response"):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
@@ -60,7 +60,7 @@ def sampling_params_from_body(
     if max_tokens is None:
         max_tokens = _optional_int(body, "max_completion_tokens")
     if max_tokens is None:
-        is_chat = kind == "chat.completion"
+        is_chat = kind in ("chat.completion", "response")
         max_tokens = max_model_len if is_chat and max_model_len else DEFAULT_COMPLETION_MAX_TOKENS
     temperature = _optional_float(body, "temperature")
     top_p = _optional_float(body, "top_p")
