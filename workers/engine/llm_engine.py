@@ -15,9 +15,12 @@ Responsibilities:
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,6 +41,20 @@ from workers.engine.tokenizing import encode_ids
 from workers.engine.tool_prompt import with_tools_in_system_message
 
 logger = logging.getLogger(__name__)
+
+
+def _in_background(build: Callable[[], GrammarCompiler]) -> Future[GrammarCompiler]:
+    """Run `build` on a daemon thread; its result (or error) in the future."""
+    future: Future[GrammarCompiler] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(build())
+        except BaseException as e:  # handed to whoever waits for it
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="grammar-vocab", daemon=True).start()
+    return future
 
 # A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
 Prompt = str | list[int] | list[dict[str, Any]]
@@ -93,8 +110,18 @@ class LLMEngine:
         self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         # Sequences that got a token in the last step, their outputs not built yet (overlap).
         self._deferred: list[Sequence] = []
-        # Built at the first request with a grammar (it reads the whole vocabulary).
+        # Reading the whole vocabulary into the grammar library takes seconds for a large
+        # one: it starts now, on its own thread, so the first constrained request (which
+        # waits for it) does not stall the running batch that long.
         self._grammars: GrammarCompiler | None = None
+        self._grammars_future: Future[GrammarCompiler] | None = None
+        if self.tokenizer is not None:
+            # A copy: a fast tokenizer refuses use from two threads at once.
+            vocab_tokenizer = copy.deepcopy(self.tokenizer)
+            eos_ids = sorted(self.runner.eos_token_ids)
+            self._grammars_future = _in_background(
+                lambda: GrammarCompiler(vocab_tokenizer, self.vocab_size, eos_ids)
+            )
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d",
             block_manager.num_blocks,
@@ -230,11 +257,12 @@ class LLMEngine:
         if params.json_schema is None:
             return None
         if self._grammars is None:
-            if self.tokenizer is None:
+            if self._grammars_future is None:
                 raise ValueError("response_format needs a tokenizer; skip_tokenizer_init is set")
-            self._grammars = GrammarCompiler(
-                self.tokenizer, self.vocab_size, sorted(self.runner.eos_token_ids)
-            )
+            try:
+                self._grammars = self._grammars_future.result()
+            except Exception as e:  # the library failed to load: this request cannot run
+                raise ValueError(f"response_format: grammar library unavailable: {e}") from e
         return self._grammars.new_state(params.json_schema)
 
     def _fill_masks(
