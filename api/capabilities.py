@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from api.errors import InvalidRequest, NotFound
 from api.resources import Resources
-from core import request_checks
+from core import request_checks, structured_outputs
 from core.model_context import model_contexts
 from core.request_checks import RequestRefused
 from core.requests import AnyRequest, JobCreate
@@ -73,6 +73,9 @@ def can_check_without_io(request: AnyRequest, resources: Resources) -> bool:
     """
     if request.model not in resources.settings.served_models:
         return True
+    if not structured_outputs.is_library_loaded() and structured_outputs.constrains_output(
+            request.model_dump(include={"response_format", "tool_choice"})):
+        return False  # the first schema check imports the grammar library: seconds
     context = model_contexts(resources.settings.models_dir).loaded(request.model)
     if context is None:
         return False

@@ -13,7 +13,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -103,17 +102,16 @@ def main() -> None:
     tokenizers = [("tiny (300)", _tiny_tokenizer())]
     if args.model:
         tokenizers.append((args.model, _model_tokenizer(args.model)))
-    with tempfile.TemporaryDirectory():
-        for label, tokenizer in tokenizers:
-            vocab_size = len(tokenizer)
-            for name, bench in (("xgrammar", _bench_xgrammar), ("llguidance", _bench_llguidance)):
-                compile_s, mask_s = bench(tokenizer, vocab_size)
-                print(  # noqa: T201
-                    f"{label:>24} {name:>10}: compile median "
-                    f"{statistics.median(compile_s) * 1e3:7.2f} ms"
-                    f" max {max(compile_s) * 1e3:7.2f} ms; mask+advance per token median "
-                    f"{statistics.median(mask_s) * 1e6:6.1f} us max {max(mask_s) * 1e6:6.1f} us"
-                )
+    for label, tokenizer in tokenizers:
+        vocab_size = len(tokenizer)
+        for name, bench in (("xgrammar", _bench_xgrammar), ("llguidance", _bench_llguidance)):
+            compile_s, mask_s = bench(tokenizer, vocab_size)
+            print(  # noqa: T201
+                f"{label:>24} {name:>10}: compile median "
+                f"{statistics.median(compile_s) * 1e3:7.2f} ms"
+                f" max {max(compile_s) * 1e3:7.2f} ms; mask+advance per token median "
+                f"{statistics.median(mask_s) * 1e6:6.1f} us max {max(mask_s) * 1e6:6.1f} us"
+            )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ class JobMessage(BaseModel):
     model: str
     # "chat.completion" (body has `messages`), "text_completion" (body has `prompt`) or
     # "embedding" (body has `input`, for an embedding model).
-    kind: Literal["chat.completion", "text_completion", "embedding"]
+    kind: Literal["chat.completion", "text_completion", "embedding", "response"]
     body: dict[str, Any]
     batch_id: str | None = None
     custom_id: str | None = None

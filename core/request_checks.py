@@ -1,7 +1,8 @@
 """The checks every request passes before it is stored: one function for every road in.
 
 Responsible for: what parses but this service does not support (streaming, several
-choices, penalties, tools, alternatives' log-probabilities, non-text content), the limits
+choices, alternatives' log-probabilities, non-text content), structured-output schemas
+and tools the grammar library cannot enforce, the limits
 of the model's context (`max_tokens` and the prompt, counted with the model's tokenizer
 when this machine has it), and turning pydantic's errors into the name of the offending
 field. `POST /v1/jobs`, the OpenAI-compatible endpoints and each line of a batch file go
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 
 from core.model_context import ModelContext, PromptRenderError
 from core.requests import AnyRequest, ChatCompletionRequest, CompletionRequest, JobCreate
+from core.structured_outputs import StructuredOutputError, check_output_schema
 
 LOGPROBS_ALTERNATIVES = (
     "logprobs > 0 (alternatives per position) is not supported; logprobs=0 returns the "
@@ -57,25 +59,35 @@ def check_supported(request: AnyRequest, *, can_stream: bool = False) -> None:
     `stream` only where the caller relays it (the OpenAI-compatible endpoints)."""
     _check_stream(request, can_stream=can_stream)
     _only(request.n in (None, 1), "n", "n must be 1: one choice is returned per request.")
-    for penalty in ("presence_penalty", "frequency_penalty"):
-        _only(getattr(request, penalty) in (None, 0), penalty,
-              f"{penalty} is not supported; only 0 is accepted.")
     if (request.max_tokens is not None and request.max_completion_tokens is not None
             and request.max_tokens != request.max_completion_tokens):
         raise RequestRefused("Set max_completion_tokens or max_tokens, not both with different "
                              "values.", param="max_completion_tokens")
-    _only(not request.logit_bias, "logit_bias", "logit_bias is not supported.")
-    _only(request.response_format is None or request.response_format.get("type") == "text",
-          "response_format", "response_format is not supported; output is plain text.")
-    _only(not request.tools, "tools", "tools (function calling) are not supported.")
-    _only(request.tool_choice in (None, "none", "auto"), "tool_choice",
-          "tool_choice is not supported: tools are not supported.")
+    _check_logit_bias(request.logit_bias)
+    _only(not request.tools or bool(getattr(request, "messages", None)), "tools",
+          "tools need a chat request (messages).")
+    try:
+        check_output_schema(request.model_dump(
+            include={"response_format", "tools", "tool_choice", "parallel_tool_calls"}))
+    except StructuredOutputError as e:
+        raise RequestRefused(str(e), param=e.param) from e
     if isinstance(request, CompletionRequest):
         _check_completion_extras(request)
     else:
         _check_chat_extras(request)
     if getattr(request, "prompt", None) == "":
         raise RequestRefused("prompt must not be empty.", param="prompt")
+
+
+def _check_logit_bias(logit_bias: dict[str, float] | None) -> None:
+    """OpenAI's shape: token ids (as JSON keys) to biases in [-100, 100]."""
+    for key, bias in (logit_bias or {}).items():
+        if not key.isdigit():
+            raise RequestRefused(f"logit_bias keys must be token ids, got {key!r}.",
+                                 param="logit_bias")
+        if not -100 <= bias <= 100:
+            raise RequestRefused(f"logit_bias values must be in [-100, 100], got {bias!r} "
+                                 f"for token {key}.", param="logit_bias")
 
 
 def _check_completion_extras(request: CompletionRequest) -> None:

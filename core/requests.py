@@ -228,8 +228,8 @@ class SamplingRequest(ClientObject):
     # prefix cache; without one the affinity key hashes the prompt's first block.
     cache_key: Key | None = Field(default=None, min_length=1, max_length=200)
     cache: CachePolicyField | None = None
-    # OpenAI fields this service does not implement. They are declared so that a null or
-    # empty value (which some clients send by default) passes; anything else is a 400.
+    # Checked in core.request_checks and core.structured_outputs (token ids as keys;
+    # schemas the grammar library can compile).
     logit_bias: Annotated[dict[str, float], BeforeValidator(_check_keys)] | None = None
     response_format: ClientDict | None = None
     tools: list[Any] | None = None
@@ -292,6 +292,13 @@ class SamplingRequest(ClientObject):
             "ignore_eos": self.ignore_eos,
             "user": self.user,
             "cache": self.cache.model_dump(exclude_none=True) if self.cache else None,
+            "presence_penalty": self.presence_penalty or None,
+            "frequency_penalty": self.frequency_penalty or None,
+            "logit_bias": self.logit_bias or None,
+            "response_format": self.response_format,
+            "tools": self.tools or None,
+            "tool_choice": self.tool_choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
         }
         return {name: value for name, value in fields.items() if value is not None}
 

@@ -30,13 +30,16 @@ from core.json_bounds import json_bounds_error
 from core.model_context import ModelContext, model_contexts
 from core.request_checks import RequestRefused
 from core.requests import check_key, printable
+from core.responses_api import to_chat_body
 from scheduler.batch_line_checks import check_shape, refusal, storable
 
 # Errors kept per batch: enough to fix a file, bounded however broken the file is.
 MAX_REPORTED_ERRORS = 100
 # The endpoints a batch may target, and the job kind each produces.
 ENDPOINT_TO_KIND = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion",
-                    "/v1/embeddings": "embedding"}
+                    "/v1/embeddings": "embedding", "/v1/responses": "response"}
+# Kinds whose lines run as chat requests (a Responses body is turned into one when read).
+CHAT_KINDS = ("chat.completion", "response")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +138,13 @@ def parse_request(raw: bytes, *, line: int, endpoint: str, model_override: str |
         raise InputLineError("invalid_stream",
                              f"line {line}: stream: true is not supported in a batch",
                              param="body.stream")
-    if ENDPOINT_TO_KIND.get(endpoint) == "chat.completion":
+    if ENDPOINT_TO_KIND.get(endpoint) == "response":
+        try:
+            body = to_chat_body(body)
+        except RequestRefused as e:
+            raise InputLineError(e.code, f"line {line}: {e.message}",
+                                 param=f"body.{e.param}" if e.param else "body") from e
+    if ENDPOINT_TO_KIND.get(endpoint) in CHAT_KINDS:
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             raise InputLineError("missing_required_parameter",
                                  f"line {line}: body.messages must be a non-empty list",
@@ -314,7 +323,7 @@ def iter_requests(handle: BinaryIO, *, endpoint: str, max_line_bytes: int,
                         context=context_of[request.model])
         if error is not None:
             yield replace(request, body=storable(request.body), error=error)
-        elif ENDPOINT_TO_KIND[endpoint] == "chat.completion":
+        elif ENDPOINT_TO_KIND[endpoint] in CHAT_KINDS:
             yield replace(request, body=_joined_body(request.body))
         else:
             yield request

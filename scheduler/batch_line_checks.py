@@ -35,7 +35,7 @@ def check_shape(body: dict[str, Any], *, kind: str) -> None:
             param, message, code = describe_errors(e.errors(include_url=False))
             raise RequestRefused(message, param=param, code=code, status_code=422) from e
         return
-    parse_body(body, is_chat=kind == "chat.completion")
+    parse_body(body, is_chat=kind in ("chat.completion", "response"))
 
 
 def refusal(body: dict[str, Any], *, kind: str, context: ModelContext | None
@@ -49,7 +49,7 @@ def refusal(body: dict[str, Any], *, kind: str, context: ModelContext | None
     if kind == "embedding":
         return None  # the embedding worker checks inputs against its own model
     try:
-        request = parse_body(body, is_chat=kind == "chat.completion")
+        request = parse_body(body, is_chat=kind in ("chat.completion", "response"))
         check_request(request, context)
     except RequestRefused as e:
         return e.error_object()

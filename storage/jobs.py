@@ -40,7 +40,7 @@ from storage.workers import has_live_owner
 
 logger = logging.getLogger(__name__)
 
-JOB_KINDS = ("chat.completion", "text_completion", "embedding")
+JOB_KINDS = ("chat.completion", "text_completion", "embedding", "response")
 MAX_LIST_LIMIT = 100
 
 

@@ -63,7 +63,8 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str = Field(min_length=1, max_length=40)
-    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                      "/v1/responses"]
     completion_window: str = Field(min_length=2, max_length=16)
     metadata: Metadata | None = None
     # The output and error files expire this long after each is written.

@@ -238,8 +238,11 @@ def refusals(handle: io.BytesIO, *, endpoint: str = CHAT, models_dir: Path | Non
 
 @pytest.mark.parametrize(("endpoint", "patch", "param"), [
     (CHAT, {"n": 2}, "n"),
-    (CHAT, {"tools": [{"type": "function"}]}, "tools"),
-    (CHAT, {"presence_penalty": 1}, "presence_penalty"),
+    (CHAT, {"tools": [{"type": "function"}]}, "tools[0]"),
+    (CHAT, {"logit_bias": {"a": 1}}, "logit_bias"),
+    (CHAT, {"response_format": {"type": "json_schema",
+                                "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0].type"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),

@@ -15,9 +15,12 @@ Responsibilities:
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,8 +38,23 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.tokenizing import encode_ids
+from workers.engine.tool_prompt import with_tools_in_system_message
 
 logger = logging.getLogger(__name__)
+
+
+def _in_background(build: Callable[[], GrammarCompiler]) -> Future[GrammarCompiler]:
+    """Run `build` on a daemon thread; its result (or error) in the future."""
+    future: Future[GrammarCompiler] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(build())
+        except BaseException as e:  # handed to whoever waits for it
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="grammar-vocab", daemon=True).start()
+    return future
 
 # A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
 Prompt = str | list[int] | list[dict[str, Any]]
@@ -92,8 +110,18 @@ class LLMEngine:
         self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         # Sequences that got a token in the last step, their outputs not built yet (overlap).
         self._deferred: list[Sequence] = []
-        # Built at the first request with a grammar (it reads the whole vocabulary).
+        # Reading the whole vocabulary into the grammar library takes seconds for a large
+        # one: it starts now, on its own thread, so the first constrained request (which
+        # waits for it) does not stall the running batch that long.
         self._grammars: GrammarCompiler | None = None
+        self._grammars_future: Future[GrammarCompiler] | None = None
+        if self.tokenizer is not None:
+            # A copy: a fast tokenizer refuses use from two threads at once.
+            vocab_tokenizer = copy.deepcopy(self.tokenizer)
+            eos_ids = sorted(self.runner.eos_token_ids)
+            self._grammars_future = _in_background(
+                lambda: GrammarCompiler(vocab_tokenizer, self.vocab_size, eos_ids)
+            )
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d",
             block_manager.num_blocks,
@@ -108,11 +136,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         deadline: float | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         """Queue a request; ValueError naming the field if it is malformed or cannot fit.
 
         `deadline` (seconds since the epoch) orders requests within a priority, earliest
-        first; requests without one come after those with one.
+        first; requests without one come after those with one. `tools` (OpenAI's tool
+        objects) are rendered into a chat prompt (see tool_prompt).
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
@@ -134,7 +165,7 @@ class LLMEngine:
             raise ValueError(f"logit_bias has token ids outside [0, {self.vocab_size}): "
                              f"{bad_bias[:5]}")
         grammar = self._grammar_state(params)
-        prompt_text, token_ids = self._tokenize(prompt)
+        prompt_text, token_ids = self._tokenize(prompt, tools)
         if len(token_ids) > self.max_model_len:
             raise ValueError(
                 f"prompt is {len(token_ids)} tokens, longer than max_model_len {self.max_model_len}"
@@ -226,11 +257,12 @@ class LLMEngine:
         if params.json_schema is None:
             return None
         if self._grammars is None:
-            if self.tokenizer is None:
+            if self._grammars_future is None:
                 raise ValueError("response_format needs a tokenizer; skip_tokenizer_init is set")
-            self._grammars = GrammarCompiler(
-                self.tokenizer, self.vocab_size, sorted(self.runner.eos_token_ids)
-            )
+            try:
+                self._grammars = self._grammars_future.result()
+            except Exception as e:  # the library failed to load: this request cannot run
+                raise ValueError(f"response_format: grammar library unavailable: {e}") from e
         return self._grammars.new_state(params.json_schema)
 
     def _fill_masks(
@@ -309,7 +341,9 @@ class LLMEngine:
             metrics=replace(request.metrics),  # a snapshot: later steps move on
         )
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(
+        self, prompt: Prompt, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for any accepted prompt form."""
         if isinstance(prompt, str):
             if not prompt:
@@ -320,7 +354,9 @@ class LLMEngine:
         if not isinstance(prompt, list) or not prompt:
             raise ValueError("prompt must be a non-empty string, token id list or chat messages")
         if all(isinstance(t, dict) for t in prompt):
-            return self._render_chat(prompt)  # type: ignore[arg-type]
+            return self._render_chat(prompt, tools)  # type: ignore[arg-type]
+        if tools:
+            raise ValueError("tools need a chat prompt (messages)")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt must be all token ids (int) or all chat messages (dict)")
         token_ids: list[int] = prompt  # type: ignore[assignment]
@@ -329,7 +365,9 @@ class LLMEngine:
             raise ValueError(f"prompt has token ids outside [0, {self.vocab_size}): {bad[:5]}")
         return None, list(token_ids)
 
-    def _render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+    def _render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[int]]:
         """Apply the tokenizer's chat template, ending with the assistant's turn."""
         if self.tokenizer is None:
             raise ValueError("prompt: chat messages need a tokenizer; skip_tokenizer_init is set")
@@ -340,6 +378,16 @@ class LLMEngine:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
             )
+            if tools:
+                with_tools = self.tokenizer.apply_chat_template(
+                    messages, tools=tools, tokenize=False, add_generation_prompt=True
+                )
+                # A template that ignores tools renders the same text: describe them in
+                # the system message instead.
+                text = with_tools if with_tools != text else self.tokenizer.apply_chat_template(
+                    with_tools_in_system_message(messages, tools),
+                    tokenize=False, add_generation_prompt=True,
+                )
         except ValueError as e:  # e.g. the tokenizer has no chat template
             raise ValueError(f"prompt: cannot render chat messages: {e}") from e
         # The template already places special tokens such as BOS.

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from core import metrics
 from core.messages import JobMessage
@@ -45,6 +46,7 @@ class _Add:
     priority: int
     stream: bool = False
     deadline: float | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -113,13 +115,14 @@ class EngineLoop:
         return self.failure is None
 
     def add(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int,
-            *, stream: bool = False, job: JobMessage | None = None) -> None:
+            *, stream: bool = False, job: JobMessage | None = None,
+            tools: list[dict[str, Any]] | None = None) -> None:
         """Queue a request; it joins the running batch at the engine's next step. With
         `stream`, its text goes to `token_sink` step by step. (`job` is for an engine
         server, which sends the job's own fields; this engine takes its deadline, which
-        orders it within its priority.)"""
+        orders it within its priority.) `tools` are rendered into a chat prompt."""
         deadline = job.deadline if job is not None else None
-        self._inbox.put(_Add(request_id, prompt, params, priority, stream, deadline))
+        self._inbox.put(_Add(request_id, prompt, params, priority, stream, deadline, tools))
 
     def watch(self, request_id: str) -> None:
         """Stream a live request from now on: its text so far, then step by step."""
@@ -192,8 +195,13 @@ class EngineLoop:
                 self._outbox.put(FinishedRequest(command.request_id, aborted=True))
             return
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    priority=command.priority, deadline=command.deadline)
+            if command.tools:
+                self.engine.add_request(command.request_id, command.prompt, command.params,
+                                        priority=command.priority, deadline=command.deadline,
+                                        tools=command.tools)
+            else:
+                self.engine.add_request(command.request_id, command.prompt, command.params,
+                                        priority=command.priority, deadline=command.deadline)
         except ValueError as e:
             # Bad input for this request only (too long a prompt, unknown template...).
             self._outbox.put(FinishedRequest(command.request_id, error=str(e)))

@@ -30,7 +30,12 @@ from workers.inference.engine_loop import EngineLoop
 from workers.inference.job_store import JobStore
 from workers.inference.outcomes import OutcomeRecorder
 from workers.inference.remote_engine import RemoteEngineLoop
-from workers.inference.sampling import Prompt, prompt_from_body, sampling_params_from_body
+from workers.inference.sampling import (
+    Prompt,
+    chat_tools,
+    prompt_from_body,
+    sampling_params_from_body,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +123,7 @@ class JobStarter:
             self._ack(candidate.records)
         runnable = self._answer_from_caches(runnable)
         prepared: list[tuple[Candidate, Prompt, SamplingParams]] = []
+        tools_of: dict[str, list[dict[str, Any]]] = {}  # job id -> tools for its prompt
         for candidate in runnable:
             message = candidate.message
             try:
@@ -135,6 +141,9 @@ class JobStarter:
                     params.cache_salt = message.tenant_id
                     # `cache: {"mode": "off"}` bypasses the prefix KV caches too.
                     params.use_prefix_cache = CachePolicy.of(message.body).shares_prefix_kv
+                    tools = chat_tools(message.body) if message.body.get("tools") else None
+                    if tools:
+                        tools_of[message.job_id] = tools
             except ValueError as e:
                 self._outcomes.failed(message, str(e))
                 self._ack(candidate.records)
@@ -158,6 +167,7 @@ class JobStarter:
             self._engine.add(
                 message.job_id, prompt, params, priority=Priority(message.priority).rank,
                 stream=stream, job=message,
+                tools=tools_of.get(message.job_id),
             )
         return started
 

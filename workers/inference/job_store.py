@@ -257,10 +257,11 @@ def epoch_to_datetime(seconds: float | None) -> datetime | None:
 def _completion(success: Success) -> job_batches.Completion:
     """A result with the token counts of its OpenAI `usage` object."""
     usage = success.result.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
+    # A Responses result names them input/output tokens.
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
     return job_batches.Completion(
         job_id=success.message.job_id, result=success.result,
-        prompt_tokens=int(usage.get("prompt_tokens", 0)),
-        completion_tokens=int(usage.get("completion_tokens", 0)),
+        prompt_tokens=int(usage.get("prompt_tokens", usage.get("input_tokens", 0))),
+        completion_tokens=int(usage.get("completion_tokens", usage.get("output_tokens", 0))),
         cached_tokens=int(details.get("cached_tokens", 0)),
         first_token_at=success.first_token_at)

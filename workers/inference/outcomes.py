@@ -23,6 +23,7 @@ from workers.inference.embedding_jobs import build_embedding_result
 from workers.inference.job_store import JobStore, Success, epoch_to_datetime
 from workers.inference.remote_requests import RemoteOutput, build_remote_result
 from workers.inference.results import Completion, build_result, error_body, param_of
+from workers.inference.tool_calls import tool_calls_of
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ logger = logging.getLogger(__name__)
 REQUEST_FIELDS = (
     "max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
     "top_logprobs", "logprobs", "ignore_eos", "messages", "prompt", "model", "n",
+    "response_format", "tool_choice", "tools", "logit_bias", "presence_penalty",
+    "frequency_penalty",
 )  # fmt: skip
 
 
@@ -69,11 +72,19 @@ class OutcomeRecorder:
         successes = []
         for message, cached, _, marker in hits:
             result = dict(cached)
-            prefix = "chatcmpl" if message.kind == "chat.completion" else "cmpl"
-            result.update(id=f"{prefix}-{message.job_id}", created=int(time.time()),
-                          cached=marker)
+            if message.kind == "response":
+                result.update(id=f"resp_{message.job_id}", created_at=int(time.time()),
+                              cached=marker)
+            else:
+                prefix = "chatcmpl" if message.kind == "chat.completion" else "cmpl"
+                result.update(id=f"{prefix}-{message.job_id}", created=int(time.time()),
+                              cached=marker)
             usage = dict(result.get("usage") or {})
-            if usage:
+            if usage and message.kind == "response":
+                usage["output_tokens"] = 0
+                usage["total_tokens"] = usage.get("input_tokens", 0)
+                result["usage"] = usage
+            elif usage:
                 usage["completion_tokens"] = 0
                 usage["total_tokens"] = usage.get("prompt_tokens", 0)
                 result["usage"] = usage
@@ -111,6 +122,9 @@ class OutcomeRecorder:
             created=int(time.time()),
             token_text=self._token_text,
             system_fingerprint=self._store.system_fingerprint,
+            tool_calls=tool_calls_of(message.body, output.text) if message.body.get("tools")
+            else None,
+            body=message.body,
         )
 
     def failed(self, message: JobMessage, reason: str, *, code: str | None = None,

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from core.responses_api import response_object
+
 # The engine says "abort" for a cancelled request; such a job has no result to shape.
 OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length"}
 
@@ -54,20 +56,33 @@ def build_result(
     created: int,
     token_text: Callable[[int], str] | None = None,
     system_fingerprint: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+    body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `chat.completion` or `text_completion` object for a finished job.
 
     `token_text` renders one token id as text; it is needed only when logprobs were asked
-    for (OpenAI lists each sampled token next to its log-probability).
+    for (OpenAI lists each sampled token next to its log-probability). With `tool_calls`
+    the message carries them instead of content, and the finish reason says so.
     """
+    if kind == "response":  # a /v1/responses batch line: the chat result, reshaped
+        chat = build_result("chat.completion", job_id=job_id, model=model,
+                            completion=completion, created=created,
+                            system_fingerprint=system_fingerprint)
+        return response_object(chat, job_id=job_id, body=body or {})
     if completion.finish_reason not in OPENAI_FINISH_REASONS:
         raise ValueError(f"no result for finish_reason {completion.finish_reason!r}")
     finish_reason = OPENAI_FINISH_REASONS[completion.finish_reason]
     tokens = _token_texts(completion, token_text)
     if kind == "chat.completion":
+        message: dict[str, Any] = {"role": "assistant", "content": completion.text,
+                                   "refusal": None}
+        if tool_calls and finish_reason == "stop":
+            message.update(content=None, tool_calls=tool_calls)
+            finish_reason = "tool_calls"
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": completion.text, "refusal": None},
+            "message": message,
             "logprobs": _chat_logprobs(tokens, completion.logprobs),
             "finish_reason": finish_reason,
         }

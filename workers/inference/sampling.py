@@ -7,8 +7,10 @@ too, but batch files and older messages reach workers by other roads.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from core.structured_outputs import StructuredOutputError, output_schema, tool_mode
 from workers.engine import SamplingParams
 
 # OpenAI's default for legacy completions; chat requests default to the rest of the context.
@@ -19,7 +21,7 @@ Prompt = str | list[int] | list[dict[str, Any]]
 
 def prompt_from_body(kind: str, body: dict[str, Any]) -> Prompt:
     """The engine prompt: chat messages for `chat.completion`, text or token ids otherwise."""
-    if kind == "chat.completion":
+    if kind in ("chat.completion", "response"):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
@@ -58,10 +60,14 @@ def sampling_params_from_body(
     if max_tokens is None:
         max_tokens = _optional_int(body, "max_completion_tokens")
     if max_tokens is None:
-        is_chat = kind == "chat.completion"
+        is_chat = kind in ("chat.completion", "response")
         max_tokens = max_model_len if is_chat and max_model_len else DEFAULT_COMPLETION_MAX_TOKENS
     temperature = _optional_float(body, "temperature")
     top_p = _optional_float(body, "top_p")
+    try:
+        schema, _ = output_schema(body)
+    except StructuredOutputError as e:
+        raise ValueError(str(e)) from e
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -72,9 +78,32 @@ def sampling_params_from_body(
             stop=_stop(body),
             ignore_eos=_optional_bool(body, "ignore_eos") or False,
             logprobs=_logprobs(body),
+            presence_penalty=_optional_float(body, "presence_penalty") or 0.0,
+            frequency_penalty=_optional_float(body, "frequency_penalty") or 0.0,
+            logit_bias=_logit_bias(body),
+            json_schema=None if schema is None else json.dumps(schema),
         )
     except TypeError as e:
         raise ValueError(f"invalid sampling parameters: {e}") from e
+
+
+def chat_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools to render into the prompt: none when `tool_choice` is `none`."""
+    try:
+        mode, _ = tool_mode(body.get("tools"), body.get("tool_choice"))
+    except StructuredOutputError as e:
+        raise ValueError(str(e)) from e
+    return None if mode == "none" else list(body["tools"])
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must map token ids to numbers")
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"logit_bias must map token ids to numbers: {e}") from e
 
 
 def _stop(body: dict[str, Any]) -> list[str]:

@@ -61,7 +61,7 @@ def test_wrong_and_revoked_keys_are_401(
     ({"stream": True}, 400, "stream"),
     ({"n": 3}, 400, "n"),
     ({"top_logprobs": 5}, 400, "top_logprobs"),
-    ({"presence_penalty": 1}, 400, "presence_penalty"),
+    ({"logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"callback_url": "http://10.1.2.3/hook"}, 422, "callback_url"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
      "messages[0].content[0].type"),

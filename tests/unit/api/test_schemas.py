@@ -71,12 +71,19 @@ def test_shape_errors_name_the_field(field: str, value: object) -> None:
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"stream": True, "logprobs": True}, "logprobs"),
     ({"n": 2}, "n"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -1}, "frequency_penalty"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools[0]"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"logit_bias": {"five": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 101.0}}, "logit_bias"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0].type"),
@@ -98,6 +105,23 @@ def test_stream_is_accepted_where_it_is_relayed_and_refused_on_jobs() -> None:
     with pytest.raises(InvalidRequest) as info:
         check_supported(JobCreate.model_validate({**CHAT, "stream": True}))
     assert info.value.param == "stream"
+
+
+def test_structured_output_fields_are_accepted() -> None:
+    """Schemas xgrammar compiles, tools with every tool_choice, penalties and biases pass."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+    for extra in (
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "strict": True, "schema": {"type": "object", "properties": {
+                "a": {"enum": ["p", "q"]}, "b": {"type": "array", "items": {"type": "number"}}},
+                "required": ["a"]}}}},
+        {"tools": tools}, {"tools": tools, "tool_choice": "required"},
+        {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        {"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"5": -100}},
+    ):
+        check_supported(ChatCompletionRequest.model_validate({**CHAT, **extra}))
 
 
 def test_defaults_clients_send_are_accepted() -> None:

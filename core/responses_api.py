@@ -1,0 +1,160 @@
+"""OpenAI Responses bodies (`/v1/responses`) in the subset the engine honours.
+
+Responsible for: the shape of a Responses request (text `input` or input messages,
+`instructions`, `max_output_tokens`, `text.format` for structured output, `temperature`,
+`top_p`, `metadata`, `user`, `store`), refusing the rest by name, and turning it into the
+chat body a worker runs (`to_chat_body`). The worker answers such a job with a Responses
+object (`object: "response"`); see workers/inference/results.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, StrictBool, ValidationError
+
+from core.request_checks import RequestRefused, describe_errors
+from core.requests import (
+    ClientDict,
+    ClientObject,
+    MaxTokens,
+    Metadata,
+    Temperature,
+    Text,
+    TopP,
+)
+
+
+class InputPart(ClientObject):
+    """One part of an input message's content; only text parts are supported."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Text
+    text: Text | None = None
+
+
+class InputMessage(ClientObject):
+    """One item of `input`: a message (`type` may be omitted, as the API allows)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[InputPart]
+
+
+class ResponseRequest(ClientObject):
+    """Body of a `/v1/responses` request (batch line)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text = Field(min_length=1, max_length=200)
+    input: Text | list[InputMessage]
+    instructions: Text | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    text: ClientDict | None = None
+    metadata: Metadata | None = None
+    user: Text | None = Field(default=None, max_length=256)
+    store: StrictBool | None = None  # accepted; results are kept as every job's are
+
+
+def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat-completions body that runs a Responses body; RequestRefused naming the field."""
+    try:
+        request = ResponseRequest.model_validate(body)
+    except ValidationError as e:
+        param, message, code = describe_errors(e.errors(include_url=False))
+        raise RequestRefused(message, param=param, code=code, status_code=422) from e
+    messages: list[dict[str, Any]] = []
+    if request.instructions:
+        messages.append({"role": "system", "content": request.instructions})
+    if isinstance(request.input, str):
+        messages.append({"role": "user", "content": request.input})
+    else:
+        for i, item in enumerate(request.input):
+            messages.append({"role": item.role, "content": _text_of(item, i)})
+    chat: dict[str, Any] = {"model": request.model, "messages": messages}
+    optional = {
+        "max_completion_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "metadata": request.metadata,
+        "user": request.user,
+        "response_format": _response_format(request.text),
+    }
+    chat.update({k: v for k, v in optional.items() if v is not None})
+    return chat
+
+
+def _text_of(item: InputMessage, index: int) -> str:
+    if isinstance(item.content, str):
+        return item.content
+    texts = []
+    for j, part in enumerate(item.content):
+        if part.type not in ("input_text", "output_text") or part.text is None:
+            raise RequestRefused(
+                f"Content parts of type {part.type!r} are not supported; only 'input_text' "
+                "and 'output_text' with a 'text'.", param=f"input[{index}].content[{j}].type",
+                code="unsupported_parameter")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`text.format` (flat, Responses style) → chat's `response_format` (nested)."""
+    if not text:
+        return None
+    unknown = set(text) - {"format"}
+    if unknown:
+        raise RequestRefused(f"text.{sorted(unknown)[0]} is not supported.",
+                             param=f"text.{sorted(unknown)[0]}", code="unsupported_parameter")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise RequestRefused("text.format must be an object with a 'type'.", param="text.format")
+    if fmt.get("type") != "json_schema":
+        return dict(fmt)  # text / json_object (anything else is refused by name later)
+    spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def response_object(chat_result: dict[str, Any], *, job_id: str, body: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """A finished chat.completion result reshaped as the Responses API's `response`."""
+    choice = chat_result["choices"][0]
+    text = choice["message"].get("content") or ""
+    usage = chat_result.get("usage") or {}
+    is_cut = choice.get("finish_reason") == "length"
+    return {
+        "id": f"resp_{job_id}",
+        "object": "response",
+        "created_at": chat_result.get("created"),
+        "status": "incomplete" if is_cut else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if is_cut else None,
+        "error": None,
+        "model": chat_result.get("model"),
+        "output": [{
+            "type": "message", "id": f"msg_{job_id}", "status": "incomplete" if is_cut
+            else "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }],
+        "usage": {
+            "input_tokens": usage.get("prompt_tokens", 0),
+            "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {})
+                                     .get("cached_tokens", 0)},
+            "output_tokens": usage.get("completion_tokens", 0),
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.get("total_tokens", 0),
+        },
+        "max_output_tokens": body.get("max_completion_tokens"),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "metadata": body.get("metadata") or {},
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "tools": [],
+    }

@@ -1,0 +1,200 @@
+"""`response_format` and `tools` → the JSON schema the engine's grammar enforces.
+
+Responsible for: reading OpenAI's `response_format` (`text`, `json_object`, `json_schema`)
+and `tools` + `tool_choice` into one JSON schema (or none), and checking that the grammar
+library can compile it, so the API refuses a bad schema at submission (400 naming the
+problem) and a worker never meets one. The API and the workers call the same functions.
+
+Tool calls are constrained only when the caller asks for them (`tool_choice` `required`
+or a named function): the output is then a JSON list of `{"name", "arguments"}` objects
+(one object for a named function), which the worker turns into OpenAI's `tool_calls`.
+With `auto` the output is not constrained; the worker parses a call if the model makes one
+(see docs/structured-outputs.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from functools import lru_cache
+from typing import Any, Literal
+
+JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+
+# xgrammar prefixes its messages with a time and a C++ source position.
+_NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+ToolMode = Literal["none", "auto", "required", "named"]
+
+
+class StructuredOutputError(ValueError):
+    """A `response_format`, `tools` or `tool_choice` that cannot be honoured; names `param`."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def response_format_schema(response_format: object) -> dict[str, Any] | None:
+    """The schema of `response_format` (None for absent or `text`); StructuredOutputError."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise StructuredOutputError("response_format must be an object with a 'type'.",
+                                    param="response_format")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise StructuredOutputError(
+                "response_format.json_schema must be an object with a 'name' and a 'schema'.",
+                param="response_format.json_schema")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise StructuredOutputError("response_format.json_schema.schema must be an object.",
+                                        param="response_format.json_schema.schema")
+        return schema
+    raise StructuredOutputError(
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
+        param="response_format.type")
+
+
+def tool_mode(tools: object, tool_choice: object) -> tuple[ToolMode, str | None]:
+    """(mode, the named function or None); OpenAI's default is `auto` with tools."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise StructuredOutputError("tool_choice needs tools.", param="tool_choice")
+        return "none", None
+    if tool_choice is None or tool_choice == "auto":
+        return "auto", None
+    if tool_choice in ("none", "required"):
+        return tool_choice, None  # type: ignore[return-value]
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        function = tool_choice.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return "named", function["name"]
+    raise StructuredOutputError(
+        "tool_choice must be 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": ...}}.', param="tool_choice")
+
+
+def functions_of(tools: object) -> dict[str, dict[str, Any]]:
+    """Tool name → its `function` object; StructuredOutputError naming the bad tool."""
+    if not isinstance(tools, list):
+        raise StructuredOutputError("tools must be a list.", param="tools")
+    functions: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(
+                function, dict) or not isinstance(function.get("name"), str):
+            raise StructuredOutputError(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                f'"parameters": ...}}}}; other tool types are not supported.',
+                param=f"tools[{i}]")
+        parameters = function.get("parameters", {"type": "object"})
+        if not isinstance(parameters, dict):
+            raise StructuredOutputError(f"tools[{i}].function.parameters must be an object.",
+                                        param=f"tools[{i}].function.parameters")
+        functions[function["name"]] = function
+    return functions
+
+
+def tool_call_schema(tools: object, tool_choice: object,
+                     parallel_tool_calls: object = None) -> dict[str, Any] | None:
+    """The schema of the forced call(s): None unless `tool_choice` is required or named."""
+    mode, name = tool_mode(tools, tool_choice)
+    if mode in ("none", "auto"):
+        if tools:
+            functions_of(tools)  # still refuse a malformed tool list
+        return None
+    functions = functions_of(tools)
+    if mode == "named":
+        if name not in functions:
+            raise StructuredOutputError(
+                f"tool_choice names {name!r}, which is not among the tools.",
+                param="tool_choice")
+        return _call_schema(name, functions[name])
+    calls: dict[str, Any] = {
+        "type": "array",
+        "items": {"anyOf": [_call_schema(n, f) for n, f in functions.items()]},
+        "minItems": 1,
+    }
+    if parallel_tool_calls is False:
+        calls["maxItems"] = 1
+    return calls
+
+
+def _call_schema(name: str, function: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name},
+                       "arguments": function.get("parameters", {"type": "object"})},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def output_schema(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """(the schema a request's output must follow or None, the field it came from).
+
+    `response_format` and forced tool calls cannot both constrain one output.
+    """
+    tools_schema = tool_call_schema(body.get("tools"), body.get("tool_choice"),
+                                    body.get("parallel_tool_calls"))
+    format_schema = response_format_schema(body.get("response_format"))
+    if tools_schema is not None and format_schema is not None:
+        raise StructuredOutputError(
+            "response_format and a forced tool_choice cannot both constrain the output; "
+            "drop one.", param="response_format")
+    if tools_schema is not None:
+        return tools_schema, "tool_choice"
+    return format_schema, "response_format"
+
+
+def compile_problem(schema: dict[str, Any]) -> str | None:
+    """Why the grammar library cannot compile `schema`, or None when it can.
+
+    Needs no tokenizer (the vocabulary only matters to the masks), so the API can check.
+    """
+    return _compile_problem(json.dumps(schema, sort_keys=True))
+
+
+@lru_cache(maxsize=256)  # batch files repeat one schema on every line
+def _compile_problem(schema_text: str) -> str | None:
+    import xgrammar as xgr
+
+    try:
+        xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=True)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises several types; all mean "cannot"
+        return _NATIVE_PREFIX.sub("", str(e).strip()) or type(e).__name__
+    return None
+
+
+def is_library_loaded() -> bool:
+    """Whether checking a schema is cheap now: the first check imports the library (and
+    torch with it), seconds that must not run on the API's event loop."""
+    return "xgrammar" in sys.modules
+
+
+def constrains_output(body: dict[str, Any]) -> bool:
+    """Whether a request has a schema to check (a cheap look at its fields)."""
+    response_format = body.get("response_format")
+    has_format = isinstance(response_format, dict) and response_format.get("type") not in (
+        None, "text")
+    return has_format or body.get("tool_choice") not in (None, "none", "auto")
+
+
+def check_output_schema(body: dict[str, Any]) -> None:
+    """StructuredOutputError naming the field when the output's schema cannot be enforced."""
+    schema, param = output_schema(body)
+    if schema is None:
+        return
+    problem = compile_problem(schema)
+    if problem is not None:
+        raise StructuredOutputError(
+            f"{param}: the JSON schema cannot be enforced: {problem}", param=param)

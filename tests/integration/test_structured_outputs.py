@@ -1,0 +1,209 @@
+"""response_format, tools, penalties and logit_bias through the HTTP API, official client.
+
+Each field on the three roads in: a job (`POST /v1/jobs` through the client's generic
+`post`), a synchronous call, and a batch line. The API, the scheduler and a worker run as
+processes on a tiny random-weight model; the schemas describe finite languages, so a
+random model under the grammar must finish a whole, valid document.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from tests.unit.engine.tiny_models import save_tiny_llama
+from tests.utils.batch_service import TERMINAL, BatchService, batch_service, jsonl, parse_jsonl
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "colour": {"type": "string", "enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["colour", "ok", "tags"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT: Any = {
+    "type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+TOOLS: Any = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a unit.",
+        "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}},
+                       "required": ["unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {},
+                                           "additionalProperties": False}}},
+]
+MESSAGES: Any = [{"role": "user", "content": "hello world"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Llama directory."""
+    model_dir = tmp_path_factory.mktemp("tiny-llama-structured")
+    save_tiny_llama(model_dir)
+    return model_dir
+
+
+@pytest.fixture
+def svc(settings: Any, tmp_path: Path, tiny_model: Path) -> Iterator[BatchService]:
+    """API, scheduler and worker on the tiny model."""
+    with batch_service(settings, tmp_path, tiny_model) as service:
+        yield service
+
+
+def assert_valid_json(text: str | None, schema: dict[str, Any]) -> None:
+    """The text parses and the schema accepts it."""
+    assert text is not None
+    jsonschema.validate(json.loads(text), schema)
+
+
+def assert_forced_call(message: Any, name: str | None = None) -> None:
+    """OpenAI's tool call shape: arguments a JSON string the tool's parameters accept."""
+    assert message.content is None and message.tool_calls
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        tool = next(t for t in TOOLS if t["function"]["name"] == call.function.name)
+        assert name is None or call.function.name == name
+        assert_valid_json(call.function.arguments, tool["function"]["parameters"])
+
+
+def test_sync_calls_honour_every_new_field(svc: BatchService) -> None:
+    """Chat and text completions with a schema; tools required and named; penalties."""
+    client = svc.openai()
+    model = svc.settings.model
+    chat = client.chat.completions.create(model=model, messages=MESSAGES,
+                                          response_format=RESPONSE_FORMAT,
+                                          max_tokens=100, temperature=0)
+    assert chat.choices[0].finish_reason == "stop", svc.logs()
+    assert_valid_json(chat.choices[0].message.content, SCHEMA)
+
+    text = client.completions.create(model=model, prompt="the quick brown fox", max_tokens=100,
+                                     temperature=0.9, seed=5,
+                                     extra_body={"response_format": {"type": "json_object"}})
+    assert text.choices[0].finish_reason in ("stop", "length")
+    if text.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text.choices[0].text), dict)
+
+    required = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=60, temperature=0)
+    assert required.choices[0].finish_reason == "tool_calls", required
+    assert len(required.choices[0].message.tool_calls or []) == 1
+    assert_forced_call(required.choices[0].message)
+
+    named = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60, temperature=0)
+    assert named.choices[0].finish_reason == "tool_calls"
+    assert_forced_call(named.choices[0].message, "get_weather")
+
+    # A bias of -100 on every token the unbiased answer used keeps greedy off all of them.
+    plain = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6,
+                                           temperature=0, logprobs=True)
+    assert plain.choices[0].logprobs and plain.choices[0].logprobs.content
+    first = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1,
+                                           temperature=0, presence_penalty=2.0,
+                                           frequency_penalty=2.0)
+    # Nothing generated yet: the first token cannot be penalised.
+    assert first.choices[0].message.content == plain.choices[0].logprobs.content[0].token
+
+
+def test_logit_bias_bans_the_greedy_token(svc: BatchService, tiny_model: Path) -> None:
+    """The greedy first token, biased by -100, is not chosen; +100 on another forces it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    client = svc.openai()
+    model = svc.settings.model
+    greedy = client.completions.create(model=model, prompt="hello", max_tokens=1,
+                                       temperature=0).choices[0].text
+    # Every id that renders as the greedy token (byte-level pieces can share a text).
+    greedy_ids = [i for i in range(len(tokenizer)) if tokenizer.decode([i]) == greedy]
+    assert greedy_ids
+    banned = client.completions.create(model=model, prompt="hello", max_tokens=1,
+                                       temperature=0,
+                                       logit_bias={str(i): -100 for i in greedy_ids})
+    assert banned.choices[0].text != greedy
+    forced_id = tokenizer.encode("fox", add_special_tokens=False)[0]
+    forced = client.completions.create(model=model, prompt="hello", max_tokens=1,
+                                       temperature=0, logit_bias={str(forced_id): 100})
+    assert forced.choices[0].text == tokenizer.decode([forced_id])
+
+
+def test_jobs_and_batch_lines_carry_the_fields(svc: BatchService) -> None:
+    """A job and batch lines with response_format and tools; a bad schema is a 400."""
+    client = svc.openai()
+    model = svc.settings.model
+    job: Any = client.post("/jobs", cast_to=object, body={
+        "model": model, "messages": MESSAGES, "response_format": RESPONSE_FORMAT,
+        "max_tokens": 100, "temperature": 0.7, "seed": 1, "frequency_penalty": 0.5,
+        "logit_bias": {"5": 2.0}})
+    done: Any = client.get(f"/jobs/{job['id']}?wait=120", cast_to=object)
+    assert done["status"] == "succeeded", (done, svc.logs())
+    assert_valid_json(done["result"]["choices"][0]["message"]["content"], SCHEMA)
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=MESSAGES,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "bad", "schema": {"type": "nonsense"}}})
+    assert refused.value.param == "response_format"
+    assert "nonsense" in str(refused.value)
+
+    lines = [
+        {"custom_id": "schema", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": model, "messages": MESSAGES, "response_format": RESPONSE_FORMAT,
+                  "max_tokens": 100, "temperature": 0}},
+        {"custom_id": "tools", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": model, "messages": MESSAGES, "tools": TOOLS,
+                  "tool_choice": "required", "parallel_tool_calls": False,
+                  "max_tokens": 60, "temperature": 0}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": model, "messages": MESSAGES, "tools": TOOLS,
+                  "tool_choice": {"type": "function", "function": {"name": "missing"}}}},
+    ]
+    uploaded = client.files.create(file=("lines.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    finished = svc.wait_batch(client, batch.id, lambda b: b.status in TERMINAL)
+    assert finished.status == "completed", finished
+    assert finished.output_file_id, svc.logs()
+    output = {line["custom_id"]: line
+              for line in parse_jsonl(client.files.content(finished.output_file_id).content)}
+    assert_valid_json(output["schema"]["response"]["body"]["choices"][0]["message"]["content"],
+                      SCHEMA)
+    tools_choice = output["tools"]["response"]["body"]["choices"][0]
+    assert tools_choice["finish_reason"] == "tool_calls"
+    for call in tools_choice["message"]["tool_calls"]:
+        json.loads(call["function"]["arguments"])
+    assert finished.error_file_id
+    [error] = parse_jsonl(client.files.content(finished.error_file_id).content)
+    assert error["custom_id"] == "bad"
+    assert "missing" in error["response"]["body"]["error"]["message"]
+
+    # The same schema through a /v1/responses batch line: a Responses object comes back.
+    response_line = {"custom_id": "resp", "method": "POST", "url": "/v1/responses", "body": {
+        "model": model, "instructions": "Answer in JSON.", "max_output_tokens": 100,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hello"}]}],
+        "temperature": 0, "text": {"format": {"type": "json_schema", "name": "thing",
+                                              "schema": SCHEMA, "strict": True}}}}
+    uploaded = client.files.create(file=("responses.jsonl", jsonl([response_line])),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses",
+                                  completion_window="24h")
+    finished = svc.wait_batch(client, batch.id, lambda b: b.status in TERMINAL)
+    assert finished.status == "completed" and finished.output_file_id, (finished, svc.logs())
+    [line] = parse_jsonl(client.files.content(finished.output_file_id).content)
+    body = line["response"]["body"]
+    assert body["object"] == "response" and body["status"] == "completed"
+    assert_valid_json(body["output"][0]["content"][0]["text"], SCHEMA)
+    assert body["usage"]["output_tokens"] > 0
+
