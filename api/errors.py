@@ -151,6 +151,18 @@ class ServiceUnavailable(APIError):
         self.dependency = dependency
 
 
+class ServiceStopping(APIError):
+    """503: the service was told to stop and takes no new job; nothing was written."""
+
+    status_code = 503
+    type = SERVER_ERROR
+    code = "service_stopping"
+
+    def __init__(self) -> None:
+        super().__init__("The service is stopping and takes no new jobs; retry shortly.",
+                         headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
+
+
 class Timeout(APIError):
     """504: the job did not finish within the synchronous request's time limit."""
 

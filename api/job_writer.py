@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,6 +40,7 @@ from sqlalchemy import delete
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.broker_errors import ServiceStopping
 from core.kafka import publish_job
 from core.settings import Settings
 from storage.jobs import IdempotencyKeyTaken, insert_new_jobs, job_message
@@ -63,10 +65,15 @@ WRITE_TIMEOUT_S = 60.0
 
 
 class ProducerHandle(Protocol):
-    """What the writer needs of `api.resources.LazyProducer`: the connected producer."""
+    """What the writer needs of `api.resources.LazyProducer`: the connected producer, and
+    the one step in which a job is checked against a stop and accepted."""
 
     def get(self) -> KafkaProducer:
         """The producer; raises (BrokerUnavailable) when jobs cannot be handed over now."""
+        ...
+
+    def accepting(self) -> AbstractContextManager[str | None]:
+        """Held while answering: None if jobs may be accepted, else why not (stopping)."""
         ...
 
 
@@ -212,8 +219,35 @@ class JobWriter:
             self._withdraw([p.job.id for p, _ in unsent])
             for pending, error in unsent:
                 pending.answer.set_exception(error)
-        for pending in stored:
-            if not pending.answer.done():
+        self._accept([p for p in stored if not p.answer.done()])
+
+    def _accept(self, acked: list[_Pending]) -> None:
+        """Answer acknowledged jobs: accepted, unless the service began stopping since
+        their group was taken, in which case each is withdrawn and refused.
+
+        The check and the answers happen under the producer's `accepting`, which the stop
+        (`refuse`) also takes: no job is accepted after the stop. A withdrawn job that a
+        worker already took cannot be deleted: it is accepted after all, as it runs.
+        """
+        if not acked:
+            return
+        refused: list[tuple[_Pending, str]] = []
+        for handle in {id(p.producer): p.producer for p in acked}.values():
+            with handle.accepting() as refusal:
+                for pending in acked:
+                    if pending.producer is not handle:
+                        continue
+                    if refusal is None:
+                        pending.answer.set_result(pending.job)
+                    else:
+                        refused.append((pending, refusal))
+        if not refused:
+            return
+        withdrawn = self._withdraw([p.job.id for p, _ in refused])
+        for pending, reason in refused:
+            if pending.job.id in withdrawn:
+                pending.answer.set_exception(ServiceStopping(reason))
+            else:
                 pending.answer.set_result(pending.job)
 
     def _insert(self, group: list[_Pending]) -> list[_Pending]:
@@ -246,16 +280,20 @@ class JobWriter:
                 pending.answer.set_exception(e)
         return stored
 
-    def _withdraw(self, job_ids: list[str]) -> None:
-        """Delete unacknowledged jobs still queued (see `api.submission._withdraw` for why)."""
+    def _withdraw(self, job_ids: list[str]) -> set[str]:
+        """Delete jobs still queued whose acceptance was refused (the broker did not take
+        them, or the service is stopping); the ids deleted."""
         try:
             with self._sessions() as session:
-                session.execute(
+                deleted = session.scalars(
                     delete(Job)
                     .where(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED)
+                    .returning(Job.id)
                     .execution_options(synchronize_session=False)
-                )
+                ).all()
                 session.commit()
         except SQLAlchemyError:
             logger.exception("could not withdraw %d unpublished job(s); the reconciler will "
                              "re-publish them", len(job_ids))
+            return set()
+        return set(deleted)

@@ -14,6 +14,8 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +30,7 @@ from redis.retry import Retry
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.active_jobs import ActiveJobGate
+from api.broker_errors import BrokerUnavailable, ServiceStopping
 from api.estimates import EstimateBoard
 from api.job_writer import JobWriter
 from api.key_cache import ApiKeyCache
@@ -42,6 +45,8 @@ from storage.model_cards import CardReader
 
 if TYPE_CHECKING:
     from api.auth import CurrentTenant
+
+__all__ = ["BrokerUnavailable", "LazyProducer", "Resources", "ServiceStopping"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +67,13 @@ BROKER_CONNECT_TIMEOUT_S = 0.5
 RECONNECT_MAX_BACKOFF_S = 5.0
 # Seconds close() waits for the watcher thread (it never blocks longer than a reconnect).
 WATCHER_JOIN_TIMEOUT_S = 10.0
+# Seconds the app's shutdown gives each part to close (the producer's flush of records
+# already sent fits: PUBLISH_TIMEOUT_S).
+CLOSE_TIMEOUT_S = 15.0
 # Redis is local and quick; one retry rides out a dropped connection, more only delays
 # the fallback (the rate limiter admits, long-polls poll the database).
 REDIS_CONNECT_TIMEOUT_S = 2.0
 REDIS_RETRIES = 1
-
-
-class BrokerUnavailable(ConnectionError):
-    """No job can be handed to the broker now (it is down, or the service is stopping)."""
 
 
 class LazyProducer:
@@ -92,6 +96,9 @@ class LazyProducer:
         # Why the broker counts as down (None while it answers or before first use).
         self._down_reason: str | None = None
         self._refusal: str | None = None
+        # Held only to decide an answer: `refuse` and `accepting` exclude each other, so
+        # once refuse() returns no job is accepted (see api.job_writer).
+        self._accept_lock = threading.Lock()
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
 
@@ -108,9 +115,10 @@ class LazyProducer:
     def get(self) -> KafkaProducer:
         """The connected producer; BrokerUnavailable at once while jobs cannot be handed over."""
         with self._lock:
-            reason = self._refusal or self._down_reason
-            if reason is not None:
-                raise BrokerUnavailable(reason)
+            if self._refusal is not None:
+                raise ServiceStopping(self._refusal)
+            if self._down_reason is not None:
+                raise BrokerUnavailable(self._down_reason)
             if self._producer is not None:
                 return self._producer
             try:
@@ -123,10 +131,25 @@ class LazyProducer:
             return self._producer
 
     def refuse(self, reason: str) -> None:
-        """Refuse every later get() with reason (the service is stopping); sends in
-        progress finish."""
-        self._refusal = reason
+        """Refuse every later get() with reason (the service is stopping), and every job
+        not yet answered: once this returns, no job is accepted (see `accepting`).
+
+        Quick and never waits on the network: a signal handler calls it.
+        """
+        with self._accept_lock:
+            self._refusal = reason
         logger.info("refusing new jobs: %s", reason)
+
+    @contextmanager
+    def accepting(self) -> Iterator[str | None]:
+        """While held, `refuse` waits: None when a job may be accepted now, else why not.
+
+        The writer answers a job inside it, so checking the refusal and accepting the job
+        are one step: a refusal is either before the check (the job is withdrawn and
+        refused) or after the answer.
+        """
+        with self._accept_lock:
+            yield self._refusal
 
     def close(self) -> None:
         """Stop watching, flush pending sends and close the connection, if one was made."""
@@ -310,7 +333,11 @@ class Resources:
         )
 
     async def aclose(self) -> None:
-        """Close in reverse order of use; one failing close does not skip the others."""
+        """Close in reverse order of use; one failing close does not skip the others.
+
+        Bounded: each part gets CLOSE_TIMEOUT_S at most, so the app's shutdown ends
+        whatever a part does (a hung close is logged and left behind on a daemon thread).
+        """
         try:
             await self.done_hub.aclose()
         except Exception:
@@ -325,10 +352,45 @@ class Resources:
         for name, close in closers:
             try:
                 # Off the event loop: the producer flushes and the pool closes sockets.
-                await asyncio.to_thread(close)
+                await _run_bounded(close, name=name, timeout_s=CLOSE_TIMEOUT_S)
             except Exception:
                 logger.exception("closing the %s failed", name)
         try:
-            await self.aredis.aclose()
+            await asyncio.wait_for(self.aredis.aclose(), CLOSE_TIMEOUT_S)
         except Exception:
             logger.exception("closing the async redis client failed")
+
+
+async def _run_bounded(call: Callable[[], object], *, name: str, timeout_s: float) -> None:
+    """Run a blocking close on a daemon thread of its own, waiting timeout_s at most.
+
+    Not `asyncio.to_thread`: the loop's default executor is joined without a bound when
+    the loop closes, so a close stuck there would hang the shutdown all the same.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            call()
+        except BaseException as e:  # handed to the awaiting side
+            error = e
+        try:
+            loop.call_soon_threadsafe(settle, error)
+        except RuntimeError:
+            pass  # the loop closed meanwhile: nobody waits any more
+
+    threading.Thread(target=run, name=f"close-{name}", daemon=True).start()
+    try:
+        await asyncio.wait_for(asyncio.shield(done), timeout_s)
+    except TimeoutError:
+        logger.warning("closing the %s took over %.0fs; leaving it behind", name, timeout_s)

@@ -30,8 +30,9 @@ from api.auth import CurrentTenant
 from api.capabilities import can_check_without_io, check_request
 from api.embedding_checks import check_embedding_request, check_generation_model
 from api.errors import Conflict, InvalidParameter, RateLimited, ServiceUnavailable
+from api.errors import ServiceStopping as StoppingError
 from api.job_writer import WRITE_TIMEOUT_S
-from api.resources import BrokerUnavailable, LazyProducer, Resources
+from api.resources import BrokerUnavailable, LazyProducer, Resources, ServiceStopping
 from core.embedding_requests import EmbeddingRequest
 from core.metrics import JOBS_SUBMITTED
 from core.requests import AnyRequest
@@ -148,6 +149,8 @@ async def _queue(
         earlier = await run_in_threadpool(_find_earlier, resources, tenant, idempotency_key)
         assert earlier is not None, "the key's unique index held, so its row exists"
         return _replay(earlier, digest, idempotency_key)
+    except ServiceStopping as e:
+        raise StoppingError() from e
     except (BrokerUnavailable, KafkaError) as e:
         logger.warning("job not accepted, the broker did not take it: %s", e)
         raise ServiceUnavailable("message broker") from e

@@ -69,6 +69,10 @@ VIEW_READ_TIMEOUT_S = 1.0
 # for a long-poll sent just after its submission, bounded where no worker takes the jobs.
 EXPECT_S = 30.0
 MAX_EXPECTED = 65_536
+# How long aclose waits for the listening task to end, and how often it cancels it again
+# meanwhile (also the bound on closing a subscription's connection).
+CLOSE_TIMEOUT_S = 5.0
+CLOSE_RETRY_S = 0.5
 
 
 class JobDoneHub:
@@ -85,6 +89,10 @@ class JobDoneHub:
         self._read_views: ViewReader | None = None
         self._expected: dict[str, str] = {}  # job id -> tenant id, unheard of since
         self._expiries: deque[tuple[float, str]] = deque()
+        # Set by aclose: the listening loop ends at its next turn even if a cancellation
+        # was lost on the way (Python 3.11's wait_for can swallow one that lands as the
+        # awaited read completes; the loop would then subscribe again for ever).
+        self._closing = False
 
     @property
     def is_listening(self) -> bool:
@@ -98,15 +106,25 @@ class JobDoneHub:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="job-done-hub")
 
-    async def aclose(self) -> None:
-        """Stop listening; waiters still registered are woken with False."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+    async def aclose(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop listening; waiters still registered are woken with False.
+
+        Returns within about timeout_s whatever the listening task does: a task that has
+        not ended by then is left behind (logged), never waited on for ever.
+        """
+        self._closing = True
+        task, self._task = self._task, None
+        if task is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while not task.done() and (remaining := deadline - time.monotonic()) > 0:
+            task.cancel()  # again each turn: one cancellation may be swallowed
+            await asyncio.wait({task}, timeout=min(remaining, CLOSE_RETRY_S))
+        if not task.done():
+            logger.warning("the long-poll hub did not stop within %.1fs; leaving it",
+                           timeout_s)
+        elif not task.cancelled() and task.exception() is not None:
+            logger.warning("the long-poll hub ended with %r", task.exception())
 
     def register(self, job_id: str) -> asyncio.Future[Any]:
         """A future that becomes True (or, from an announcement with `read_views`, the job's
@@ -151,7 +169,7 @@ class JobDoneHub:
 
     async def _run(self) -> None:
         backoff = RESUBSCRIBE_BACKOFF_S
-        while True:
+        while not self._closing:
             pubsub = self._aredis.pubsub()
             try:
                 await pubsub.psubscribe(self._pattern)
@@ -159,7 +177,7 @@ class JobDoneHub:
                 await self._confirm(pubsub)
                 self._listening, backoff = True, RESUBSCRIBE_BACKOFF_S
                 logger.debug("listening for job completions on %s", self._pattern)
-                while True:
+                while not self._closing:
                     message = await pubsub.get_message(ignore_subscribe_messages=True,
                                                        timeout=1.0)
                     if message is None:
@@ -183,9 +201,12 @@ class JobDoneHub:
                 for job_id in list(self._waiters):
                     self._wake(job_id, False)
                 try:
-                    await pubsub.aclose()
-                except (redis.RedisError, OSError):
+                    # Bounded: the finally of a cancelled task must not wait for ever.
+                    await asyncio.wait_for(pubsub.aclose(), CLOSE_RETRY_S)
+                except (redis.RedisError, OSError, TimeoutError):
                     pass
+            if self._closing:
+                break
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, RESUBSCRIBE_BACKOFF_MAX_S)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,8 +62,8 @@ class RecordingProducer:
     """Stands in for the Kafka producer in tests that assert nothing about Kafka.
 
     Implements what the API uses of the producer handle (`get()`, `unavailable_reason`,
-    `is_refusing`, `close()`) and of the producer (`send(topic, key=, value=)` returning a
-    future with `get(timeout)`).
+    `is_refusing`, `accepting()`, `close()`) and of the producer (`send(topic, key=,
+    value=)` returning a future with `get(timeout)`).
     """
 
     records: list[tuple[str, bytes | None, bytes | None]] = field(default_factory=list)
@@ -80,6 +82,11 @@ class RecordingProducer:
     def is_refusing(self) -> bool:
         """Whether jobs are refused for a stop (never here)."""
         return False
+
+    @contextmanager
+    def accepting(self) -> Iterator[str | None]:
+        """Jobs are always accepted here (a stop is tested against the real handle)."""
+        yield None
 
     def send(self, topic: str, key: bytes | None = None, value: bytes | None = None) -> _Acked:
         """Record one record, or fail as an unreachable broker would."""

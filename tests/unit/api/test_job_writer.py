@@ -6,6 +6,9 @@ import asyncio
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from kafka.errors import KafkaTimeoutError
@@ -13,7 +16,7 @@ from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.job_writer import JobWriter
-from api.resources import BrokerUnavailable
+from api.resources import BrokerUnavailable, LazyProducer, ServiceStopping
 from core.settings import Settings
 from storage.jobs import IdempotencyKeyTaken, new_job
 from storage.models import Job
@@ -63,7 +66,7 @@ def _write_together(writer: JobWriter, jobs: list[Job], producer) -> list[object
     barrier = threading.Barrier(len(jobs))
 
     def one(job: Job) -> object:
-        barrier.wait()
+        barrier.wait(60)  # a thread that died first breaks it: no wait for ever
         try:
             return writer.write(job, producer)
         except Exception as e:
@@ -191,3 +194,37 @@ def test_submissions_waiting_while_the_writer_is_busy_form_one_group(
         release.set()
         writer.close()
     assert len(commits) == 2
+
+
+@dataclass
+class _StopWhileAcking(RecordingProducer):
+    """The stop comes while the group's records wait for their acknowledgements."""
+
+    handle: LazyProducer | None = None
+
+    def accepting(self) -> AbstractContextManager[str | None]:
+        assert self.handle is not None
+        return self.handle.accepting()
+
+    def send(self, topic: str, key: bytes | None = None, value: bytes | None = None) -> Any:
+        acked = super().send(topic, key=key, value=value)
+        assert self.handle is not None
+        self.handle.refuse("stopping (test)")
+        return acked
+
+
+def test_a_stop_before_the_answer_refuses_and_withdraws_the_job(
+    writer: JobWriter, make_settings: Callable[..., Settings],
+    sessions: sessionmaker[Session], tenant_id: str,
+) -> None:
+    """Checking for a stop and accepting are one step: a job whose stop came before its
+    answer is refused as stopping (503), and its row is gone."""
+    producer = _StopWhileAcking(handle=LazyProducer(make_settings()))
+    with pytest.raises(ServiceStopping):
+        writer.write(_job(tenant_id, 0), producer)
+    assert len(producer.records) == 1, "the record was sent before the stop"
+    assert _num_jobs(sessions) == 0
+    # Later submissions are refused before anything is written.
+    with pytest.raises(ServiceStopping):
+        writer.write(_job(tenant_id, 1), producer.handle)
+    assert len(producer.records) == 1
