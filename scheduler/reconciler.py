@@ -7,7 +7,10 @@ Responsible for, once per pass:
   with the reason (`code` `worker_lost`): a job that kills every worker it lands on must
   not do so forever. Both writes are one guarded UPDATE per dead worker (status running,
   worker_id still that worker, heartbeat still stale), so a job finished, cancelled or
-  claimed by a live worker meanwhile is left alone, and two reconcilers cannot both act;
+  claimed by a live worker meanwhile is left alone, and two reconcilers cannot both act.
+  A worker of this host whose process is gone is dead at once, not after the heartbeat
+  timeout (`core.worker_ids`): after a crash or a restart of the whole stack its jobs
+  go back in the first pass;
 - stale queued jobs: last published (or created, if never) before `requeue_after_s`
   ago, produced again to their priority topic and restamped once the broker has them.
 
@@ -35,6 +38,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core import metrics
 from core.settings import Settings
+from core.worker_ids import is_known_dead
 from scheduler.job_publisher import count_failed, publish_jobs, record_output
 from storage.events import publish_cancel, publish_job_done
 from storage.jobs import (
@@ -46,7 +50,7 @@ from storage.jobs import (
 )
 from storage.models import Job, JobStatus, utcnow
 from storage.webhook_events import enqueue_job_event
-from storage.workers import orphaned_jobs, prune_dead_workers
+from storage.workers import orphaned_jobs, prune_dead_workers, remove_workers, worker_ids
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +139,7 @@ class Reconciler:
     def reclaim_orphans(self) -> int:
         """Requeue and re-publish (or fail) running jobs of dead workers; returns re-published."""
         dead_before = utcnow() - timedelta(seconds=self.settings.worker_heartbeat_timeout_s)
+        self._forget_known_dead()
         num_republished = 0
         while True:
             with self.sessions() as session:
@@ -160,6 +165,18 @@ class Reconciler:
             if len(orphans) < PAGE_SIZE or not (requeued_ids or failed):
                 break
         return num_republished
+
+    def _forget_known_dead(self) -> None:
+        """Delete the rows of this host's workers whose process is gone (a crash, a kill,
+        the whole stack restarted), so their jobs are orphans now, not after the timeout."""
+        with self.sessions() as session:
+            dead = [w for w in worker_ids(session) if is_known_dead(w)]
+            if dead:
+                remove_workers(session, worker_ids=dead)
+                session.commit()
+        if dead:
+            logger.warning("worker(s) %s are gone (no such process); handing their jobs "
+                           "back now", ", ".join(dead))
 
     def _hand_back(
         self, session: Session, orphans: list[Job], dead_before: datetime

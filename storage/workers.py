@@ -82,6 +82,23 @@ def prune_dead_workers(session: Session, *, dead_before: datetime) -> int:
     return result.rowcount
 
 
+def remove_workers(session: Session, *, worker_ids: list[str]) -> int:
+    """Delete these workers' rows (known dead); how many there were.
+
+    Their running jobs count as orphaned at once, not after the heartbeat timeout.
+    """
+    if not worker_ids:
+        return 0
+    result = session.execute(delete(WorkerHeartbeat).where(WorkerHeartbeat.id.in_(worker_ids)))
+    assert isinstance(result, CursorResult)
+    return result.rowcount
+
+
+def worker_ids(session: Session) -> list[str]:
+    """Ids of every worker with a row (alive or not), sorted."""
+    return list(session.scalars(select(WorkerHeartbeat.id).order_by(WorkerHeartbeat.id)))
+
+
 def live_worker_ids(session: Session, *, dead_before: datetime) -> list[str]:
     """Ids of workers that beat at or after `dead_before`, sorted."""
     query = (

@@ -1,13 +1,17 @@
 """No job stays `running` without a live owner: real workers, broker and PostgreSQL.
 
 A worker drained with jobs longer than its drain timeout hands them back itself; one
-killed with SIGKILL leaves them to the reconciler, which hands them back once the
-worker's heartbeat is older than the timeout. Either way a successor runs every job, and
-each one is stored as succeeded exactly once (counted by a trigger on the jobs table).
+frozen by SIGSTOP leaves them to the reconciler, which hands them back once the worker's
+heartbeat is older than the timeout; one killed leaves them too, but its pid names no
+process of this host any more, so they go back at the next pass. Every time a successor
+runs every job, and each one is stored as succeeded exactly once (counted by a trigger on
+the jobs table).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from datetime import timedelta
 
 import sqlalchemy as sa
@@ -97,35 +101,69 @@ def test_a_drained_worker_hands_back_jobs_longer_than_its_drain_timeout(service)
     assert successor.stop() == 0, successor.log_tail()
 
 
-def test_the_reconciler_hands_back_the_jobs_of_a_killed_worker(service) -> None:
+def test_the_reconciler_hands_back_the_jobs_of_a_frozen_worker(service) -> None:
+    """A worker frozen by SIGSTOP is alive as a process, so only its heartbeat tells: its
+    jobs stay put while the beat is fresh and are handed back once it has aged."""
     svc = service(worker_max_inflight=2, engine_max_num_seqs=2, **LIVENESS)
     _count_completion_writes(svc)
     job_ids = svc.submit("high", job_bodies(4, tag="orphan", max_tokens=900, ignore_eos=True))
+    worker = svc.start_worker()
+    svc.wait_for("jobs running", lambda: svc.count_status(job_ids, JobStatus.RUNNING) == 2)
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        at_freeze = svc.jobs(job_ids)
+        running = [i for i, j in at_freeze.items() if j.status == JobStatus.RUNNING]
+        (frozen_id,) = {at_freeze[i].worker_id for i in running}
+        assert _workers(svc) == [frozen_id]
+
+        # While the heartbeat is fresh the worker may only be slow: its jobs stay put. (On
+        # a machine too loaded to get here within the timeout, this check has nothing to
+        # see.)
+        if _is_alive(svc, frozen_id, within_s=3.0):
+            _reconcile(svc)
+            assert svc.count_status(running, JobStatus.RUNNING) == len(running)
+        svc.wait_for("the heartbeat to age past the timeout",
+                     lambda: not _is_alive(svc, frozen_id, within_s=4.5))
+        assert _reconcile(svc) == len(running)
+        after = svc.jobs(job_ids)
+        assert not any(j.status == JobStatus.RUNNING for j in after.values())
+        assert all(after[i].status == JobStatus.QUEUED and after[i].attempts == 1
+                   for i in running)
+        assert _workers(svc) == [], "the dead worker's row is pruned"
+    finally:
+        worker.kill()  # SIGKILL ends a stopped process too
+
+    successor = svc.start_worker()
+    done = svc.wait_terminal(job_ids, timeout=300)
+    assert all(j.status == JobStatus.SUCCEEDED and j.result for j in done.values())
+    # Kafka redelivered the frozen worker's records and the reconciler re-published the
+    # jobs: two copies of each, one run, one stored result.
+    assert _completion_writes(svc) == dict.fromkeys(job_ids, 1)
+    assert successor.stop() == 0, successor.log_tail()
+
+
+def test_the_jobs_of_a_killed_worker_of_this_host_are_handed_back_at_once(service) -> None:
+    """SIGKILL leaves the row behind, but its pid names no process any more: the next
+    reconciler pass hands the jobs back without waiting out the heartbeat timeout."""
+    svc = service(worker_max_inflight=2, engine_max_num_seqs=2,
+                  worker_heartbeat_interval_s=0.5, worker_heartbeat_timeout_s=600.0)
+    _count_completion_writes(svc)
+    job_ids = svc.submit("high", job_bodies(4, tag="killed", max_tokens=900, ignore_eos=True))
     worker = svc.start_worker()
     svc.wait_for("jobs running", lambda: svc.count_status(job_ids, JobStatus.RUNNING) == 2)
     worker.kill()
     at_kill = svc.jobs(job_ids)
     running = [i for i, j in at_kill.items() if j.status == JobStatus.RUNNING]
     (dead_id,) = {at_kill[i].worker_id for i in running}
-    assert _workers(svc) == [dead_id], "SIGKILL leaves the row behind, aging"
+    assert _is_alive(svc, dead_id, within_s=600.0), "SIGKILL leaves the row behind"
 
-    # While the heartbeat is fresh the worker may only be slow: its jobs stay put. (On a
-    # machine too loaded to get here within the timeout, this check has nothing to see.)
-    if _is_alive(svc, dead_id, within_s=3.0):
-        _reconcile(svc)
-        assert svc.count_status(running, JobStatus.RUNNING) == len(running)
-    svc.wait_for("the heartbeat to age past the timeout",
-                 lambda: not _is_alive(svc, dead_id, within_s=4.5))
     assert _reconcile(svc) == len(running)
     after = svc.jobs(job_ids)
-    assert not any(j.status == JobStatus.RUNNING for j in after.values())
     assert all(after[i].status == JobStatus.QUEUED and after[i].attempts == 1 for i in running)
-    assert _workers(svc) == [], "the dead worker's row is pruned"
+    assert _workers(svc) == [], "the dead worker's row is gone"
 
     successor = svc.start_worker()
     done = svc.wait_terminal(job_ids, timeout=300)
     assert all(j.status == JobStatus.SUCCEEDED and j.result for j in done.values())
-    # Kafka redelivered the killed worker's records and the reconciler re-published the
-    # jobs: two copies of each, one run, one stored result.
     assert _completion_writes(svc) == dict.fromkeys(job_ids, 1)
     assert successor.stop() == 0, successor.log_tail()

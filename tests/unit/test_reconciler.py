@@ -8,6 +8,10 @@ asked; rows the broker could not take stay as they were for the next pass.
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.kafka import make_producer
 from core.settings import Settings
+from core.worker_ids import is_known_dead, local_pid, new_worker_id
 from scheduler.job_publisher import describe, publish_jobs
 from scheduler.reconciler import Reconciler
 from storage.db import create_db_engine, session_factory
@@ -27,7 +32,7 @@ from storage.jobs import create_job, get_job, mark_published, mark_running
 from storage.models import Base, Job, JobStatus, Tenant, utcnow
 from storage.tenants import create_tenant
 from storage.webhooks import Delivery
-from storage.workers import record_heartbeat
+from storage.workers import record_heartbeat, worker_ids
 
 POISON = "x\ud800y"  # a lone surrogate: valid in a Python str, not encodable as UTF-8
 
@@ -159,6 +164,42 @@ def test_orphans_are_handed_back_even_while_the_broker_is_down(
     assert lost.status is JobStatus.FAILED and lost.error is not None
     assert lost.error["code"] == "worker_lost" and "2 attempt" in lost.error["message"]
     assert load(sessions, live).status is JobStatus.RUNNING
+
+
+def test_jobs_of_a_local_worker_whose_process_is_gone_are_handed_back_at_once(
+    sessions: sessionmaker[Session], tenant: Tenant, settings: Settings,
+    producer: KafkaProducer,
+) -> None:
+    """After a crash or a restart of the whole stack, rows naming pids of this host that no
+    longer run are dead now: their jobs go back in the first pass, not after the timeout."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid names no process
+    host = socket.gethostname()
+    gone, alive = f"{host}-{child.pid}-abc123", f"{host}-{os.getpid()}-def456"
+    elsewhere = f"{host}x-{child.pid}-abc123"  # another host: only the timeout tells
+    with sessions() as session:
+        jobs = {w: add_job(session, tenant, w) for w in (gone, alive, elsewhere)}
+        mark_published(session, job_ids=list(jobs.values()))
+        for worker_id, job_id in jobs.items():
+            record_heartbeat(session, worker_id=worker_id)  # all beat just now
+            mark_running(session, job_id=job_id, worker_id=worker_id)
+        session.commit()
+    with pytest.raises(RuntimeError):  # the broker is down: re-publishing fails
+        Reconciler(settings, sessions, producer).republish_stale()
+    assert load(sessions, jobs[gone]).status is JobStatus.QUEUED
+    assert load(sessions, jobs[alive]).status is JobStatus.RUNNING
+    assert load(sessions, jobs[elsewhere]).status is JobStatus.RUNNING
+    with sessions() as session:
+        assert worker_ids(session) == sorted([alive, elsewhere])
+
+
+def test_worker_ids_name_this_host_and_pid_and_differ_per_start() -> None:
+    first, second = new_worker_id(), new_worker_id()
+    assert first != second
+    assert local_pid(first) == local_pid(second) == os.getpid()
+    assert not is_known_dead(first)
+    assert local_pid(f"{socket.gethostname()}-123") == 123  # ids from before the token
+    assert local_pid("other-host-123-abc") is None
 
 
 def test_passes_come_often_enough_to_notice_a_dead_worker(

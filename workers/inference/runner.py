@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
-import socket
 import threading
 from contextlib import ExitStack
 from types import FrameType
@@ -25,6 +23,7 @@ from core.gc_policy import settle_heap
 from core.kafka import ensure_topics, make_consumer
 from core.settings import Settings, get_settings
 from core.topics import Priority
+from core.worker_ids import new_worker_id
 from storage.db import create_db_engine, session_factory
 from storage.events import CancelSubscription
 from storage.model_cards import publish_card
@@ -39,6 +38,7 @@ from workers.inference.engine_loop import EngineLoop
 from workers.inference.heartbeat import Heartbeat
 from workers.inference.job_store import JobStore
 from workers.inference.kv_tier import connect_kv_tier
+from workers.inference.liveness import LoopPulse
 from workers.inference.model_presence import ModelPresence, load_recorded
 from workers.inference.remote_engine import RemoteEngine, RemoteEngineConfig, RemoteEngineLoop
 from workers.inference.semantic_lookup import SemanticLookup
@@ -107,8 +107,9 @@ def announce_model(settings: Settings, redis_client: redis.Redis,
 
 
 def default_worker_id() -> str:
-    """`<host>-<pid>`: unique per live process, readable in the jobs table."""
-    return f"{socket.gethostname()}-{os.getpid()}"
+    """`<host>-<pid>-<token>`: unique per process start, readable in the jobs table, and
+    judged dead at once by a process on its host once the pid is gone (core.worker_ids)."""
+    return new_worker_id()
 
 
 def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = None) -> None:
@@ -135,12 +136,16 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
         worker_id = default_worker_id()
         # Beating before the consumer joins, and stopped (its row deleted) only after
         # the drain handed back what the worker could not finish.
+        pulse = LoopPulse()  # the poll loop's; the heartbeat stops when it stalls
         stack.enter_context(Heartbeat(session_factory(db_engine), worker_id=worker_id,
                                       interval_s=settings.worker_heartbeat_interval_s,
                                       model=settings.served_model_name,
                                       # A remote engine's pace is the server's own.
                                       pace=(ServiceRate(engine.stats).sample
-                                            if engine is not None else None)))
+                                            if engine is not None else None),
+                                      pulse=pulse,
+                                      loop_stall_timeout_s=settings.worker_loop_stall_timeout_s,
+                                      liveness_file=settings.worker_liveness_file))
         redis_client = redis.Redis.from_url(settings.redis_url)
         stack.callback(redis_client.close)
         card = announce_model(settings, redis_client, remote)
@@ -199,6 +204,7 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
             store=store,
             cancels=cancels,
             worker_id=worker_id,
+            pulse=pulse,
         )
         worker.on_consuming = presence.start  # the model counts this worker from then on
         stack.enter_context(_SignalStop(worker))
