@@ -136,6 +136,12 @@ class Settings(BaseSettings):
     # back to the queue, or fails those that have had job_max_attempts claims already.
     worker_heartbeat_interval_s: float = Field(default=5.0, gt=0)
     worker_heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    # A worker whose poll loop has not gone round for this long stops beating (and is then
+    # replaced as a dead one): a hung loop must not hide behind a healthy heartbeat thread.
+    worker_loop_stall_timeout_s: float = Field(default=60.0, gt=0)
+    # Touched with every beat (see workers/inference/liveness): its age is what the
+    # supervisor and the Kubernetes probes judge a worker alive by. None: no file.
+    worker_liveness_file: Path | None = None
     job_max_attempts: int = Field(default=3, ge=1)
     result_cache_ttl_s: int = Field(default=86_400, ge=0)
     # Semantic cache search: `auto` takes Redis vector search (HNSW) when the server has

@@ -62,6 +62,8 @@ AUTOSCALER_JOIN_TIMEOUT_S = 10.0
 # Seconds a restarted broker has to take the topics and the re-published jobs; after that
 # the reconciler's periodic pass is left to catch up.
 BROKER_RESTORE_TIMEOUT_S = 30.0
+# Why submissions are refused once a stop is asked for.
+STOPPING_REASON = "the service is shutting down"
 
 
 def _set_env(**values: object) -> None:
@@ -74,13 +76,19 @@ def _set_env(**values: object) -> None:
 
 
 def _install_stop_handlers(stop: threading.Event,
-                           hurry: list[Callable[[], None]]) -> Callable[[], None]:
-    """SIGINT/SIGTERM set stop, and once stopping, call every `hurry` hook (a second
-    Ctrl-C: workers hand back their unfinished jobs at once instead of draining them);
-    returns a function restoring the previous handlers."""
+                           hurry: list[Callable[[], None]],
+                           on_stop: list[Callable[[], None]]) -> Callable[[], None]:
+    """SIGINT/SIGTERM set stop and call on_stop's quick hooks in the handler itself (added
+    to as parts start), and once stopping, call every `hurry` hook (a second Ctrl-C:
+    workers hand back their unfinished jobs at once instead of draining them); returns a
+    function restoring the previous handlers."""
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def handle(signum: int, frame: object) -> None:
+        # The hooks first: a thread waiting on `stop` would run them only once scheduled,
+        # and a submission answered meanwhile would be accepted after the signal.
+        for hook in list(on_stop):
+            hook()
         if stop.is_set():
             print("stopping now: unfinished jobs go back to the queue", flush=True)
             for hook in hurry:
@@ -145,14 +153,16 @@ def dev_webhook_secret(database_url: str) -> str:
     return secret
 
 
-def _start_api(host: str, port: int, stack: ExitStack) -> tuple[Callable[[], None], Supervisor]:
+def _start_api(host: str, port: int, stack: ExitStack,
+               on_stop: list[Callable[[], None]]) -> tuple[Callable[[], None], Supervisor]:
     """Serve the API on a thread, and on `api_processes - 1` supervised processes beside it
     sharing the port; registers their shutdown on stack.
 
     Returns the hook that makes the API refuse new jobs at once (503), called as soon as a
     stop is asked for (the extra processes stop listening and finish what they are serving;
     this process's API keeps serving reads until the workers have drained), and the extra
-    processes' supervisor, for the main loop to poll.
+    processes' supervisor, for the main loop to poll. This process's refusal itself is
+    added to on_stop, which the signal handler calls.
     """
     import sys
 
@@ -188,9 +198,14 @@ def _start_api(host: str, port: int, stack: ExitStack) -> tuple[Callable[[], Non
     stack.callback(extra.stop)
     extra.start()
 
-    def refuse_new_work() -> None:
+    def refuse_here() -> None:
         # The lifespan put the resources there before the server counted as started.
-        app.state.resources.producer.refuse("the service is shutting down")
+        app.state.resources.producer.refuse(STOPPING_REASON)
+
+    on_stop.append(refuse_here)
+
+    def refuse_new_work() -> None:
+        refuse_here()  # when stop was set other than by a signal
         extra.stop()  # SIGTERM: they close their listeners and finish their requests
 
     return refuse_new_work, extra
@@ -337,7 +352,8 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
 
     stop = threading.Event()
     hurry: list[Callable[[], None]] = []
-    restore_signals = _install_stop_handlers(stop, hurry)
+    on_stop: list[Callable[[], None]] = []
+    restore_signals = _install_stop_handlers(stop, hurry, on_stop)
     with ExitStack() as stack:
         stack.callback(restore_signals)
         try:
@@ -361,13 +377,17 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
             api_key = dev_api_key(data_dir, settings.database_url)
             webhook_secret = dev_webhook_secret(settings.database_url)
             role, num_republished = _start_scheduler(stop, stack)
-            refuse_new_work, api_processes = _start_api(host, settings.api_port, stack)
+            refuse_new_work, api_processes = _start_api(host, settings.api_port, stack, on_stop)
             _refuse_on_stop(stop, refuse_new_work)
             callbacks = Supervisor([sys.executable, "-m", "workers.callbacks"], num_workers=1,
                                    name="callbacks", log_dir=data_dir / "logs")
             stack.callback(callbacks.stop)
             callbacks.start()
-            workers = ModelFleet(served, num_workers=num_workers)
+            # A worker frozen past the heartbeat timeout is killed and replaced, as the
+            # reconciler hands its jobs back then.
+            workers = ModelFleet(served, num_workers=num_workers,
+                                 liveness_dir=data_dir / "run",
+                                 liveness_timeout_s=settings.worker_heartbeat_timeout_s)
             stack.callback(workers.stop)
             hurry.append(workers.hurry)
             workers.start([sys.executable, "-m", "workers.inference"])

@@ -108,6 +108,10 @@ class ModelFleet:
 
     models: list[ServedModel]
     num_workers: int
+    # Where each worker's liveness file lies, and the age at which it is SIGKILLed as
+    # frozen (see scheduler.supervisor); None: workers are replaced only when they exit.
+    liveness_dir: Path | None = None
+    liveness_timeout_s: float | None = None
     supervisors: dict[str, Supervisor] = field(default_factory=dict)
     _scalers: list[MainThreadScaler] = field(default_factory=list)
     _readers: list[LagReader] = field(default_factory=list)
@@ -119,7 +123,8 @@ class ModelFleet:
             # One model keeps the plain "worker" name its logs always had.
             name = "worker" if len(self.models) == 1 else f"worker-{model_slug(model.name)}"
             supervisor = Supervisor(argv, num_workers=self.num_workers, env=worker_env(model),
-                                    name=name)
+                                    name=name, liveness_dir=self.liveness_dir,
+                                    liveness_timeout_s=self.liveness_timeout_s)
             self.supervisors[model.name] = supervisor
             supervisor.start()
 

@@ -7,7 +7,12 @@ Responsible for:
 - changing the count (`scale_to`): new workers start at once, surplus ones are drained
   with SIGTERM (newest first) — the hook the autoscaler drives;
 - stopping all: SIGTERM so each drains (finishes or releases in-flight jobs and commits),
-  then SIGKILL whatever outlives the drain timeout.
+  then SIGKILL whatever outlives the drain timeout;
+- with `liveness_dir` and `liveness_timeout_s`: liveness, not only exit. Each child gets its
+  own liveness file (`BATCHINFER_WORKER_LIVENESS_FILE`), which it stamps while it works
+  (`core.liveness_file`); one whose file has aged past the timeout (frozen by SIGSTOP, a
+  hung loop) is SIGKILLed, and then restarted as any worker that exits. The clock starts
+  at the child's first stamp: loading a model is not a stall.
 
 Children run in their own session (a terminal's Ctrl-C reaches only the parent, which
 stops them in order) and get SIGTERM if the parent dies. Call start/poll/scale_to from the
@@ -17,6 +22,7 @@ main thread: the parent-death signal follows the thread that spawned the child.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import threading
@@ -24,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.liveness_file import age_s as liveness_age_s
 from scheduler.embedded_services import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -63,9 +70,16 @@ class Supervisor:
         max_backoff_s: float = 30.0,
         healthy_after_s: float = 60.0,
         drain_timeout_s: float = 60.0,
+        liveness_dir: Path | None = None,
+        liveness_timeout_s: float | None = None,
     ) -> None:
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if (liveness_dir is None) != (liveness_timeout_s is None):
+            raise ValueError("liveness_dir and liveness_timeout_s go together")
+        self.liveness_dir = liveness_dir
+        self.liveness_timeout_s = liveness_timeout_s
+        self.num_stall_kills = 0
         self.argv = argv
         self.env = env
         self.log_dir = log_dir
@@ -107,6 +121,7 @@ class Supervisor:
     def poll(self) -> None:
         """Reap exited workers, schedule restarts with backoff, start those now due."""
         with self._lock:
+            self._kill_stalled()
             now = time.monotonic()
             for slot in list(self.slots):
                 if slot.process is None or slot.is_alive:
@@ -182,7 +197,39 @@ class Supervisor:
             else:
                 self.slots.remove(slot)
 
+    def liveness_file(self, slot: WorkerSlot) -> Path | None:
+        """The file slot's child stamps while it works (None without liveness)."""
+        if self.liveness_dir is None:
+            return None
+        return self.liveness_dir / f"{self.name}-{slot.index}.alive"
+
+    def _kill_stalled(self) -> None:
+        """SIGKILL every child whose liveness file has aged past the timeout."""
+        if self.liveness_timeout_s is None:
+            return
+        for slot in self.slots:
+            path = self.liveness_file(slot)
+            if path is None or not slot.is_alive:
+                continue
+            age = liveness_age_s(path)
+            if age is None or age <= self.liveness_timeout_s:
+                continue
+            assert slot.process is not None
+            logger.error("%s-%d (pid %d) gave no sign of life for %.0fs (limit %.0fs): "
+                         "frozen or hung; killing it", self.name, slot.index,
+                         slot.process.pid, age, self.liveness_timeout_s)
+            slot.process.kill()  # SIGKILL ends a stopped process too
+            path.unlink(missing_ok=True)
+            self.num_stall_kills += 1
+
     def _spawn(self, slot: WorkerSlot) -> None:
+        env = self.env
+        path = self.liveness_file(slot)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)  # the previous child's: its age is not this one's
+            env = {**(os.environ if env is None else env),
+                   "BATCHINFER_WORKER_LIVENESS_FILE": str(path)}
         stdout = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -193,7 +240,7 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=subprocess.STDOUT if stdout else None,
-                env=self.env,
+                env=env,
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )

@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import sqlalchemy as sa
 
 from api.resources import PUBLISH_TIMEOUT_S, BrokerUnavailable, LazyProducer
+from core.worker_ids import local_pid
 from scheduler.embedded_services import free_port, tansu_service
 from storage.db import create_db_engine, session_factory
 from storage.migrate import upgrade
@@ -54,6 +56,9 @@ FINISH_TIMEOUT_S = 150.0
 # Long enough that the client sees the outage; `up` would otherwise restart the broker
 # or Redis in about a second.
 RESTART_BACKOFF_S = 2.0
+# Tokens of each job in the frozen-worker test: long enough that the worker is frozen
+# while it holds some.
+FROZEN_JOB_TOKENS = 400
 # A submission unanswered this long counts as hung (the checks then fail).
 SUBMIT_TIMEOUT_S = 30.0
 # The API checks the broker four times a second; a second covers a loaded machine.
@@ -161,11 +166,12 @@ class Stack:
 
 
 @pytest.fixture
-def tiny_up(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[[str], Stack]]:
-    """Factory: `tiny_up(database_url)` → `batchinfer up` serving the tiny model on it."""
+def tiny_up(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[..., Stack]]:
+    """Factory: `tiny_up(database_url, num_workers=1, **settings)` → `batchinfer up`
+    serving the tiny model on it (settings: BATCHINFER_* overrides by setting name)."""
     made: list[Stack] = []
 
-    def start(database_url: str) -> Stack:
+    def start(database_url: str, num_workers: int = 1, **overrides: str) -> Stack:
         env = {
             "BATCHINFER_MODEL": str(tiny_model),
             "BATCHINFER_SERVED_MODEL_NAME": MODEL,
@@ -176,8 +182,9 @@ def tiny_up(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[[str], Stack]
             "BATCHINFER_WORKER_MAX_INFLIGHT": "4",
             "BATCHINFER_ENGINE_MAX_NUM_SEQS": "4",
             "BATCHINFER_EMBEDDED_RESTART_BACKOFF_S": str(RESTART_BACKOFF_S),
+            **{f"BATCHINFER_{name.upper()}": value for name, value in overrides.items()},
         }
-        up = start_up(tmp_path / "data", free_port(), num_workers=1,
+        up = start_up(tmp_path / "data", free_port(), num_workers=num_workers,
                       log_path=tmp_path / "up.log", extra_env=env)
         # pre-ping: the PostgreSQL test restarts the server under this pool.
         stack = Stack(up, up.client(), sa.create_engine(database_url, pool_pre_ping=True))
@@ -287,8 +294,9 @@ def _check_each_accepted_job_succeeded_once(stack: Stack, accepted: list[str]) -
     assert num_without_result == 0
 
 
-def _stop(stack: Stack, timeout: float = 90.0) -> float:
-    """SIGTERM `up`: no job is accepted from then on; it must exit 0; the seconds it took."""
+def _stop(stack: Stack, timeout: float = 90.0, *, is_broker_up: bool = True) -> float:
+    """SIGTERM `up`: no job is accepted from then on, and a refusal says the service is
+    stopping (unless the broker is down too); it must exit 0; the seconds it took."""
     started = time.monotonic()
     stack.up.process.send_signal(signal.SIGTERM)
     answers = []
@@ -298,6 +306,8 @@ def _stop(stack: Stack, timeout: float = 90.0) -> float:
         except httpx.TransportError:
             break  # the API has stopped listening
         answers.append(response.status_code)
+        if response.status_code == 503 and is_broker_up:  # stopping, not a dependency down
+            assert response.json()["error"]["code"] == "service_stopping", response.text
         time.sleep(0.1)
     assert 202 not in answers, f"accepted a job while stopping: {answers}"
     assert stack.up.stop(timeout) == 0, stack.up.log_tail()
@@ -313,7 +323,7 @@ def _restarts(stack: Stack, service: str) -> float:
     return 0.0
 
 
-def test_broker_killed_mid_stream(tiny_up: Callable[[str], Stack], postgres_url: str) -> None:
+def test_broker_killed_mid_stream(tiny_up: Callable[..., Stack], postgres_url: str) -> None:
     """SIGKILL the broker: no 202 for a job it cannot hand over, `up` restarts it, the
     queued jobs it lost are re-published, and everything accepted runs once."""
     stack = tiny_up(postgres_url)
@@ -332,7 +342,7 @@ def test_broker_killed_mid_stream(tiny_up: Callable[[str], Stack], postgres_url:
     _stop(stack)
 
 
-def test_redis_killed_mid_stream(tiny_up: Callable[[str], Stack], postgres_url: str) -> None:
+def test_redis_killed_mid_stream(tiny_up: Callable[..., Stack], postgres_url: str) -> None:
     """SIGKILL Redis: submissions go on (it is a cache), `up` restarts it, jobs finish."""
     stack = tiny_up(postgres_url)
     _survive(stack, fault="redis", inject=lambda: stack.up.kill_child("redis-server"),
@@ -341,7 +351,7 @@ def test_redis_killed_mid_stream(tiny_up: Callable[[str], Stack], postgres_url: 
     _stop(stack)
 
 
-def test_worker_killed_mid_stream(tiny_up: Callable[[str], Stack], postgres_url: str) -> None:
+def test_worker_killed_mid_stream(tiny_up: Callable[..., Stack], postgres_url: str) -> None:
     """SIGKILL the inference worker: its supervisor starts another, which re-runs the
     jobs the dead one held."""
     stack = tiny_up(postgres_url)
@@ -351,6 +361,87 @@ def test_worker_killed_mid_stream(tiny_up: Callable[[str], Stack], postgres_url:
              expect_refusals=False)
     assert stack.up.child("workers.inference").pid not in killed
     _stop(stack)
+
+
+def _pid_of(worker_id: str) -> int:
+    """The pid in a worker id of this host (`<host>-<pid>-<token>`)."""
+    pid = local_pid(worker_id)
+    assert pid is not None, worker_id
+    return pid
+
+
+def _is_gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_frozen_worker_is_killed_and_replaced_and_its_jobs_finish_elsewhere(
+        tiny_up: Callable[..., Stack], postgres_url: str) -> None:
+    """SIGSTOP one of two workers mid-job: it stops stamping its liveness file, so `up`
+    SIGKILLs it after the heartbeat timeout and starts another; its partitions move and
+    the reconciler hands its jobs back, so every job finishes, once, on another worker."""
+    timeout_s = 6.0
+    stack = tiny_up(postgres_url, num_workers=2, worker_heartbeat_interval_s="1",
+                    worker_heartbeat_timeout_s=str(timeout_s))
+    first = {p.pid for p in _workers_of(stack)}
+    job_ids = []
+    for i in range(12):
+        body = {**_body(f"frozen-{i}"), "max_tokens": FROZEN_JOB_TOKENS}
+        response = stack.client.post("/v1/jobs", json=body)
+        assert response.status_code == 202, response.text
+        job_ids.append(response.json()["id"])
+
+    def running_on() -> dict[str, str]:
+        with stack.db.connect() as connection:
+            return dict(connection.execute(sa.text(
+                "SELECT id, worker_id FROM jobs WHERE status = 'running'")).all())
+
+    stack.wait_until("a job to run", lambda: bool(running_on()), FINISH_TIMEOUT_S)
+    frozen_id = next(iter(running_on().values()))
+    frozen_pid = _pid_of(frozen_id)
+    assert frozen_pid in first
+    os.kill(frozen_pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        held = [job_id for job_id, worker in running_on().items() if worker == frozen_id]
+        stack.wait_until("the frozen worker to be killed", lambda: _is_gone(frozen_pid),
+                         FINISH_TIMEOUT_S)
+        killed_s = time.monotonic() - frozen_at
+        stack.wait_until("every job to finish", lambda: set(stack.statuses().values())
+                         == {"succeeded"}, FINISH_TIMEOUT_S)
+        done_s = time.monotonic() - frozen_at
+    finally:
+        if not _is_gone(frozen_pid):
+            os.kill(frozen_pid, signal.SIGKILL)
+    _check_each_accepted_job_succeeded_once(stack, job_ids)
+    with stack.db.connect() as connection:
+        finished_by = dict(connection.execute(sa.text(
+            "SELECT id, worker_id FROM jobs WHERE id = ANY(:ids)"), {"ids": held}).all())
+    assert held and all(worker != frozen_id for worker in finished_by.values()), finished_by
+    stack.wait_until("a replacement worker", lambda: len(_workers_of(stack)) == 2,
+                     RECOVERY_TIMEOUT_S)
+    assert frozen_pid not in {p.pid for p in _workers_of(stack)}
+    log = stack.up.log_tail(200_000)
+    assert "gave no sign of life" in log, log[-6000:]
+    logger.warning("frozen worker (heartbeat timeout %.0fs): killed after %.1fs, its %d "
+                   "job(s) and the rest done after %.1fs", timeout_s, killed_s, len(held),
+                   done_s)
+    _stop(stack)
+
+
+def _workers_of(stack: Stack) -> list[psutil.Process]:
+    """The live inference worker processes under `up`."""
+    found = []
+    for proc in stack.up.descendants():
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and any(
+                    "workers.inference" in part for part in proc.cmdline()):
+                found.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 @pytest.fixture
@@ -374,7 +465,7 @@ def own_postgres() -> Iterator[PostgresCluster]:
         cluster.stop()
 
 
-def test_postgres_killed_mid_stream(tiny_up: Callable[[str], Stack],
+def test_postgres_killed_mid_stream(tiny_up: Callable[..., Stack],
                                     own_postgres: PostgresCluster) -> None:
     """Crash PostgreSQL (immediate shutdown) and start it again: 503s while it is down,
     then every accepted job runs once; the worker rides the outage out with its model
@@ -390,7 +481,7 @@ def test_postgres_killed_mid_stream(tiny_up: Callable[[str], Stack],
     _stop(stack)
 
 
-def test_stop_with_a_dead_broker_takes_seconds(tiny_up: Callable[[str], Stack],
+def test_stop_with_a_dead_broker_takes_seconds(tiny_up: Callable[..., Stack],
                                                postgres_url: str) -> None:
     """SIGTERM right after the broker died: the API refuses at once and `up` exits in
     seconds (offset commits and the consumer's close give up quickly)."""
@@ -399,7 +490,7 @@ def test_stop_with_a_dead_broker_takes_seconds(tiny_up: Callable[[str], Stack],
     stack.wait_until("the jobs to finish",
                      lambda: set(stack.statuses().values()) == {"succeeded"}, FINISH_TIMEOUT_S)
     stack.up.kill_child("tansu")
-    stopped_in = _stop(stack)
+    stopped_in = _stop(stack, is_broker_up=False)
     logger.warning("stop with a dead broker took %.1fs", stopped_in)
     assert stopped_in < 30, stack.up.log_tail()
 

@@ -295,3 +295,28 @@ def test_models_are_prepared_once_before_any_worker_starts() -> None:
         worker_mounts = {m["mountPath"]: m["name"] for m in _worker_container(deployment)
                          ["volumeMounts"]}
         assert worker_mounts["/models"] == mount["name"]
+
+
+def test_kubernetes_workers_are_probed_by_their_liveness_file() -> None:
+    """Each worker names a liveness file and is probed by the check that reads it: alive
+    while it is younger than the heartbeat timeout, ready while it is fresher still."""
+    from workers.inference import liveness
+
+    objects = _kubernetes()
+    for deployment in objects["Deployment"]:
+        settings = _cluster_settings(objects, deployment)
+        container = _worker_container(deployment)
+        assert settings.worker_liveness_file is not None
+        assert str(settings.worker_liveness_file).startswith("/data/"), "a writable volume"
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            command = container[probe]["exec"]["command"]
+            assert command[:3] == ["python", "-m", "workers.inference.liveness"], probe
+            assert liveness.parser(settings).parse_args(command[3:]) is not None
+        alive = container["livenessProbe"]
+        assert alive["exec"]["command"][3:] == [], "judged by the heartbeat timeout"
+        # A stall is acted on within a minute or so of the timeout, not never.
+        assert alive["periodSeconds"] * alive["failureThreshold"] <= 60
+        ready_args = liveness.parser(settings).parse_args(
+            container["readinessProbe"]["exec"]["command"][3:])
+        assert (settings.worker_heartbeat_interval_s < ready_args.max_age_s
+                <= settings.worker_heartbeat_timeout_s)

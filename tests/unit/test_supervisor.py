@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -75,14 +77,77 @@ def test_scale_and_stop_drain_with_sigterm(tmp_path: Path) -> None:
         f"drained-{pid}" for pid in pids)
 
 
-def test_stop_kills_a_worker_that_ignores_sigterm() -> None:
+def test_stop_kills_a_worker_that_ignores_sigterm(tmp_path: Path) -> None:
     """A worker that ignores SIGTERM is killed once the drain timeout passes."""
-    stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" \
-               "print('ready', flush=True)\ntime.sleep(60)"
-    sup = Supervisor([sys.executable, "-c", stubborn], num_workers=1)
+    stubborn = ("import signal, sys, time, pathlib\n"
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "pathlib.Path(sys.argv[1]).write_text('ready')\ntime.sleep(60)")
+    ready = tmp_path / "ready"
+    sup = Supervisor([sys.executable, "-c", stubborn, str(ready)], num_workers=1)
     sup.start()
-    time.sleep(0.5)
+    process = sup.slots[0].process
+    assert process is not None
+    _wait_for(ready.exists, timeout=60)  # SIGTERM is ignored from now on
     started = time.monotonic()
     sup.stop(timeout=1.0)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started >= 1.0, "it was waited for before the kill"
+    assert process.returncode == -signal.SIGKILL, "SIGTERM alone did not end it"
     assert sup.pids == []
+
+
+# Stamps its liveness file (named by the supervisor) every 50 ms, after a ready marker.
+_STAMPING_WORKER = """
+import os, pathlib, sys, time
+path = pathlib.Path(os.environ["BATCHINFER_WORKER_LIVENESS_FILE"])
+(pathlib.Path(sys.argv[1]) / f"ready-{os.getpid()}").write_text("ok")
+while True:
+    path.touch()
+    os.utime(path)
+    time.sleep(0.05)
+"""
+
+
+def test_a_frozen_worker_is_killed_and_replaced(tmp_path: Path) -> None:
+    """A worker whose liveness file ages past the timeout (frozen by SIGSTOP) is SIGKILLed
+    and restarted like one that exited; the new one gets a fresh file."""
+    sup = Supervisor([sys.executable, "-c", _STAMPING_WORKER, str(tmp_path)], num_workers=1,
+                     min_backoff_s=0.1, liveness_dir=tmp_path / "run", liveness_timeout_s=1.0)
+    sup.start()
+    try:
+        slot = sup.slots[0]
+        frozen = slot.process
+        assert frozen is not None
+        path = sup.liveness_file(slot)
+        assert path is not None
+        _wait_for(path.exists, timeout=60)
+        os.kill(frozen.pid, signal.SIGSTOP)
+
+        def replaced() -> bool:
+            sup.poll()
+            return slot.process is not None and slot.process.pid != frozen.pid
+
+        _wait_for(replaced, timeout=60)
+        assert frozen.returncode == -signal.SIGKILL
+        assert slot.exit_codes == [-signal.SIGKILL] and sup.num_stall_kills == 1
+        _wait_for(lambda: (tmp_path / f"ready-{slot.process.pid}").exists(), timeout=60)
+        _wait_for(path.exists, timeout=60)  # the new worker stamps its own
+    finally:
+        sup.stop(timeout=5)
+
+
+def test_a_worker_is_not_judged_before_its_first_stamp(tmp_path: Path) -> None:
+    """Until a worker first stamps its file (loading a model), no age is held against it."""
+    silent = ("import os, pathlib, sys, time\n"
+              "pathlib.Path(sys.argv[1]).write_text('ready')\ntime.sleep(60)")
+    ready = tmp_path / "ready"
+    sup = Supervisor([sys.executable, "-c", silent, str(ready)], num_workers=1,
+                     liveness_dir=tmp_path / "run", liveness_timeout_s=0.2)
+    sup.start()
+    try:
+        slot = sup.slots[0]
+        _wait_for(ready.exists, timeout=60)
+        _wait_for(lambda: time.monotonic() - slot.started_at > 0.5)
+        sup.poll()
+        assert slot.is_alive and sup.num_stall_kills == 0
+    finally:
+        sup.stop(timeout=5)

@@ -14,7 +14,12 @@ Responsible for:
   the next tick: a worker that cannot reach the database for the whole timeout cannot
   store results either, and its jobs are better off with another worker;
 - deleting the row at stop, so whatever the worker leaves `running` is handed back by
-  the reconciler's next pass instead of after the timeout.
+  the reconciler's next pass instead of after the timeout;
+- with a `LoopPulse`, beating only while the poll loop goes round: once it has been silent
+  for `loop_stall_timeout_s` the beats stop (logged once), so a hung loop is dead to the
+  reconciler and to whoever watches the liveness file;
+- touching the liveness file (when there is one) with every beat given, whether the
+  database took it or not (see workers/inference/liveness).
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.liveness_file import touch
 from storage.workers import record_heartbeat, remove_worker
+from workers.inference.liveness import LoopPulse
 from workers.inference.service_rate import Pace
 
 logger = logging.getLogger(__name__)
@@ -44,6 +52,9 @@ class Heartbeat:
         interval_s: float,
         model: str | None = None,
         pace: Callable[[], Pace] | None = None,
+        pulse: LoopPulse | None = None,
+        loop_stall_timeout_s: float = 60.0,
+        liveness_file: Path | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"heartbeat interval must be positive seconds, got {interval_s}")
@@ -52,6 +63,12 @@ class Heartbeat:
         # What each beat also carries for the estimates: the served model and its pace.
         self.model = model
         self.pace = pace
+        self.pulse = pulse
+        self.loop_stall_timeout_s = loop_stall_timeout_s
+        self.liveness_file = liveness_file
+        self._is_stalled = False
+        # Ticks given up because the poll loop had stalled.
+        self.num_skipped_beats = 0
         self._sessions = sessions
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -66,6 +83,7 @@ class Heartbeat:
         if self._thread is not None:
             raise RuntimeError(f"heartbeat of {self.worker_id} already started")
         self.beat()
+        self._touch()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
         logger.info("worker %s heart-beating every %.1fs", self.worker_id, self.interval_s)
@@ -106,8 +124,36 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
+            if self._loop_is_stalled():
+                self.num_skipped_beats += 1
+                continue
+            self._touch()
             try:
                 self.beat()
             except SQLAlchemyError as e:
                 logger.warning("heartbeat of %s failed (%s); retrying in %.1fs",
                                self.worker_id, e, self.interval_s)
+
+    def _loop_is_stalled(self) -> bool:
+        """Whether the poll loop has been silent past the stall timeout (logged once)."""
+        if self.pulse is None:
+            return False
+        silent_s = self.pulse.silent_for_s()
+        is_stalled = silent_s > self.loop_stall_timeout_s
+        if is_stalled and not self._is_stalled:
+            logger.error("worker %s: the poll loop has not gone round for %.0fs; beating no "
+                         "more, so the worker is replaced and its jobs handed back",
+                         self.worker_id, silent_s)
+        elif self._is_stalled and not is_stalled:
+            logger.warning("worker %s: the poll loop goes round again; beating again",
+                           self.worker_id)
+        self._is_stalled = is_stalled
+        return is_stalled
+
+    def _touch(self) -> None:
+        if self.liveness_file is None:
+            return
+        try:
+            touch(self.liveness_file)
+        except OSError as e:
+            logger.warning("cannot touch the liveness file %s: %s", self.liveness_file, e)

@@ -50,6 +50,7 @@ from workers.inference.fetch_wait import FetchWait, WorkPace, num_finishable
 from workers.inference.intake import can_take_any, count_by_rank, room_for_rank
 from workers.inference.job_starter import Candidate, InFlightJob, JobStarter
 from workers.inference.job_store import JobStore
+from workers.inference.liveness import LoopPulse
 from workers.inference.offsets import OffsetTracker
 from workers.inference.outcomes import OutcomeRecorder
 from workers.inference.parked_records import release_parked_records
@@ -146,9 +147,12 @@ class Worker:
         store: JobStore,
         cancels: CancelSubscription,
         worker_id: str,
+        pulse: LoopPulse | None = None,
     ) -> None:
         self.settings = settings
         self.worker_id = worker_id
+        # Stamped every turn of the loop: the heartbeat stops when it stalls (liveness).
+        self._pulse = pulse or LoopPulse()
         self._consumer = consumer
         self._engine = engine_loop
         self._store = store
@@ -208,6 +212,7 @@ class Worker:
                     ", ".join(self.settings.job_topics.values()))
         num_empty_polls = 0
         while not self._stop.is_set():
+            self._pulse.beat()
             self._check_engine()
             self._housekeeping(finished_wait_s=finished_wait_s(
                 len(self._inflight), self._max_inflight, num_empty_polls,
@@ -302,6 +307,7 @@ class Worker:
         )
         while (self._inflight and time.monotonic() < deadline and self._engine.is_healthy
                and not self._hurry.is_set()):
+            self._pulse.beat()
             num_keep = num_finishable(
                 self._drain_pace.seconds_of_work(len(self._inflight)),
                 num_jobs=len(self._inflight), seconds_left=deadline - time.monotonic())

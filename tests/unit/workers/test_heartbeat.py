@@ -19,6 +19,7 @@ from storage.models import Base, JobStatus, WorkerHeartbeat
 from storage.tenants import create_tenant
 from workers.inference.heartbeat import Heartbeat
 from workers.inference.job_store import JobStore
+from workers.inference.liveness import LoopPulse
 
 
 @pytest.fixture
@@ -120,3 +121,25 @@ def test_a_timeout_shorter_than_two_beats_is_refused() -> None:
     with pytest.raises(ValueError, match="at least twice worker_heartbeat_interval_s"):
         Settings(worker_heartbeat_interval_s=5, worker_heartbeat_timeout_s=9)
     assert Settings(worker_heartbeat_interval_s=5, worker_heartbeat_timeout_s=10)
+
+
+def test_a_stalled_poll_loop_stops_the_beats_and_the_liveness_file(
+    sessions: sessionmaker[Session], tmp_path: Path,
+) -> None:
+    """Once the loop's pulse is silent past the stall timeout, neither the row nor the
+    liveness file is stamped (the worker looks dead); a pulse again resumes both."""
+    pulse, path = LoopPulse(), tmp_path / "run" / "worker.alive"
+    heartbeat = Heartbeat(sessions, worker_id="host-1", interval_s=0.05, pulse=pulse,
+                          loop_stall_timeout_s=0.3, liveness_file=path)
+    heartbeat.start()
+    try:
+        assert path.exists(), "stamped with the first beat"
+        wait_until("the stall to be noticed", lambda: heartbeat.num_skipped_beats >= 1)
+        stamps = rows(sessions)[0].heartbeat_at, path.stat().st_mtime_ns
+        wait_until("more ticks of the stall", lambda: heartbeat.num_skipped_beats >= 3)
+        assert (rows(sessions)[0].heartbeat_at, path.stat().st_mtime_ns) == stamps
+        pulse.beat()
+        wait_until("the beats to resume", lambda: rows(sessions)[0].heartbeat_at > stamps[0])
+        assert path.stat().st_mtime_ns > stamps[1]
+    finally:
+        heartbeat.stop()
