@@ -345,6 +345,8 @@ def test_expiring_files_vanish_and_one_scheduler_pass_deletes_them(
 
 
 @pytest.mark.slow
+# Ten thousand lines through the whole service: its own deadline (1,500 s) ends first.
+@pytest.mark.timeout(1800)
 def test_ten_thousand_lines_complete_once_each_with_flat_api_memory(
     service: Callable[..., BatchService],
 ) -> None:

@@ -11,9 +11,14 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from scheduler.embedded_services import free_port
 from tests.utils.up_process import UpProcess, start_up, wait_for_status
+
+# Each test runs `batchinfer up` or a real model, several minutes on a loaded machine; its
+# own waits end first, with their diagnostics.
+pytestmark = pytest.mark.timeout(900)
 
 CHAT_JOB = {
     "model": "smollm2-135m-instruct",
@@ -43,7 +48,7 @@ def test_up_serves_a_job_and_stops_cleanly(tmp_path: Path, up_runs: list[UpProce
         assert client.get("/healthz").status_code == 200
         response = client.post("/v1/jobs", json=CHAT_JOB)
         assert response.status_code == 202, response.text
-        job = wait_for_status(client, response.json()["id"], "succeeded", timeout=600)
+        job = wait_for_status(client, response.json()["id"], "succeeded", timeout=400)
     assert job["result"]["object"] == "chat.completion"
     assert job["result"]["choices"][0]["message"]["content"]
     assert job["usage"]["completion_tokens"] > 0
@@ -125,7 +130,7 @@ def test_second_start_republishes_a_job_left_queued(tmp_path: Path,
     match = re.search(r"(\d+) queued job\(s\) re-published", banner)
     assert match and int(match.group(1)) == 1, banner
     with second.client() as client:
-        job = wait_for_status(client, job_id, "succeeded", timeout=600)
+        job = wait_for_status(client, job_id, "succeeded", timeout=400)
     assert job["result"]["choices"][0]["message"]["content"]
     _stop_and_check_no_orphans(second)
 
@@ -143,7 +148,7 @@ def test_up_autoscales_workers_by_lag(tmp_path: Path, up_runs: list[UpProcess]) 
     with run.client() as client:
         response = client.post("/v1/jobs", json=CHAT_JOB)
         assert response.status_code == 202, response.text
-        wait_for_status(client, response.json()["id"], "succeeded", timeout=600)
+        wait_for_status(client, response.json()["id"], "succeeded", timeout=400)
     deadline = time.monotonic() + 60
     while "worker-0 drained" not in (log := log_path.read_text(errors="replace")):
         assert time.monotonic() < deadline, run.log_tail()

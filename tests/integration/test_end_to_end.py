@@ -20,6 +20,10 @@ from storage.migrate import upgrade
 from tests.utils.api import make_tenant_key
 from tests.utils.service import WorkerProcess, running_api
 
+# Each test runs `batchinfer up` or a real model, several minutes on a loaded machine; its
+# own waits end first, with their diagnostics.
+pytestmark = pytest.mark.timeout(900)
+
 MODEL = "smollm2-135m-instruct"
 NUM_JOBS = 60
 MAX_TOKENS = 8
@@ -97,7 +101,7 @@ def test_sixty_mixed_priority_jobs_succeed_with_offline_greedy_results(service) 
             response = client.post("/v1/jobs", json=body)
             assert response.status_code == 202, response.text
             job_ids.append(response.json()["id"])
-        jobs = _wait_all(client, job_ids, worker, timeout=900)
+        jobs = _wait_all(client, job_ids, worker, timeout=600)
         listed = client.get("/v1/jobs", params={"status": "succeeded", "limit": 100}).json()
 
     failed = {i: j for i, j in jobs.items() if j["status"] != "succeeded"}

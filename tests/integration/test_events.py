@@ -21,6 +21,8 @@ from redis.retry import Retry
 
 from storage.events import (
     CancelSubscription,
+    job_done_channel,
+    jobs_done_channel,
     publish_batch_done,
     publish_cancel,
     publish_job_done,
@@ -45,14 +47,26 @@ def client(redis_client: redis.Redis) -> redis.Redis:
     return redis_client
 
 
+def wait_for_subscriber(client: redis.Redis, channel: str, timeout: float = 30.0) -> None:
+    """Until someone subscribes to channel: a completion published before a wait has
+    subscribed is missed by design (`storage.events.wait_job_done`), so publishing after a
+    fixed delay races the subscription on a busy machine."""
+    deadline = time.monotonic() + timeout
+    while not dict(client.pubsub_numsub(channel)).get(channel.encode()):
+        assert time.monotonic() < deadline, f"nobody subscribed to {channel}"
+        time.sleep(0.01)
+
+
 def publish_later(
     client: redis.Redis, prefix: str, job_id: str, delay_s: float
 ) -> threading.Thread:
-    """Publish a completion from another thread after `delay_s`. The caller joins the
-    thread before its test ends: the `client` fixture closes the connection at teardown,
-    and a publish still under way then fails in the thread."""
+    """Publish a completion from another thread `delay_s` after the job's channel has a
+    subscriber. The caller joins the thread before its test ends: the `client` fixture
+    closes the connection at teardown, and a publish still under way then fails in the
+    thread."""
 
     def run() -> None:
+        wait_for_subscriber(client, job_done_channel(prefix, job_id))
         time.sleep(delay_s)
         publish_job_done(client, prefix=prefix, job_id=job_id, status=JobStatus.SUCCEEDED)
 
@@ -337,6 +351,7 @@ def test_a_lone_wait_hears_a_grouped_announcement_of_its_job_only(
         aredis = aioredis.Redis.from_url(redis_url)
 
         def announce() -> None:
+            wait_for_subscriber(client, jobs_done_channel(prefix))
             time.sleep(0.3)
             publish_jobs_done(client, prefix=prefix, statuses={"job_b": JobStatus.SUCCEEDED})
             time.sleep(0.3)

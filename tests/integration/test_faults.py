@@ -41,7 +41,9 @@ from tests.utils.postgres import PostgresCluster, create_database, postgres_bin_
 from tests.utils.service import running_api
 from tests.utils.up_process import UpProcess, start_up
 
-pytestmark = pytest.mark.integration
+# Each test runs `batchinfer up` or a real model, several minutes on a loaded machine; its
+# own waits end first, with their diagnostics.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 logger = logging.getLogger(__name__)
 

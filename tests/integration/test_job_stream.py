@@ -13,10 +13,15 @@ import itertools
 import threading
 from collections import Counter
 
+import pytest
 import sqlalchemy as sa
 
 from storage.models import Job, JobStatus
 from tests.utils.worker_service import job_bodies
+
+# Each test runs `batchinfer up` or a real model, several minutes on a loaded machine; its
+# own waits end first, with their diagnostics.
+pytestmark = pytest.mark.timeout(900)
 
 NUM_JOBS = 5000
 # Submitted in chunks of mixed priority while the worker runs, so records arrive during
@@ -38,9 +43,9 @@ def test_five_thousand_short_jobs_of_mixed_priority_all_succeed_exactly_once(ser
 
     producer = threading.Thread(target=produce, name="test-producer")
     producer.start()
-    producer.join(300)
+    producer.join(200)
     assert len(job_ids) == NUM_JOBS
-    done = svc.wait_terminal(job_ids, timeout=600)
+    done = svc.wait_terminal(job_ids, timeout=500)
     statuses = Counter(job.status for job in done.values())
     assert statuses == {JobStatus.SUCCEEDED: NUM_JOBS}, statuses
     assert all(job.result is not None for job in done.values())

@@ -34,6 +34,9 @@ from tests.unit.storage.test_executemany import check_many_statement_stores_what
 from tests.unit.storage.test_job_batches import check_complete_jobs
 from workers.inference.job_store import JobStore, Success
 
+# Seconds the racers wait for each other at the start line: far above a loaded start.
+BARRIER_TIMEOUT_S = 60.0
+
 
 @pytest.fixture
 def sessions(postgres_url: str) -> Iterator[sessionmaker[Session]]:
@@ -126,7 +129,7 @@ def test_status_writes_are_idempotent_under_concurrency(
 
     def finish(i: int) -> None:
         with sessions() as session:
-            start.wait()
+            start.wait(BARRIER_TIMEOUT_S)  # a thread that died first breaks it
             changed.append(
                 complete_job(
                     session,
@@ -144,7 +147,8 @@ def test_status_writes_are_idempotent_under_concurrency(
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(2 * BARRIER_TIMEOUT_S)
+    assert not any(thread.is_alive() for thread in threads), "a racer hung"
     assert sorted(changed) == [False] * 5 + [True]
     with sessions() as session:
         job = cancel_job(session, job_id=job_id, tenant_id=tenant.id)

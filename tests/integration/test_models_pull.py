@@ -18,6 +18,10 @@ from workers.engine.registry import list_models, pull_model, resolve_model
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence
 
+# Each test runs `batchinfer up` or a real model, several minutes on a loaded machine; its
+# own waits end first, with their diagnostics.
+pytestmark = pytest.mark.timeout(900)
+
 NAME = "smollm2-135m-instruct"
 
 

@@ -18,6 +18,10 @@ import torch
 from tests.unit.engine.tiny_models import hf_greedy_steps
 from workers.engine import LLM, SamplingParams
 
+# Each test runs `batchinfer up` or a real model, several minutes on a loaded machine; its
+# own waits end first, with their diagnostics.
+pytestmark = pytest.mark.timeout(900)
+
 CONVERSATIONS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],

@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 
 from scheduler.embedded_services import free_port
@@ -18,6 +19,10 @@ from storage.db import create_db_engine, session_factory
 from storage.jobs import create_job, get_job, mark_running
 from storage.models import JobStatus, utcnow
 from tests.utils.up_process import UpProcess, start_up, wait_for_status
+
+# Each test runs `batchinfer up` or a real model, several minutes on a loaded machine; its
+# own waits end first, with their diagnostics.
+pytestmark = pytest.mark.timeout(900)
 
 CHAT_JOB = {
     "model": "smollm2-135m-instruct",

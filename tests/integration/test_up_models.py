@@ -22,6 +22,10 @@ from scheduler.embedded_services import free_port
 from tests.unit.engine.tiny_models import save_tiny_llama, tiny_llama_config
 from tests.utils.up_process import UpProcess, start_up
 
+# Each test runs `batchinfer up` or a real model, several minutes on a loaded machine; its
+# own waits end first, with their diagnostics.
+pytestmark = pytest.mark.timeout(900)
+
 
 @pytest.fixture
 def up_two_models(tmp_path: Path) -> Iterator[UpProcess]:

@@ -26,12 +26,16 @@ from tests.utils.worker_service import Service, job_bodies
 
 
 def _metric(port: int, name: str, labels: str = "") -> float:
+    """The sum of the metric's samples (with labels); 0 when it has none."""
+    return _metric_or_none(port, name, labels) or 0.0
+
+
+def _metric_or_none(port: int, name: str, labels: str = "") -> float | None:
+    """The sum of the metric's samples (with labels); None when it is not exported."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.split("{")[0].split(" ")[0] == name and labels in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    samples = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.split("{")[0].split(" ")[0] == name and labels in line]
+    return sum(samples) if samples else None
 
 
 def test_worker_runs_jobs_end_to_end(service) -> None:
@@ -117,7 +121,8 @@ def test_worker_runs_jobs_end_to_end(service) -> None:
     )
     assert _metric(port, "batchinfer_jobs_failed_total", 'priority="high"') == 1
     assert _metric(port, "batchinfer_queue_wait_seconds_count") >= len(good) + 2
-    assert _metric(port, "batchinfer_kv_cache_usage_ratio") >= 0
+    usage = _metric_or_none(port, "batchinfer_kv_cache_usage_ratio")
+    assert usage is not None and 0 <= usage <= 1, usage
     assert worker.stop() == 0, worker.log_tail()
     # Everything processed was committed, the malformed record included.
     assert sum(consumer_lag(svc.settings, group_id=svc.settings.consumer_group).values()) == 0

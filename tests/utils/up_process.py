@@ -125,7 +125,7 @@ class UpProcess:
 
 
 def start_up(data_dir: Path, port: int, *, num_workers: int, log_path: Path,
-             timeout: float = 600.0, extra_env: dict[str, str] | None = None,
+             timeout: float = 400.0, extra_env: dict[str, str] | None = None,
              max_workers: int | None = None, args: list[str] | None = None) -> UpProcess:
     """Start `batchinfer up` (extra_env on top, args after the others) and return once it
     printed its API key."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY
 
 import api.hot_path
 from api.hot_path import ordinary_read, ordinary_submission
@@ -146,14 +147,25 @@ def test_a_read_of_another_tenants_job_is_not_found(
     assert response.json()["error"]["code"] == "job_not_found"
 
 
+def _num_requests(method: str, route: str, status: str) -> float:
+    """Requests the process-wide registry counted under these labels so far."""
+    labels = {"method": method, "route": route, "status": status}
+    return REGISTRY.get_sample_value("batchinfer_http_request_seconds_count", labels) or 0.0
+
+
 def test_metrics_label_hot_requests_by_their_route(client: TestClient, acme: TenantKey,
                                                    hot_calls: list[str]) -> None:
+    # Counted by this test's requests: the registry is shared with earlier tests.
+    before = (_num_requests("POST", "/v1/jobs", "202"),
+              _num_requests("GET", "/v1/jobs/{job_id}", "200"))
     job_id = client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
     client.get(f"/v1/jobs/{job_id}", headers=acme.headers)
     assert hot_calls == ["accept_job", "job_response"]
+    after = (_num_requests("POST", "/v1/jobs", "202"),
+             _num_requests("GET", "/v1/jobs/{job_id}", "200"))
+    assert (after[0] - before[0], after[1] - before[1]) == (1.0, 1.0)
     text = client.get("/metrics").text
     assert 'method="POST",route="/v1/jobs",status="202"' in text
-    assert 'method="GET",route="/v1/jobs/{job_id}",status="200"' in text
 
 
 def test_an_unexpected_error_is_the_apps_500_and_counted(

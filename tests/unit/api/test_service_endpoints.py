@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY
 
 from tests.unit.api.conftest import MODEL, ClientFactory
 from tests.utils.api import CHAT_BODY, TenantKey
@@ -35,8 +36,13 @@ def test_metrics_count_submissions_by_priority_and_http_latency(
     client: TestClient, acme: TenantKey
 ) -> None:
     """/metrics exposes submissions by priority and per-route latency."""
-    client.post("/v1/jobs", json={"model": MODEL, **CHAT_BODY, "priority": "low"},
-                headers=acme.headers)
+    # The registry is process-wide: count what this submission adds.
+    low = {"priority": "low"}
+    before = REGISTRY.get_sample_value("batchinfer_jobs_submitted_total", low) or 0.0
+    response = client.post("/v1/jobs", json={"model": MODEL, **CHAT_BODY, "priority": "low"},
+                           headers=acme.headers)
+    assert response.status_code == 202, response.text
+    assert REGISTRY.get_sample_value("batchinfer_jobs_submitted_total", low) == before + 1
     text = client.get("/metrics").text
     assert 'batchinfer_jobs_submitted_total{priority="low"}' in text
     assert 'route="/v1/jobs"' in text

@@ -11,6 +11,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from storage.jobs import cancel_job, complete_job, create_job, fail_job, get_job, mark_running
 from storage.models import Job, JobStatus, Tenant
 
+# Seconds the racers wait for each other at the start line: far above a loaded start.
+BARRIER_TIMEOUT_S = 60.0
+
 
 def queued_job(sessions: sessionmaker[Session], tenant: Tenant) -> str:
     """Commit a queued job and return its id."""
@@ -166,13 +169,13 @@ def test_concurrent_finishers_have_exactly_one_winner(
 
     def completer(i: int) -> None:
         with sessions() as session:
-            start.wait()
+            start.wait(BARRIER_TIMEOUT_S)  # a thread that died first breaks it
             completed[i] = complete(session, job_id, f"writer {i}")
             session.commit()
 
     def canceller() -> None:
         with sessions() as session:
-            start.wait()
+            start.wait(BARRIER_TIMEOUT_S)  # a thread that died first breaks it
             cancel_job(session, job_id=job_id, tenant_id=tenant.id)
             session.commit()
 
@@ -181,7 +184,8 @@ def test_concurrent_finishers_have_exactly_one_winner(
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(2 * BARRIER_TIMEOUT_S)
+    assert not any(thread.is_alive() for thread in threads), "a racer hung"
 
     assert len(completed) == num_completers
     winners = [i for i, changed in completed.items() if changed]
