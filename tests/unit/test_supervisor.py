@@ -129,7 +129,9 @@ def test_a_frozen_worker_is_killed_and_replaced(tmp_path: Path) -> None:
         _wait_for(replaced, timeout=60)
         assert frozen.returncode == -signal.SIGKILL
         assert slot.exit_codes == [-signal.SIGKILL] and sup.num_stall_kills == 1
-        _wait_for(lambda: (tmp_path / f"ready-{slot.process.pid}").exists(), timeout=60)
+        successor = slot.process
+        assert successor is not None
+        _wait_for(lambda: (tmp_path / f"ready-{successor.pid}").exists(), timeout=60)
         _wait_for(path.exists, timeout=60)  # the new worker stamps its own
     finally:
         sup.stop(timeout=5)
