@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def _check(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "BATCHINFER_WORKER_LIVENESS_FILE": str(path),
-           "BATCHINFER_WORKER_HEARTBEAT_TIMEOUT_S": "30"}
+           "BATCHINFER_WORKER_HEARTBEAT_TIMEOUT_S": "600"}
     return subprocess.run([sys.executable, "-m", "workers.inference.liveness", *args],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
@@ -24,8 +24,9 @@ def test_a_fresh_file_is_alive_an_old_or_missing_one_is_not(tmp_path: Path) -> N
     assert missing.returncode == 1 and "does not exist" in missing.stderr
     path.touch()
     assert _check(path).returncode == 0
-    stamped = time.time() - 40
+    # Ages far from the limits: starting Python on a loaded machine takes seconds.
+    stamped = time.time() - 1200
     os.utime(path, (stamped, stamped))
     stale = _check(path)
     assert stale.returncode == 1 and "stalled" in stale.stderr
-    assert _check(path, "--max-age-s", "60").returncode == 0
+    assert _check(path, "--max-age-s", "3600").returncode == 0
