@@ -419,7 +419,7 @@ def test_a_frozen_worker_is_killed_and_replaced_and_its_jobs_finish_elsewhere(
             os.kill(frozen_pid, signal.SIGKILL)
     _check_each_accepted_job_succeeded_once(stack, job_ids)
     with stack.db.connect() as connection:
-        finished_by = dict(connection.execute(sa.text(
+        finished_by: dict[str, str] = dict(connection.execute(sa.text(
             "SELECT id, worker_id FROM jobs WHERE id = ANY(:ids)"), {"ids": held}).all())
     assert held and all(worker != frozen_id for worker in finished_by.values()), finished_by
     stack.wait_until("a replacement worker", lambda: len(_workers_of(stack)) == 2,

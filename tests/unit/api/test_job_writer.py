@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,10 @@ class _DownHandle:
 
     def get(self) -> RecordingProducer:
         raise BrokerUnavailable("broker down (test)")
+
+    @contextmanager
+    def accepting(self) -> Iterator[str | None]:
+        yield None  # never reached: the group is refused before it is written
 
 
 @pytest.fixture
@@ -202,9 +206,11 @@ class _StopWhileAcking(RecordingProducer):
 
     handle: LazyProducer | None = None
 
-    def accepting(self) -> AbstractContextManager[str | None]:
+    @contextmanager
+    def accepting(self) -> Iterator[str | None]:
         assert self.handle is not None
-        return self.handle.accepting()
+        with self.handle.accepting() as refusal:
+            yield refusal
 
     def send(self, topic: str, key: bytes | None = None, value: bytes | None = None) -> Any:
         acked = super().send(topic, key=key, value=value)
@@ -219,12 +225,13 @@ def test_a_stop_before_the_answer_refuses_and_withdraws_the_job(
 ) -> None:
     """Checking for a stop and accepting are one step: a job whose stop came before its
     answer is refused as stopping (503), and its row is gone."""
-    producer = _StopWhileAcking(handle=LazyProducer(make_settings()))
+    handle = LazyProducer(make_settings())
+    producer = _StopWhileAcking(handle=handle)
     with pytest.raises(ServiceStopping):
         writer.write(_job(tenant_id, 0), producer)
     assert len(producer.records) == 1, "the record was sent before the stop"
     assert _num_jobs(sessions) == 0
     # Later submissions are refused before anything is written.
     with pytest.raises(ServiceStopping):
-        writer.write(_job(tenant_id, 1), producer.handle)
+        writer.write(_job(tenant_id, 1), handle)
     assert len(producer.records) == 1
