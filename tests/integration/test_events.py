@@ -58,15 +58,16 @@ def wait_for_subscriber(client: redis.Redis, channel: str, timeout: float = 30.0
 
 
 def publish_later(
-    client: redis.Redis, prefix: str, job_id: str, delay_s: float
+    client: redis.Redis, prefix: str, job_id: str, delay_s: float,
+    waiter_job_id: str | None = None,
 ) -> threading.Thread:
-    """Publish a completion from another thread `delay_s` after the job's channel has a
-    subscriber. The caller joins the thread before its test ends: the `client` fixture
-    closes the connection at teardown, and a publish still under way then fails in the
-    thread."""
+    """Publish a completion from another thread `delay_s` after the channel of the job
+    waited for (waiter_job_id, default job_id) has a subscriber. The caller joins the
+    thread before its test ends: the `client` fixture closes the connection at teardown,
+    and a publish still under way then fails in the thread."""
 
     def run() -> None:
-        wait_for_subscriber(client, job_done_channel(prefix, job_id))
+        wait_for_subscriber(client, job_done_channel(prefix, waiter_job_id or job_id))
         time.sleep(delay_s)
         publish_job_done(client, prefix=prefix, job_id=job_id, status=JobStatus.SUCCEEDED)
 
@@ -98,21 +99,23 @@ def test_wait_returns_as_soon_as_the_job_is_done(
 def test_wait_times_out_and_ignores_other_jobs(
     redis_url: str, client: redis.Redis, prefix: str
 ) -> None:
-    async def scenario() -> tuple[bool, float]:
+    async def scenario() -> tuple[bool, float, bool]:
         aredis = aioredis.Redis.from_url(redis_url)
         try:
-            publisher = publish_later(client, prefix, "job_other", delay_s=0.1)
+            publisher = publish_later(client, prefix, "job_other", delay_s=0.1,
+                                      waiter_job_id="job_a")
             start = time.monotonic()
-            done = await wait_job_done(aredis, prefix=prefix, job_id="job_a", timeout=0.6)
+            done = await wait_job_done(aredis, prefix=prefix, job_id="job_a", timeout=2.0)
             elapsed = time.monotonic() - start
-            publisher.join(10)
-            return done, elapsed
+            await asyncio.to_thread(publisher.join, 30)
+            return done, elapsed, publisher.is_alive()
         finally:
             await aredis.aclose()
 
-    done, elapsed = asyncio.run(scenario())
+    done, elapsed, is_publishing = asyncio.run(scenario())
+    assert not is_publishing, "the other job's completion was never published"
     assert not done
-    assert 0.5 < elapsed < 3
+    assert 1.9 < elapsed < 10
 
 
 def test_completion_between_subscribe_and_recheck_is_not_lost(
