@@ -141,7 +141,7 @@ def test_batch_create_refusals(client: TestClient, acme: TenantKey) -> None:
         ({"completion_window": "30s"}, 400, "completion_window"),
         ({"completion_window": "8d"}, 400, "completion_window"),
         ({"completion_window": "1w"}, 400, "completion_window"),
-        ({"endpoint": "/v1/responses"}, 422, "endpoint"),
+        ({"endpoint": "/v1/assistants"}, 422, "endpoint"),
         ({"model": "gpt-4o"}, 404, "model"),
         ({"priority": "urgent"}, 422, "priority"),
         ({"callback_url": "ftp://example.com/x"}, 422, "callback_url"),
