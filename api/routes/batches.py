@@ -34,6 +34,7 @@ from api.model_states import refuse_if_failed
 from api.pagination import invalid_cursor, list_page
 from api.schemas import CallbackUrl, ExpiresAfter, Metadata
 from core.deadlines import check_window
+from core.json_bounds import json_bounds_error
 from core.topics import Priority
 from core.webhook_urls import validate_callback_url
 from storage.batches import (
@@ -143,11 +144,13 @@ def _lines_and_model(files: FileStore, file_id: str) -> tuple[int, str | None]:
     except OSError:
         return 0, None  # its bytes are gone: validation fails the batch
     num_lines += last != b"\n"  # a last line without its newline
+    if json_bounds_error(first_line) is not None:
+        return num_lines, None  # nested past the bound: validation reports its line
     try:
         first = json.loads(first_line)
         named = first.get("body", {}).get("model") if isinstance(first, dict) else None
         model = named if isinstance(named, str) else None
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         model = None  # validation reports it
     return num_lines, model
 
