@@ -27,7 +27,6 @@ def load_batch(resources: Resources, *, batch_id: str, tenant_id: str) -> dict[s
         if batch is None:
             return None
         view = batch_object(batch)
-        view["estimated_completion_at"] = None
         if batch.status == BatchStatus.IN_PROGRESS and batch.model:
             tail = read_batch_tail(session.connection(), batch_id=batch.id)
             at = resources.estimates.batch_completion(model=batch.model,

@@ -26,6 +26,9 @@ LOGPROBS_ALTERNATIVES = (
     "sampled token's log-probability."
 )
 
+# Token ids one request may bias.
+MAX_LOGIT_BIAS_ENTRIES = 300
+
 
 class RequestRefused(ValueError):
     """A request this service will not run, naming the field and an OpenAI error code.
@@ -80,7 +83,11 @@ def check_supported(request: AnyRequest, *, can_stream: bool = False) -> None:
 
 
 def _check_logit_bias(logit_bias: dict[str, float] | None) -> None:
-    """OpenAI's shape: token ids (as JSON keys) to biases in [-100, 100]."""
+    """OpenAI's shape: token ids (as JSON keys) to biases in [-100, 100], at most
+    MAX_LOGIT_BIAS_ENTRIES of them (each one is sampler work on every step of the job)."""
+    if logit_bias and len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise RequestRefused(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                             f"got {len(logit_bias)}.", param="logit_bias")
     for key, bias in (logit_bias or {}).items():
         if not key.isdigit():
             raise RequestRefused(f"logit_bias keys must be token ids, got {key!r}.",

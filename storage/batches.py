@@ -169,7 +169,8 @@ def _unix(at: datetime | None) -> int | None:
 
 
 def batch_object(batch: Batch) -> dict[str, Any]:
-    """The batch as OpenAI's API shows it (`openai.types.Batch`), plus its `priority`."""
+    """The batch as OpenAI's API shows it (`openai.types.Batch`), plus its `priority` and
+    `estimated_completion_at`: the same object in every read, list and webhook."""
     total_tokens = batch.input_tokens + batch.output_tokens
     return {
         "id": batch.id,
@@ -202,6 +203,8 @@ def batch_object(batch: Batch) -> dict[str, Any]:
             "total_tokens": total_tokens,
         },
         "priority": batch.priority,
+        # Only a running batch has one; the API's read fills it in (api.batch_state).
+        "estimated_completion_at": None,
     }
 
 
