@@ -93,6 +93,9 @@ class Settings(BaseSettings):
     engine_kv_cache_memory_bytes: int | None = None
     engine_dtype: str = "auto"
     engine_device: str = "auto"
+    # A quantized checkpoint's projections: kept quantized on CUDA ("auto"), always
+    # ("packed") or dequantized at load ("dequantize"); see docs/models.md.
+    engine_quantized_weights: Literal["auto", "packed", "dequantize"] = "auto"
     # Engine servers: with URLs (`http://host:port/v1`, one per server of the same model),
     # the worker drives those OpenAI-compatible servers (vLLM, SGLang, TGI, llama.cpp)
     # instead of loading `model`, which is then the name the servers know it by. See

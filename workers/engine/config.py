@@ -53,6 +53,10 @@ class EngineConfig:
     # sequences of that priority (less urgent ones sit steps out to keep it); a priority
     # not listed has no target. Empty: every step runs as wide as the budget allows.
     step_time_targets: dict[int, float] = field(default_factory=dict)
+    # A quantized checkpoint's projections: "auto" keeps them quantized on CUDA (Triton
+    # dequantize-in-GEMM kernels) and dequantizes them at load on the CPU; "packed" or
+    # "dequantize" forces one (loader.keeps_packed).
+    quantized_weights: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -66,6 +70,9 @@ class EngineConfig:
                 "attention_backend must be auto, cpu, torch, triton or flash, "
                 f"got {self.attention_backend!r}"
             )
+        if self.quantized_weights not in {"auto", "packed", "dequantize"}:
+            raise ValueError("quantized_weights must be auto, packed or dequantize, "
+                             f"got {self.quantized_weights!r}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:

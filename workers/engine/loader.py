@@ -24,7 +24,14 @@ from workers.engine.attention import AttentionBackend
 from workers.engine.models import CausalLM, model_class_for
 from workers.engine.models.experts import ExpertWeights
 from workers.engine.models.linear import FusedLinear
+from workers.engine.models.quant_linear import QuantLinear
 from workers.engine.quantization import dequantized_tensors, quant_scheme_of
+from workers.engine.quantized_loading import (
+    load_packed,
+    packed_source_names,
+    plan_packed,
+    swap_in_packed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,26 +72,46 @@ def load_model(
     backend: AttentionBackend,
     dtype: torch.dtype,
     device: torch.device,
+    *,
+    quantized_weights: str = "auto",
 ) -> CausalLM:
-    """Build the decoder on `device` in `dtype` and fill it from the directory's safetensors."""
+    """Build the decoder on `device` in `dtype` and fill it from the directory's safetensors.
+
+    A quantized checkpoint's projections stay quantized in memory where `quantized_weights`
+    says so (`keeps_packed`); the rest are dequantized here.
+    """
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model directory {model_dir} has no .safetensors files")
     model_class = model_class_for(hf_config)
     with torch.device("meta"):  # no init work or memory for weights about to be overwritten
-        model = model_class(hf_config, backend)
-    model = model.to(dtype).to_empty(device=device)
-    model.reset_buffers(device, dtype)
-    params = dict(model.named_parameters())
-    loaded: set[tuple[str, int | None]] = set()
+        model = model_class(hf_config, backend).to(dtype)
     scheme = quant_scheme_of(hf_config)
     with ExitStack() as stack:
         # Every file open at once: a quantized linear's parts may sit in different shards.
         handles = [stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
                    for path in files]
         file_of = {name: f for f in handles for name in f.keys()}  # noqa: SIM118
-        for name, tensor in dequantized_tensors(scheme, list(file_of),
-                                                lambda n: file_of[n].get_tensor(n)):
+
+        def get(name: str) -> torch.Tensor:
+            return file_of[name].get_tensor(name)
+
+        present = set(file_of)
+        plans = []
+        if scheme is not None and keeps_packed(quantized_weights, scheme.method, device):
+            plans = plan_packed(model, scheme, list(file_of), get,
+                                lambda n: file_of[n].get_slice(n).get_dtype(),
+                                lambda n: _target_of(n, model))
+            swap_in_packed(model, plans, scheme, dtype)
+        model = model.to_empty(device=device)
+        model.reset_buffers(device, dtype)
+        params = dict(model.named_parameters())
+        loaded: set[tuple[str, int | None]] = set()
+        if scheme is not None:
+            load_packed(model, plans, scheme, get, present)
+        taken = packed_source_names(plans, present)
+        for name, tensor in dequantized_tensors(scheme, [n for n in file_of if n not in taken],
+                                                get):
             target = _target_of(name, model)
             if target is None:
                 continue
@@ -96,8 +123,27 @@ def load_model(
             loaded.add(target)
     _check_complete(model, params, loaded)
     model.eval()
-    logger.info("loaded %s (%d files) as %s on %s", model_dir, len(files), dtype, device)
+    logger.info("loaded %s (%d files) as %s on %s%s", model_dir, len(files), dtype, device,
+                f", {len(plans)} projections kept {scheme.method}-quantized"
+                if plans and scheme else "")
     return model
+
+
+def keeps_packed(mode: str, method: str, device: torch.device) -> bool:
+    """Whether a quantized checkpoint's projections stay quantized in memory.
+
+    "auto": on CUDA, where the Triton kernels run (FP8 from compute capability 8.9, the
+    first with e4m3 conversions); the CPU dequantizes at load, since its oneDNN GEMMs on the
+    dequantized matrices outrun any dequantize-per-call path. "packed": always (on the CPU,
+    under Triton's interpreter). "dequantize": never.
+    """
+    if mode not in ("auto", "packed", "dequantize"):
+        raise ValueError(f"quantized_weights {mode!r} is not one of auto, packed, dequantize")
+    if mode != "auto":
+        return mode == "packed"
+    if device.type != "cuda":
+        return False
+    return method != "fp8" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _target_of(name: str, model: CausalLM) -> tuple[str, int | None] | None:
@@ -137,7 +183,9 @@ def _expert_target(parts: list[str], model: CausalLM) -> tuple[str, int] | None:
 def _output_sizes(model: CausalLM, param_name: str) -> list[int] | None:
     """Row sizes of the checkpoint matrices stacked in a fused parameter, else None."""
     module = model.get_submodule(param_name.rsplit(".", 1)[0])
-    return module.output_sizes if isinstance(module, FusedLinear | ExpertWeights) else None
+    if isinstance(module, FusedLinear | ExpertWeights | QuantLinear):
+        return module.output_sizes
+    return None
 
 
 def _copy_into(

@@ -107,7 +107,8 @@ class ModelRunner:
         )
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
         self.model = load_model(
-            self.model_dir, self.hf_config, self.backend, self.dtype, self.device
+            self.model_dir, self.hf_config, self.backend, self.dtype, self.device,
+            quantized_weights=config.quantized_weights,
         )
         packed_dtype = packing_dtype(self.device, self.dtype)
         if packed_dtype is not None:

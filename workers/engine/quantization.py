@@ -48,6 +48,8 @@ class QuantScheme:
     group_size: int = -1
     # GPTQ's original format stores each zero point minus one.
     zeros_offset: int = 0
+    # FP8 block scales: (outputs, inputs) per scale, when the config names them.
+    weight_block: tuple[int, int] | None = None
 
 
 def quant_scheme_of(hf_config: Any) -> QuantScheme | None:
@@ -80,7 +82,7 @@ def quant_scheme_of(hf_config: Any) -> QuantScheme | None:
         return QuantScheme("awq", 4, int(config.get("group_size", config.get("q_group_size",
                                                                                  128))))
     if method == "fp8" or (method == "compressed-tensors" and _is_fp8_weights(config)):
-        return QuantScheme("fp8")
+        return QuantScheme("fp8", weight_block=_fp8_block(config))
     raise ValueError(f"model quantization {method or config!r} is not supported; supported: "
                      "gptq (4/8-bit), awq (4-bit GEMM), fp8 (e4m3 weights)")
 
@@ -97,6 +99,21 @@ def _is_fp8_weights(config: dict[str, Any]) -> bool:
             raise ValueError("model quantization compressed-tensors is supported for 8-bit "
                              f"float weights; a group has {weights}")
     return True
+
+
+def _fp8_block(config: dict[str, Any]) -> tuple[int, int] | None:
+    """The FP8 scale block (outputs, inputs): `weight_block_size` of the fp8 config, or a
+    compressed-tensors group's `block_structure`."""
+    block = config.get("weight_block_size")
+    for group in (config.get("config_groups") or {}).values():
+        block = block or (group.get("weights") or {}).get("block_structure")
+    if isinstance(block, str):  # compressed-tensors once wrote "128x128"
+        block = block.lower().split("x")
+    if not block:
+        return None
+    if len(block) != 2:
+        raise ValueError(f"model quantization fp8 block {block!r} is not (outputs, inputs)")
+    return int(block[0]), int(block[1])
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -137,8 +154,10 @@ def dequantize_awq(scheme: QuantScheme, qweight: torch.Tensor, qzeros: torch.Ten
     return w.t().contiguous()
 
 
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The (out, in) float32 matrix of an FP8 linear with a scalar, per-row or block scale."""
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor,
+                   block: tuple[int, int] | None = None) -> torch.Tensor:
+    """The (out, in) float32 matrix of an FP8 linear with a scalar, per-row or block scale
+    (blocks of `block`, or as many as the scale's shape implies)."""
     w = weight.float()
     scale = scale.float()
     if scale.numel() == 1 or (scale.dim() == 2 and scale.shape[1] == 1
@@ -146,10 +165,15 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return w * scale.reshape(-1, 1) if scale.numel() > 1 else w * scale.reshape(())
     if scale.dim() != 2:
         raise ValueError(f"FP8 weight scale of shape {tuple(scale.shape)} is not supported")
-    block_out = -(-w.shape[0] // scale.shape[0])
-    block_in = -(-w.shape[1] // scale.shape[1])
+    block_out, block_in = block or fp8_scale_block(w.shape, scale.shape)
     full = scale.repeat_interleave(block_out, 0)[: w.shape[0]]
     return w * full.repeat_interleave(block_in, 1)[:, : w.shape[1]]
+
+
+def fp8_scale_block(weight_shape: torch.Size | tuple[int, ...],
+                    scale_shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    """(outputs, inputs) per scale of a 2-D block scale, from the shapes alone."""
+    return -(-weight_shape[0] // scale_shape[0]), -(-weight_shape[1] // scale_shape[1])
 
 
 def dequantized_tensors(
@@ -185,6 +209,6 @@ def dequantized_tensors(
                               None)
             if scale_name is None:
                 raise ValueError(f"FP8 weight {name!r} has no weight_scale")
-            yield name, dequantize_fp8(tensor, get(scale_name))
+            yield name, dequantize_fp8(tensor, get(scale_name), scheme.weight_block)
         else:
             yield name, get(name)

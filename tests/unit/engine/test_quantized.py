@@ -83,3 +83,34 @@ def test_unsupported_formats_are_refused_with_the_reason(tmp_path: Path) -> None
         config_path.write_text(json.dumps({**config, "quantization_config": quantization}))
         with pytest.raises(ValueError, match=needle):
             check_supported(load_hf_config(tmp_path))
+
+
+@pytest.mark.parametrize("fmt", ["gptq-4bit-actorder", "awq-4bit-g32", "fp8-block"])
+def test_weights_kept_quantized_decode_as_the_dequantized_ones(fmt: str, tmp_path: Path) -> None:
+    """`quantized_weights="packed"`: the projections hold the packed tensors (a quarter
+    of the bytes for 4 bits) and give the greedy tokens of the dequantized load. On the CPU
+    without Triton they run by dequantizing per call; the kernels themselves are held to
+    the same reference under the interpreter (interpreted/test_quant_gemm.py)."""
+    save_tiny_llama(tmp_path, tie_word_embeddings=False)
+    FORMATS[fmt](tmp_path)
+    options: dict[str, Any] = {"dtype": "float32", "device": "cpu", "skip_tokenizer_init": True,
+                               "num_kv_blocks": 64, "block_size": 16}
+    packed = LLM(str(tmp_path), quantized_weights="packed", **options)
+    dequantized = LLM(str(tmp_path), quantized_weights="dequantize", **options)
+
+    def projection_bytes(llm: LLM) -> int:
+        model = llm.engine.runner.model
+        return sum(t.numel() * t.element_size() for name, t in
+                   [*model.named_parameters(), *model.named_buffers()]
+                   if "layers." in name and "norm" not in name)
+
+    ratio = projection_bytes(packed) / projection_bytes(dequantized)
+    assert ratio < (0.5 if fmt != "gptq-4bit-actorder" else 0.9), ratio
+    params = SamplingParams(temperature=0, max_tokens=10)
+    want = [o.token_ids for o in dequantized.generate(PROMPTS, params)]
+    assert [o.token_ids for o in packed.generate(PROMPTS, params)] == want
+
+
+def test_an_unknown_quantized_weights_mode_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="quantized_weights"):
+        LLM(str(tmp_path), quantized_weights="int3")
