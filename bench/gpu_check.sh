@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every check that needs a CUDA GPU, in one run of about five minutes (ten with step 4). CI machines have no
+# Every check that needs a CUDA GPU, in one run of about six minutes (eleven with step 5). CI machines have no
 # GPU: there the CUDA code is proven by stand-ins (Triton's interpreter, FakeTensorMode, the
 # graph emulator); this runs the real thing where a GPU is at hand.
 #
@@ -13,7 +13,9 @@
 #      without CUDA graphs (bench/short_jobs.py);
 #   3. bench/engine_throughput.py on a random-weight 1B Llama in bfloat16 against
 #      transformers' static batching, with the decode roofline;
-#   4. where the service's wheels were carried into .gpu-wheels/ (`python -m
+#   4. the quantized-weight kernels (int4, FP8) against bf16 at Llama-3-8B's decode shapes
+#      (bench/quant_gemm.py);
+#   5. where the service's wheels were carried into .gpu-wheels/ (`python -m
 #      bench.gpu_wheels` on a machine with network), the service end to end: jobs over
 #      HTTP and a batch through `batchinfer up` with its worker on the GPU. pip installs
 #      into the running Python what it lacks, from that folder alone.
@@ -52,6 +54,7 @@ step engine-tests 300 "$py" -m pytest -q -p no:cacheprovider -rfEs tests/unit/en
 step short-jobs 120 "$py" -m bench.short_jobs --jobs 4000 --max-num-seqs 64 256
 step engine-throughput 240 "$py" -m bench.engine_throughput --random-llama-1b \
     --num-prompts 256 --hf-batch-sizes 64 --skip-hf-cb --kv-cache-gib 16 --roofline
+step quant-gemm 120 "$py" -m bench.quant_gemm
 # The service end to end on this host (`batchinfer up` on the embedded default, the worker's
 # engine on the GPU), when its wheels were carried here (python -m bench.gpu_wheels).
 if [ -f .gpu-wheels/requirements.txt ]; then
