@@ -14,7 +14,8 @@
 #   3. bench/engine_throughput.py on a random-weight 1B Llama in bfloat16 against
 #      transformers' static batching, with the decode roofline;
 #   4. the quantized-weight kernels (int4, FP8) against bf16 at Llama-3-8B's decode shapes
-#      (bench/quant_gemm.py);
+#      (bench/quant_gemm.py), and a 1B model's decode in bf16, GPTQ int4 and FP8
+#      (bench/quantized_decode.py);
 #   5. where the service's wheels were carried into .gpu-wheels/ (`python -m
 #      bench.gpu_wheels` on a machine with network), the service end to end: jobs over
 #      HTTP and a batch through `batchinfer up` with its worker on the GPU. pip installs
@@ -55,6 +56,7 @@ step short-jobs 120 "$py" -m bench.short_jobs --jobs 4000 --max-num-seqs 64 256
 step engine-throughput 240 "$py" -m bench.engine_throughput --random-llama-1b \
     --num-prompts 256 --hf-batch-sizes 64 --skip-hf-cb --kv-cache-gib 16 --roofline
 step quant-gemm 120 "$py" -m bench.quant_gemm
+step quantized-decode 240 "$py" -m bench.quantized_decode --batches 1 16 --max-tokens 64
 # The service end to end on this host (`batchinfer up` on the embedded default, the worker's
 # engine on the GPU), when its wheels were carried here (python -m bench.gpu_wheels).
 if [ -f .gpu-wheels/requirements.txt ]; then

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -77,16 +78,16 @@ def main() -> None:
             expected = x.float() @ matrix.t()
             got = int_weight_gemm(x, qweight, scales, zeros, bits=4, group_size=128)
             torch.testing.assert_close(got.float(), expected, atol=5e-2, rtol=5e-2)
-            bf16_s = _timed(lambda: x @ dense.t(), device, args.repeats)
-            int4_s = _timed(lambda: int_weight_gemm(x, qweight, scales, zeros, bits=4,
-                                                    group_size=128), device, args.repeats)
+            bf16_s = _timed(partial(torch.matmul, x, dense.t()), device, args.repeats)
+            int4_s = _timed(partial(int_weight_gemm, x, qweight, scales, zeros, bits=4,
+                                    group_size=128), device, args.repeats)
             dense_gb = n * k * 2 / 1e9
             int4_gb = (n * k / 2 + 2 * scales.numel() * 4) / 1e9
             line = (f"{shape:>12} {rows:>4} | {bf16_s * 1e6:8.1f} {dense_gb / bf16_s:6.0f} | "
                     f"{int4_s * 1e6:8.1f} {int4_gb / int4_s:6.0f} {bf16_s / int4_s:5.2f}")
             if fp8_ok:
-                fp8_s = _timed(lambda: fp8_weight_gemm(x, fp8, fp8_scale, block_n=1, block_k=k),
-                               device, args.repeats)
+                fp8_s = _timed(partial(fp8_weight_gemm, x, fp8, fp8_scale, block_n=1,
+                                       block_k=k), device, args.repeats)
                 line += f" | {fp8_s * 1e6:8.1f} {n * k / 1e9 / fp8_s:6.0f} {bf16_s / fp8_s:5.2f}"
             print(line, flush=True)
 
