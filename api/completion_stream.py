@@ -24,7 +24,7 @@ from api.auth import CurrentTenant
 from api.job_state import cancel_and_announce
 from api.resources import LazyProducer, Resources
 from api.schemas import JobPublic
-from api.stream_chunks import DONE, KEEPALIVE, ChunkMaker, error_event, sse
+from api.stream_chunks import DONE, KEEPALIVE, ChunkMaker, error_event, result_text, sse
 from api.submission import submit
 from api.token_relay import Finished, Idle, TextDelta, follow_job
 from core.requests import ChatCompletionRequest, CompletionRequest
@@ -93,8 +93,17 @@ def _ending(chunks: ChunkMaker, view: JobPublic, limit_s: float) -> list[bytes]:
     error event of a job that did not succeed."""
     if view.status is JobStatus.SUCCEEDED and view.result is not None:
         result: dict[str, Any] = view.result
-        choice = (result.get("choices") or [{}])[0]
-        parts = [sse(chunks.finish(choice.get("finish_reason") or "stop"))]
+        choices = result.get("choices") or [{}]
+        parts = []
+        # With n > 1 only choice 0's text was relayed (the others come whole with the
+        # result): each other choice opens with its role and text.
+        for index in range(1, len(choices)):
+            first = chunks.first(index)
+            if first is not None:
+                parts.append(sse(first))
+            parts.append(sse(chunks.text(result_text(result, index), index)))
+        parts += [sse(chunks.finish(choice.get("finish_reason") or "stop", index))
+                  for index, choice in enumerate(choices)]
         if chunks.include_usage and result.get("usage") is not None:
             parts.append(sse(chunks.usage(result["usage"])))
         parts.append(DONE)

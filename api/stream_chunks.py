@@ -47,19 +47,22 @@ class ChunkMaker:
         """Whether the chunks are `chat.completion.chunk`s."""
         return self.kind == "chat.completion"
 
-    def first(self) -> dict[str, Any] | None:
-        """The chunk sent before any text: the role, for a chat; none for a text one."""
+    def first(self, index: int = 0) -> dict[str, Any] | None:
+        """The chunk sent before any text of choice `index`: the role, for a chat; none
+        for a text one."""
         if not self.is_chat:
             return None
-        return self._chunk({"role": "assistant", "content": ""}, finish_reason=None)
+        return self._chunk({"role": "assistant", "content": ""}, finish_reason=None,
+                           index=index)
 
-    def text(self, text: str) -> dict[str, Any]:
-        """A chunk that adds `text`."""
-        return self._chunk({"content": text} if self.is_chat else text, finish_reason=None)
+    def text(self, text: str, index: int = 0) -> dict[str, Any]:
+        """A chunk that adds `text` to choice `index`."""
+        return self._chunk({"content": text} if self.is_chat else text, finish_reason=None,
+                           index=index)
 
-    def finish(self, finish_reason: str) -> dict[str, Any]:
-        """The last chunk with a choice: no new text, the finish reason."""
-        return self._chunk({} if self.is_chat else "", finish_reason=finish_reason)
+    def finish(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
+        """The last chunk of choice `index`: no new text, the finish reason."""
+        return self._chunk({} if self.is_chat else "", finish_reason=finish_reason, index=index)
 
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The chunk after the last one, with `include_usage`: no choices, the usage."""
@@ -68,9 +71,9 @@ class ChunkMaker:
         chunk["usage"] = usage
         return chunk
 
-    def _chunk(self, delta: dict[str, Any] | str, *, finish_reason: str | None
-               ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+    def _chunk(self, delta: dict[str, Any] | str, *, finish_reason: str | None,
+               index: int = 0) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         if isinstance(delta, dict):
             choice["delta"] = delta
         else:
@@ -92,9 +95,10 @@ class ChunkMaker:
                 "created": self.created, "model": self.model, "system_fingerprint": None}
 
 
-def result_text(result: dict[str, Any]) -> str:
-    """The text of a stored `chat.completion` or `text_completion` result."""
-    choice = (result.get("choices") or [{}])[0]
+def result_text(result: dict[str, Any], index: int = 0) -> str:
+    """The text of choice `index` of a stored `chat.completion` or `text_completion` result."""
+    choices = result.get("choices") or [{}]
+    choice = choices[index] if index < len(choices) else {}
     if "message" in choice:
         return str(choice["message"].get("content") or "")
     return str(choice.get("text") or "")

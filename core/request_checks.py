@@ -28,6 +28,8 @@ LOGPROBS_ALTERNATIVES = (
 
 # Token ids one request may bias.
 MAX_LOGIT_BIAS_ENTRIES = 300
+# Choices one request may ask for (`n`), OpenAI's own bound.
+MAX_CHOICES = 128
 
 
 class RequestRefused(ValueError):
@@ -61,7 +63,8 @@ def check_supported(request: AnyRequest, *, can_stream: bool = False) -> None:
     """Refuse (RequestRefused, naming the field) what parses but this service cannot do;
     `stream` only where the caller relays it (the OpenAI-compatible endpoints)."""
     _check_stream(request, can_stream=can_stream)
-    _only(request.n in (None, 1), "n", "n must be 1: one choice is returned per request.")
+    _only(request.n is None or request.n <= MAX_CHOICES, "n",
+          f"n may be at most {MAX_CHOICES} choices per request.")
     if (request.max_tokens is not None and request.max_completion_tokens is not None
             and request.max_tokens != request.max_completion_tokens):
         raise RequestRefused("Set max_completion_tokens or max_tokens, not both with different "

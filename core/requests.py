@@ -299,6 +299,7 @@ class SamplingRequest(ClientObject):
             "tools": self.tools or None,
             "tool_choice": self.tool_choice,
             "parallel_tool_calls": self.parallel_tool_calls,
+            "n": self.n if self.n != 1 else None,
         }
         return {name: value for name, value in fields.items() if value is not None}
 

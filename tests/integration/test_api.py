@@ -153,7 +153,7 @@ def test_refused_requests_write_nothing_anywhere(service: Service) -> None:
             (client.post("/v1/jobs", json=CHAT | {"temperature": 9}), 422, "temperature"),
             (client.post("/v1/jobs", json={"model": MODEL}), 400, "messages"),
             (client.post("/v1/jobs", json=CHAT | {"model": "gpt-5"}), 404, "model"),
-            (client.post("/v1/jobs", json=CHAT | {"n": 2}), 400, "n"),
+            (client.post("/v1/jobs", json=CHAT | {"n": 129}), 400, "n"),
             (client.post("/v1/jobs", json=CHAT | {"metadata": {"k": ["v"]}}), 422, "metadata.k"),
             (client.post("/v1/jobs", json=CHAT | {"bogus": 1}), 422, "bogus"),
             (client.post("/v1/jobs", json=CHAT | {"stream": True}), 400, "stream"),
@@ -337,7 +337,7 @@ def test_official_openai_client_works_unchanged(service: Service, tmp_path: Path
             client.chat.completions.create(model="gpt-4o", messages=[{"role": "user",
                                                                       "content": "x"}])
         with pytest.raises(openai.BadRequestError) as refused:
-            client.chat.completions.create(model=MODEL, n=2,
+            client.chat.completions.create(model=MODEL, n=129,
                                            messages=[{"role": "user", "content": "x"}])
         assert refused.value.param == "n"
         with pytest.raises(openai.AuthenticationError):

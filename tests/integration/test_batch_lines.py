@@ -43,7 +43,7 @@ def test_a_running_batch_shows_its_finished_lines_in_input_order(svc: BatchServi
     num_lines = 120
     lines = [chat_line(f"r{i}", model, content=f"Question {i}?", max_tokens=32,
                        ignore_eos=True) for i in range(num_lines)]
-    lines.insert(3, chat_line("bad", model, n=2))  # refused by the worker: an error line
+    lines.insert(3, chat_line("bad", model, n=129))  # refused: an error line
     client = svc.openai()
     file = client.files.create(file=("lines.jsonl", jsonl(lines)), purpose="batch")
     batch = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")

@@ -65,9 +65,10 @@ def service(settings: Callable[..., Settings], tmp_path: Path,
 def test_openai_client_runs_a_batch_end_to_end(service: Callable[..., BatchService]) -> None:
     svc = service()
     model = svc.settings.model
-    lines = [chat_line(f"req-{i}", model, content=f"Question {i}?") for i in range(12)]
+    lines = [chat_line(f"req-{i}", model, content=f"Question {i}?") for i in range(11)]
+    lines.append(chat_line("req-11", model, content="Question 11?", n=2))  # two choices
     # Parses, but the worker refuses it: a per-request failure, the batch still completes.
-    lines.insert(5, chat_line("req-bad", model, n=2))
+    lines.insert(5, chat_line("req-bad", model, n=129))
     client = svc.openai()
 
     uploaded = client.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch")
@@ -88,7 +89,7 @@ def test_openai_client_runs_a_batch_end_to_end(service: Callable[..., BatchServi
     assert done.in_progress_at and done.finalizing_at and done.completed_at
     assert done.model == model
     assert done.usage is not None and done.usage.input_tokens > 0
-    assert 0 < done.usage.output_tokens <= 2 * 12
+    assert 0 < done.usage.output_tokens <= 2 * 13
     assert done.output_file_id and done.error_file_id
 
     output = parse_jsonl(client.files.content(done.output_file_id).content)
@@ -99,12 +100,14 @@ def test_openai_client_runs_a_batch_end_to_end(service: Callable[..., BatchServi
         assert response["status_code"] == 200 and response["request_id"].startswith("job_")
         body = response["body"]
         assert body["object"] == "chat.completion"
-        assert body["usage"]["completion_tokens"] <= 2
+        num_choices = 2 if line["custom_id"] == "req-11" else 1
+        assert [c["index"] for c in body["choices"]] == list(range(num_choices))
+        assert body["usage"]["completion_tokens"] <= 2 * num_choices
         assert body["choices"][0]["message"]["role"] == "assistant"
     [error] = parse_jsonl(client.files.content(done.error_file_id).content)
     assert error["custom_id"] == "req-bad"
     assert error["response"]["status_code"] == 400
-    assert "n must be 1" in error["response"]["body"]["error"]["message"]
+    assert "n may be at most 128" in error["response"]["body"]["error"]["message"]
 
     [(event, url, payload)] = svc.webhook_events(batch.id)
     assert (event, url) == ("batch.completed", HOOK)

@@ -72,6 +72,7 @@ def test_streams_join_to_the_same_text_chunk_by_chunk(api: Api) -> None:
     _check_chat(api, client)
     _check_text(api, client)
     _check_cached(api, client)
+    _check_choices(api, client)
 
 
 def _check_chat(api: Api, client: openai.OpenAI) -> None:
@@ -127,6 +128,46 @@ def _check_cached(api: Api, client: openai.OpenAI) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == first.choices[0].message.content
     assert api.job(raw.headers["x-job-id"])["cached"] == "exact"
+
+
+def _check_choices(api: Api, client: openai.OpenAI) -> None:
+    """`n` choices: a sync call, the same call streamed, a job; a seed makes them repeat."""
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Pick one."}]
+    asked: dict[str, Any] = {"model": api.model, "messages": messages, "max_tokens": 8,
+                             "temperature": 1.0, "seed": 3, "n": 3,
+                             "extra_body": {**OFF, "ignore_eos": True}}
+    whole = client.chat.completions.create(**asked)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) > 1, "every choice drew the same tokens"
+    assert whole.usage is not None and whole.usage.completion_tokens == 3 * 8
+    again = client.chat.completions.create(**asked)
+    assert [c.message.content for c in again.choices] == texts
+
+    chunks = list(client.chat.completions.create(**asked, stream=True))
+    streamed: dict[int, str] = {}
+    finished: dict[int, str | None] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason is not None:
+                finished[choice.index] = choice.finish_reason
+    assert [streamed[i] for i in range(3)] == texts
+    assert finished == {0: "length", 1: "length", 2: "length"}
+
+    with api.http() as http:
+        job = http.post("/v1/jobs", json={"model": api.model, "prompt": "Count:", "n": 2,
+                                          "max_tokens": 4, "temperature": 0, **OFF})
+        assert job.status_code == 202, job.text
+        job_id = job.json()["id"]
+    deadline = time.monotonic() + 120
+    while (view := api.job(job_id))["status"] != "succeeded":
+        assert view["status"] in ("queued", "running"), view
+        assert time.monotonic() < deadline, view
+        time.sleep(0.1)
+    [first, second] = view["result"]["choices"]
+    assert (first["index"], second["index"]) == (0, 1)
+    assert first["text"] == second["text"]  # greedy: the same text twice
 
 
 def test_a_client_that_leaves_cancels_its_job(api: Api) -> None:

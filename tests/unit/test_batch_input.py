@@ -237,7 +237,7 @@ def refusals(handle: io.BytesIO, *, endpoint: str = CHAT, models_dir: Path | Non
 
 
 @pytest.mark.parametrize(("endpoint", "patch", "param"), [
-    (CHAT, {"n": 2}, "n"),
+    (CHAT, {"n": 129}, "n"),
     (CHAT, {"tools": [{"type": "function"}]}, "tools[0]"),
     (CHAT, {"logit_bias": {"a": 1}}, "logit_bias"),
     (CHAT, {"response_format": {"type": "json_schema",
@@ -268,7 +268,7 @@ def test_a_refused_lines_body_is_kept_storable_and_valid_lines_are_joined() -> N
     good = request("a")
     good["body"]["messages"] = [{"role": "user", "content": [{"type": "text", "text": "x"},
                                                              {"type": "text", "text": "y"}]}]
-    bad = request("b", body=request()["body"] | {"n": 2, "user": "caf\u00e9"})
+    bad = request("b", body=request()["body"] | {"n": 129, "user": "caf\u00e9"})
     [ok, refused] = list(iter_requests(jsonl(good, bad), endpoint=CHAT, max_line_bytes=10_000,
                                        check_bodies=True))
     assert ok.error is None and ok.body["messages"][0]["content"] == "x\ny"

@@ -5,7 +5,8 @@ new requests and aborts from the poll thread between steps, so new jobs join the
 batch at the next step instead of waiting for a batch to fill; handing every finished,
 refused or aborted request back through a queue; refreshing the engine gauges; for
 streamed requests only, handing each step's new text to `token_sink` in one call per
-step (see `watch`).
+step (see `watch`); a request with several choices (`n`) run as that many engine
+requests sharing the prompt's KV blocks, and handed back as one.
 
 Why a thread: a step takes from milliseconds (GPU) to seconds (CPU), and the Kafka poll
 loop must keep polling, committing and reacting to rebalances meanwhile. torch releases
@@ -19,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from core import metrics
@@ -47,6 +48,20 @@ class _Add:
     stream: bool = False
     deadline: float | None = None
     tools: list[dict[str, Any]] | None = None
+    n: int = 1
+
+
+@dataclass(slots=True)
+class _Choices:
+    """The engine requests of one request with n choices: choice 0 runs under the
+    request's own id and i > 0 under `<id>#<i>`. The others join once choice 0 has its
+    prompt in the KV pool, so they take its full blocks from the prefix cache instead of
+    computing the same prompt n times in one step."""
+
+    add: _Add
+    pending: list[str]  # ids of choices not yet in the engine
+    outputs: dict[str, RequestOutput] = field(default_factory=dict)
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -67,6 +82,8 @@ class FinishedRequest:
     output: RequestOutput | RemoteOutput | None = None
     error: str | None = None
     aborted: bool = False
+    # With n choices: every choice's output, choice 0 (`output`) first.
+    choices: list[RequestOutput] | None = None
 
 
 # Put in the finished queue by `wake`, taken out by `take_finished`.
@@ -82,6 +99,9 @@ class EngineLoop:
             queue.SimpleQueue())  # None: stop
         self._outbox: queue.SimpleQueue[FinishedRequest] = queue.SimpleQueue()
         self._live_ids: set[str] = set()  # touched by the engine thread only
+        # Requests with n > 1 by their own id, and each choice's id -> that id.
+        self._choices: dict[str, _Choices] = {}
+        self._choice_of: dict[str, str] = {}
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.failure: BaseException | None = None
@@ -116,13 +136,15 @@ class EngineLoop:
 
     def add(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int,
             *, stream: bool = False, job: JobMessage | None = None,
-            tools: list[dict[str, Any]] | None = None) -> None:
+            tools: list[dict[str, Any]] | None = None, n: int = 1) -> None:
         """Queue a request; it joins the running batch at the engine's next step. With
-        `stream`, its text goes to `token_sink` step by step. (`job` is for an engine
-        server, which sends the job's own fields; this engine takes its deadline, which
-        orders it within its priority.) `tools` are rendered into a chat prompt."""
+        `stream`, its text goes to `token_sink` step by step (n = 1 only). (`job` is for
+        an engine server, which sends the job's own fields; this engine takes its deadline,
+        which orders it within its priority.) `tools` are rendered into a chat prompt. With
+        `n` > 1 its FinishedRequest carries every choice (`choices`)."""
         deadline = job.deadline if job is not None else None
-        self._inbox.put(_Add(request_id, prompt, params, priority, stream, deadline, tools))
+        self._inbox.put(_Add(request_id, prompt, params, priority, stream and n == 1,
+                             deadline, tools, n))
 
     def watch(self, request_id: str) -> None:
         """Stream a live request from now on: its text so far, then step by step."""
@@ -159,7 +181,9 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     for output in self.engine.step():
                         self._note_text(output)
-                        if output.finished:
+                        if output.request_id in self._choice_of:
+                            self._note_choice(output)
+                        elif output.finished:
                             self._live_ids.discard(output.request_id)
                             self._outbox.put(FinishedRequest(output.request_id, output=output))
                 self._flush_entries()
@@ -183,17 +207,28 @@ class EngineLoop:
 
     def _apply(self, command: _Add | _Abort | _Watch) -> None:
         if isinstance(command, _Watch):
+            # Text streams for one choice; n choices come whole with the result.
             if (command.request_id in self._live_ids
+                    and command.request_id not in self._choices
                     and command.request_id not in self._num_published_chars):
                 self._start_streaming(command.request_id)
             return
         if isinstance(command, _Abort):
-            if command.request_id in self._live_ids:
+            if command.request_id in self._choices:
+                self._abort_choices(command.request_id)
+            elif command.request_id in self._live_ids:
                 self.engine.abort(command.request_id)
                 self._live_ids.discard(command.request_id)
                 self._forget_text(command.request_id)
                 self._outbox.put(FinishedRequest(command.request_id, aborted=True))
             return
+        if command.n > 1:
+            self._add_choices(command)
+            return
+        self._add_one(command)
+
+    def _add_one(self, command: _Add) -> bool:
+        """Put one engine request in; False (its FinishedRequest sent) when refused."""
         try:
             if command.tools:
                 self.engine.add_request(command.request_id, command.prompt, command.params,
@@ -204,12 +239,84 @@ class EngineLoop:
                                         priority=command.priority, deadline=command.deadline)
         except ValueError as e:
             # Bad input for this request only (too long a prompt, unknown template...).
-            self._outbox.put(FinishedRequest(command.request_id, error=str(e)))
-            return
+            if command.request_id in self._choice_of:
+                self._choice_failed(command.request_id, str(e))
+            else:
+                self._outbox.put(FinishedRequest(command.request_id, error=str(e)))
+            return False
         self._live_ids.add(command.request_id)
         self._num_emitted_chars[command.request_id] = 0
         if command.stream:
             self._start_streaming(command.request_id)
+        return True
+
+    def _add_choices(self, command: _Add) -> None:
+        ids = [command.request_id] + [f"{command.request_id}#{i}" for i in range(1, command.n)]
+        self._choices[command.request_id] = _Choices(command, pending=ids[1:])
+        for choice_id in ids:
+            self._choice_of[choice_id] = command.request_id
+        self._add_one(command)
+
+    def _start_pending_choices(self, request_id: str) -> None:
+        """Put the other choices in: choice 0's prompt blocks are in the pool now."""
+        group = self._choices[request_id]
+        pending, group.pending = group.pending, []
+        for index, choice_id in enumerate(pending, start=1):
+            params = group.add.params
+            # A seeded request stays reproducible, each choice with its own draw.
+            seed = None if params.seed is None else params.seed + index
+            if not self._add_one(replace(group.add, request_id=choice_id,
+                                         params=replace(params, seed=seed), n=1)):
+                return
+
+    def _note_choice(self, output: RequestOutput) -> None:
+        request_id = self._choice_of[output.request_id]
+        group = self._choices[request_id]
+        if group.pending and output.request_id == request_id:
+            self._start_pending_choices(request_id)
+            if request_id not in self._choices:
+                return  # a choice was refused: the request failed whole
+        if output.finished:
+            self._live_ids.discard(output.request_id)
+            group.outputs[output.request_id] = output
+            self._finish_choices_if_done(request_id)
+
+    def _choice_failed(self, choice_id: str, error: str) -> None:
+        request_id = self._choice_of[choice_id]
+        group = self._choices[request_id]
+        group.error = group.error or error
+        group.pending = []
+        for other in [c for c, r in self._choice_of.items() if r == request_id]:
+            if other in self._live_ids:
+                self.engine.abort(other)
+                self._live_ids.discard(other)
+                self._forget_text(other)
+        self._finish_choices_if_done(request_id, failed=True)
+
+    def _abort_choices(self, request_id: str) -> None:
+        for choice_id in [c for c, r in self._choice_of.items() if r == request_id]:
+            if choice_id in self._live_ids:
+                self.engine.abort(choice_id)
+                self._live_ids.discard(choice_id)
+                self._forget_text(choice_id)
+            self._choice_of.pop(choice_id, None)
+        self._choices.pop(request_id, None)
+        self._outbox.put(FinishedRequest(request_id, aborted=True))
+
+    def _finish_choices_if_done(self, request_id: str, *, failed: bool = False) -> None:
+        group = self._choices[request_id]
+        n = group.add.n
+        if not failed and (group.pending or len(group.outputs) < n):
+            return
+        ids = [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
+        for choice_id in ids:
+            self._choice_of.pop(choice_id, None)
+        del self._choices[request_id]
+        if group.error is not None:
+            self._outbox.put(FinishedRequest(request_id, error=group.error))
+            return
+        choices = [group.outputs[choice_id] for choice_id in ids]
+        self._outbox.put(FinishedRequest(request_id, output=choices[0], choices=choices))
 
     def _start_streaming(self, request_id: str) -> None:
         self._num_published_chars[request_id] = 0

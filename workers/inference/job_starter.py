@@ -33,6 +33,7 @@ from workers.inference.remote_engine import RemoteEngineLoop
 from workers.inference.sampling import (
     Prompt,
     chat_tools,
+    num_choices,
     prompt_from_body,
     sampling_params_from_body,
 )
@@ -168,6 +169,7 @@ class JobStarter:
                 message.job_id, prompt, params, priority=Priority(message.priority).rank,
                 stream=stream, job=message,
                 tools=tools_of.get(message.job_id),
+                n=num_choices(message.body) if message.kind != "embedding" else 1,
             )
         return started
 

@@ -44,14 +44,17 @@ class OutcomeRecorder:
         self._token_text = token_text
 
     def succeeded(
-        self, finished: list[tuple[JobMessage, RequestOutput | RemoteOutput, datetime]]
+        self, finished: list[tuple[JobMessage, RequestOutput | RemoteOutput, datetime]],
+        choices: dict[str, list[RequestOutput]] | None = None,
     ) -> None:
         """Store finished engine outputs as their jobs' results, in one transaction.
 
-        Each item is (message, output, the job's created_at).
+        Each item is (message, output, the job's created_at); `choices` has every choice's
+        output of the jobs with `n` > 1, by job id.
         """
+        choices = choices or {}
         successes = [
-            Success(message, self._result_of(message, output),
+            Success(message, self._result_of(message, output, choices.get(message.job_id)),
                     epoch_to_datetime(output.metrics.first_token_time))
             for message, output, _ in finished
         ]
@@ -97,8 +100,8 @@ class OutcomeRecorder:
                 metrics.CACHE_LOOKUPS.labels(kind, "hit").inc()
                 self._count_success(message, created_at)
 
-    def _result_of(self, message: JobMessage,
-                   output: RequestOutput | RemoteOutput) -> dict[str, Any]:
+    def _result_of(self, message: JobMessage, output: RequestOutput | RemoteOutput,
+                   choices: list[RequestOutput] | None = None) -> dict[str, Any]:
         if isinstance(output, RemoteOutput):  # an engine server's answer
             return build_remote_result(message, output, created=int(time.time()),
                                        system_fingerprint=self._store.system_fingerprint)
@@ -106,25 +109,18 @@ class OutcomeRecorder:
             # The embedding engine's EmbeddingRequestOutput, through the same engine loop.
             return build_embedding_result(output, model=message.model,  # type: ignore[arg-type]
                                           body=message.body)
-        completion = Completion(
-            text=output.text,
-            token_ids=list(output.token_ids),
-            finish_reason=output.finish_reason or "stop",
-            num_prompt_tokens=output.num_prompt_tokens,
-            num_cached_tokens=output.num_cached_tokens,
-            logprobs=output.logprobs,
-        )
+        first, *others = choices or [output]
         return build_result(
             message.kind,
             job_id=message.job_id,
             model=message.model,
-            completion=completion,
+            completion=_completion(first),
             created=int(time.time()),
             token_text=self._token_text,
             system_fingerprint=self._store.system_fingerprint,
-            tool_calls=tool_calls_of(message.body, output.text) if message.body.get("tools")
-            else None,
+            tool_calls=_tool_calls(message, first),
             body=message.body,
+            others=[(_completion(o), _tool_calls(message, o)) for o in others],
         )
 
     def failed(self, message: JobMessage, reason: str, *, code: str | None = None,
@@ -140,3 +136,18 @@ class OutcomeRecorder:
         metrics.END_TO_END_SECONDS.labels(message.priority).observe(
             max(0.0, (utcnow() - created_at).total_seconds())
         )
+
+
+def _completion(output: RequestOutput) -> Completion:
+    return Completion(
+        text=output.text,
+        token_ids=list(output.token_ids),
+        finish_reason=output.finish_reason or "stop",
+        num_prompt_tokens=output.num_prompt_tokens,
+        num_cached_tokens=output.num_cached_tokens,
+        logprobs=output.logprobs,
+    )
+
+
+def _tool_calls(message: JobMessage, output: RequestOutput) -> list[dict[str, Any]] | None:
+    return tool_calls_of(message.body, output.text) if message.body.get("tools") else None

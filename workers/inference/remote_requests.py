@@ -20,7 +20,7 @@ from workers.engine.outputs import RequestMetrics
 
 # Job fields passed through under the same name (vLLM's names for its extras).
 PASSED_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
-                 "user", "presence_penalty", "frequency_penalty")
+                 "user", "presence_penalty", "frequency_penalty", "n")
 # Finish reasons a server may give that our results carry as they are.
 FINISH_REASONS = {"stop", "length", "tool_calls", "content_filter"}
 
@@ -90,34 +90,39 @@ def build_remote_result(
 ) -> dict[str, Any]:
     """The job's result in the shape our engine's results have (our ids, the served
     model's name), with the server's text, logprobs, finish_reason and usage."""
-    choice = output.response["choices"][0]
-    reason = output.finish_reason or "stop"
-    finish_reason = reason if reason in FINISH_REASONS else "stop"
-    if message.kind == "chat.completion":
-        sent = choice.get("message") or {}
-        shaped: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": sent.get("content") or "",
-                        "refusal": sent.get("refusal")},
-            "logprobs": choice.get("logprobs"),
-            "finish_reason": finish_reason,
-        }
-        if sent.get("tool_calls"):
-            shaped["message"]["tool_calls"] = sent["tool_calls"]
-        object_name, id_prefix = "chat.completion", "chatcmpl"
-    else:
-        shaped = {"index": 0, "text": choice.get("text") or "",
-                  "logprobs": choice.get("logprobs"), "finish_reason": finish_reason}
-        object_name, id_prefix = "text_completion", "cmpl"
+    choices = [_shaped_choice(message.kind, index, choice)
+               for index, choice in enumerate(output.response["choices"])]
+    object_name, id_prefix = (("chat.completion", "chatcmpl")
+                              if message.kind == "chat.completion" else ("text_completion", "cmpl"))
     return {
         "id": f"{id_prefix}-{message.job_id}",
         "object": object_name,
         "created": created,
         "model": message.model,
-        "choices": [shaped],
+        "choices": choices,
         "usage": _usage(output.response.get("usage")),
         "system_fingerprint": system_fingerprint,
     }
+
+
+def _shaped_choice(kind: str, index: int, choice: dict[str, Any]) -> dict[str, Any]:
+    """One of the server's choices as our results have it."""
+    reason = choice.get("finish_reason") or "stop"
+    finish_reason = reason if reason in FINISH_REASONS else "stop"
+    if kind != "chat.completion":
+        return {"index": index, "text": choice.get("text") or "",
+                "logprobs": choice.get("logprobs"), "finish_reason": finish_reason}
+    sent = choice.get("message") or {}
+    shaped: dict[str, Any] = {
+        "index": index,
+        "message": {"role": "assistant", "content": sent.get("content") or "",
+                    "refusal": sent.get("refusal")},
+        "logprobs": choice.get("logprobs"),
+        "finish_reason": finish_reason,
+    }
+    if sent.get("tool_calls"):
+        shaped["message"]["tool_calls"] = sent["tool_calls"]
+    return shaped
 
 
 def _usage(usage: object) -> dict[str, Any] | None:

@@ -1,8 +1,9 @@
 """A finished engine output → the OpenAI response object stored as the job's result.
 
-`chat.completion` jobs get `choices[0].message`; `text_completion` jobs get
-`choices[0].text`. Both carry `finish_reason` and `usage`, with the prefix-cache hits in
-`usage.prompt_tokens_details.cached_tokens` as OpenAI reports cached prompt tokens.
+`chat.completion` jobs get `choices[i].message`; `text_completion` jobs get
+`choices[i].text`, one choice per `n`. Both carry `finish_reason` and `usage`, with the
+prefix-cache hits in `usage.prompt_tokens_details.cached_tokens` as OpenAI reports cached
+prompt tokens.
 Error bodies use the inner object of the API's error shape (`message`, `type`, `param`,
 `code`), which is what batch error files and `GET /v1/jobs/{id}` show.
 """
@@ -10,7 +11,7 @@ Error bodies use the inner object of the API's error shape (`message`, `type`, `
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +38,13 @@ class Completion:
         return len(self.token_ids)
 
 
-def usage_of(completion: Completion) -> dict[str, Any]:
-    """OpenAI's `usage` object."""
+def usage_of(completion: Completion, others: Sequence[Completion] = ()) -> dict[str, Any]:
+    """OpenAI's `usage` object: the prompt once, the tokens of every choice."""
+    completion_tokens = completion.num_output_tokens + sum(c.num_output_tokens for c in others)
     return {
         "prompt_tokens": completion.num_prompt_tokens,
-        "completion_tokens": completion.num_output_tokens,
-        "total_tokens": completion.num_prompt_tokens + completion.num_output_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": completion.num_prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": completion.num_cached_tokens},
     }
 
@@ -58,54 +60,58 @@ def build_result(
     system_fingerprint: str | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
     body: dict[str, Any] | None = None,
+    others: Sequence[tuple[Completion, list[dict[str, Any]] | None]] = (),
 ) -> dict[str, Any]:
     """The `chat.completion` or `text_completion` object for a finished job.
 
     `token_text` renders one token id as text; it is needed only when logprobs were asked
     for (OpenAI lists each sampled token next to its log-probability). With `tool_calls`
-    the message carries them instead of content, and the finish reason says so.
+    the message carries them instead of content, and the finish reason says so. `others`
+    are the choices after the first of a request with `n` > 1, each with its tool calls.
     """
     if kind == "response":  # a /v1/responses batch line: the chat result, reshaped
         chat = build_result("chat.completion", job_id=job_id, model=model,
                             completion=completion, created=created,
                             system_fingerprint=system_fingerprint)
         return response_object(chat, job_id=job_id, body=body or {})
-    if completion.finish_reason not in OPENAI_FINISH_REASONS:
-        raise ValueError(f"no result for finish_reason {completion.finish_reason!r}")
-    finish_reason = OPENAI_FINISH_REASONS[completion.finish_reason]
-    tokens = _token_texts(completion, token_text)
     if kind == "chat.completion":
-        message: dict[str, Any] = {"role": "assistant", "content": completion.text,
-                                   "refusal": None}
-        if tool_calls and finish_reason == "stop":
-            message.update(content=None, tool_calls=tool_calls)
-            finish_reason = "tool_calls"
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": message,
-            "logprobs": _chat_logprobs(tokens, completion.logprobs),
-            "finish_reason": finish_reason,
-        }
         object_name, id_prefix = "chat.completion", "chatcmpl"
     elif kind == "text_completion":
-        choice = {
-            "index": 0,
-            "text": completion.text,
-            "logprobs": _text_logprobs(tokens, completion.logprobs),
-            "finish_reason": finish_reason,
-        }
         object_name, id_prefix = "text_completion", "cmpl"
     else:
         raise ValueError(f"job kind must be chat.completion or text_completion, got {kind!r}")
+    choices = [_choice(kind, index, choice, calls, token_text) for index, (choice, calls)
+               in enumerate([(completion, tool_calls), *others])]
     return {
         "id": f"{id_prefix}-{job_id}",
         "object": object_name,
         "created": created,
         "model": model,
-        "choices": [choice],
-        "usage": usage_of(completion),
+        "choices": choices,
+        "usage": usage_of(completion, [c for c, _ in others]),
         "system_fingerprint": system_fingerprint,
     }
+
+
+def _choice(kind: str, index: int, completion: Completion,
+            tool_calls: list[dict[str, Any]] | None,
+            token_text: Callable[[int], str] | None) -> dict[str, Any]:
+    if completion.finish_reason not in OPENAI_FINISH_REASONS:
+        raise ValueError(f"no result for finish_reason {completion.finish_reason!r}")
+    finish_reason = OPENAI_FINISH_REASONS[completion.finish_reason]
+    tokens = _token_texts(completion, token_text)
+    if kind == "text_completion":
+        return {"index": index, "text": completion.text,
+                "logprobs": _text_logprobs(tokens, completion.logprobs),
+                "finish_reason": finish_reason}
+    message: dict[str, Any] = {"role": "assistant", "content": completion.text,
+                               "refusal": None}
+    if tool_calls and finish_reason == "stop":
+        message.update(content=None, tool_calls=tool_calls)
+        finish_reason = "tool_calls"
+    return {"index": index, "message": message,
+            "logprobs": _chat_logprobs(tokens, completion.logprobs),
+            "finish_reason": finish_reason}
 
 
 def error_body(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from core.request_checks import MAX_CHOICES
 from core.structured_outputs import StructuredOutputError, output_schema, tool_mode
 from workers.engine import SamplingParams
 
@@ -41,6 +42,16 @@ def prompt_from_body(kind: str, body: dict[str, Any]) -> Prompt:
     raise ValueError("prompt must be one non-empty string or one non-empty list of token ids")
 
 
+def num_choices(body: dict[str, Any]) -> int:
+    """The choices a request asks for (`n`, default 1); ValueError outside 1..MAX_CHOICES."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise ValueError(f"n must be an integer from 1 to {MAX_CHOICES}, got {n!r}")
+    return n
+
+
 def sampling_params_from_body(
     kind: str, body: dict[str, Any], *, max_model_len: int | None = None
 ) -> SamplingParams:
@@ -49,9 +60,7 @@ def sampling_params_from_body(
     `max_tokens` falls back to `max_completion_tokens`, then to OpenAI's default: 16 for
     text completions, the model's context (`max_model_len`) for chat.
     """
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise ValueError(f"n must be 1 (one choice per job), got {n!r}")
+    num_choices(body)  # refuses a bad `n` with the other fields
     top_logprobs = body.get("top_logprobs")
     if top_logprobs:
         raise ValueError("top_logprobs is not supported; logprobs of the sampled tokens are")

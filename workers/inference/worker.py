@@ -373,6 +373,7 @@ class Worker:
         forget them. Raises on a database error with nothing forgotten: a second call with
         the same requests stores what is missing (the writes are idempotent)."""
         successes: list[tuple[JobMessage, RequestOutput | RemoteOutput, datetime]] = []
+        choices: dict[str, list[RequestOutput]] = {}  # of the jobs with n > 1
         settled: list[set[tuple[TopicPartition, int]]] = []
         cancelled: list[str] = []  # their priorities, counted once all is stored
         for done in finished:
@@ -390,13 +391,15 @@ class Worker:
                 self._outcomes.failed(job.message, done.error or "the engine aborted the request")
             else:
                 successes.append((job.message, done.output, job.created_at))
+                if done.choices is not None:
+                    choices[done.request_id] = done.choices
                 settled.append(job.records)
                 continue
             if self._store.semantic is not None:
                 self._store.semantic.forget(job.message.job_id)
             settled.append(job.records)
         if successes:
-            self._outcomes.succeeded(successes)
+            self._outcomes.succeeded(successes, choices)
         for done in finished:
             self._inflight.pop(done.request_id, None)
         for priority in cancelled:

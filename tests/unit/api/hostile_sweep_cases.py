@@ -72,7 +72,7 @@ def _chat_field_bodies() -> list[bytes]:
         {"messages": []}, {"messages": None}, {"messages": "hi"}, {"messages": [None]},
         {"messages": [[]]}, {"messages": [{"role": "user"}]}, {"model": ""},
         {"model": None}, {"model": ["m"]}, {"model": "m" * 10_000}, {"model": "no-such"},
-        {"n": 2}, {"stream": True, "stream_options": "x"}, {"stop": ["a"] * 1000},
+        {"n": 129}, {"stream": True, "stream_options": "x"}, {"stop": ["a"] * 1000},
         {"logit_bias": {str(i): 1 for i in range(5_000)}},
         {"temperature": -1}, {"top_p": 2}, {"seed": 2**70}, {"priority": "urgent"},
         {"priority": None}, {"response_format": {"type": "json_schema"}},

@@ -70,7 +70,7 @@ def test_shape_errors_name_the_field(field: str, value: object) -> None:
     ({"stream": True, "stream_options": {"chunk_size": 4}}, "stream_options.chunk_size"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"stream": True, "logprobs": True}, "logprobs"),
-    ({"n": 2}, "n"),
+    ({"n": 129}, "n"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),
     ({"tools": [{"type": "code_interpreter"}]}, "tools[0]"),

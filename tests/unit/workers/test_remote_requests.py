@@ -105,3 +105,16 @@ def test_an_answer_without_a_choice_is_refused(answer: object) -> None:
 def test_error_message_quotes_the_server(payload: object, text: str, said: str) -> None:
     assert error_message(400, payload, text) == (
         f"the engine server refused the request (400): {said}")
+
+
+def test_n_choices_pass_to_the_server_and_all_come_back() -> None:
+    _, payload = request_of(job(n=2, temperature=1), model="org/Model", send_priority=False)
+    assert payload["n"] == 2
+    answer = {"choices": [{"index": 0, "text": " a", "finish_reason": "stop"},
+                          {"index": 1, "text": " b", "finish_reason": "length"}],
+              "usage": {"prompt_tokens": 1, "completion_tokens": 3}}
+    result = build_remote_result(job("text_completion", n=2),
+                                 RemoteOutput("job_1", check_response(answer)), created=1,
+                                 system_fingerprint=None)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in result["choices"]] == [
+        (0, " a", "stop"), (1, " b", "length")]

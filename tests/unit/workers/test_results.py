@@ -115,3 +115,21 @@ def test_param_is_a_whole_field_name_never_a_letter_inside_a_word() -> None:
     assert param_of("n must be 1", REQUEST_FIELDS) == "n"
     assert param_of("stop strings: at most 4 (stop[4] is one too many)", REQUEST_FIELDS) == (
         "stop")
+
+
+def test_n_choices_are_indexed_and_counted_once_for_the_prompt() -> None:
+    others = [(completion(text="Lyon.", token_ids=[5, 6, 7], finish_reason="length"), None),
+              (completion(text='{"a": 1}', token_ids=[8]),
+               [{"id": "call_1", "type": "function",
+                 "function": {"name": "f", "arguments": "{}"}}])]
+    result = build_result("chat.completion", job_id="j", model="m", completion=completion(),
+                          created=0, others=others)
+    assert [c["index"] for c in result["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in result["choices"]] == ["Paris.", "Lyon.", None]
+    assert [c["finish_reason"] for c in result["choices"]] == ["stop", "length", "tool_calls"]
+    assert result["usage"]["prompt_tokens"] == 9
+    assert result["usage"]["completion_tokens"] == 2 + 3 + 1
+    assert result["usage"]["total_tokens"] == 9 + 6
+    text = build_result("text_completion", job_id="j", model="m", completion=completion(),
+                        created=0, others=others[:1])
+    assert [c["text"] for c in text["choices"]] == ["Paris.", "Lyon."]

@@ -78,7 +78,8 @@ def test_text_logprobs_zero_means_sampled_token() -> None:
         ({"logprobs": "yes"}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"ignore_eos": "no"}, "ignore_eos"),
-        ({"n": 2}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": True}, "n"),
     ],
 )
 def test_bad_fields_raise_value_error_naming_the_field(body: dict[str, Any], field: str) -> None:
