@@ -38,6 +38,7 @@ from api.routes import (
     jobs,
     metrics,
     models,
+    responses,
     usage,
 )
 from core.gc_policy import settle_heap
@@ -114,6 +115,6 @@ def create_app(settings: Settings | None = None, *, serving: bool = False) -> Fa
     app.add_middleware(LastResortMiddleware)
     app.add_middleware(HTTPMetricsMiddleware)
     for module in (jobs, job_events, completions, embeddings, models, health, metrics, files,
-                   batches, batch_lines, deliveries, cache_stats, usage):
+                   batches, batch_lines, deliveries, cache_stats, usage, responses):
         app.include_router(module.router)
     return app

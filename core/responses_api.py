@@ -59,6 +59,8 @@ class ResponseRequest(ClientObject):
     metadata: Metadata | None = None
     user: Text | None = Field(default=None, max_length=256)
     store: StrictBool | None = None  # accepted; results are kept as every job's are
+    # This service's own: the result and semantic caches' options, as on a chat request.
+    cache: ClientDict | None = None
 
 
 def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -84,6 +86,7 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
         "metadata": request.metadata,
         "user": request.user,
         "response_format": _response_format(request.text),
+        "cache": request.cache,
     }
     chat.update({k: v for k, v in optional.items() if v is not None})
     return chat
@@ -150,7 +153,7 @@ def response_object(chat_result: dict[str, Any], *, job_id: str, body: dict[str,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.get("total_tokens", 0),
         },
-        "max_output_tokens": body.get("max_completion_tokens"),
+        "max_output_tokens": body.get("max_completion_tokens") or body.get("max_tokens"),
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "metadata": body.get("metadata") or {},

@@ -66,13 +66,15 @@ def _started(api: Api) -> None:
 
 
 def test_streams_join_to_the_same_text_chunk_by_chunk(api: Api) -> None:
-    """Chat with include_usage, text without it, and a cached answer: one worker for all."""
+    """Chat with include_usage, text without it, and a cached answer: one worker for all
+    (which also serves the n-choices and Responses checks, to start one service less)."""
     _started(api)
     client = api.openai()
     _check_chat(api, client)
     _check_text(api, client)
     _check_cached(api, client)
     _check_choices(api, client)
+    _check_responses(api, client)
 
 
 def _check_chat(api: Api, client: openai.OpenAI) -> None:
@@ -168,6 +170,39 @@ def _check_choices(api: Api, client: openai.OpenAI) -> None:
     [first, second] = view["result"]["choices"]
     assert (first["index"], second["index"]) == (0, 1)
     assert first["text"] == second["text"]  # greedy: the same text twice
+
+
+def _check_responses(api: Api, client: openai.OpenAI) -> None:
+    """POST /v1/responses with the official client: the same text as the chat call it runs
+    as; in the background, a job whose result is the same object; a stream is refused."""
+    chat = client.chat.completions.create(
+        model=api.model, max_tokens=8, temperature=0, extra_body=OFF,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    response = client.responses.create(model=api.model, instructions="Be brief.", input="Hi",
+                                       max_output_tokens=8, temperature=0, extra_body=OFF)
+    assert response.object == "response" and response.output_text == chat.choices[0].message.content
+    assert response.usage is not None and chat.usage is not None
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length"
+                               else "completed")
+
+    queued = client.responses.create(model=api.model, input="Hi", max_output_tokens=4,
+                                     temperature=0, extra_body={"background": True})
+    job_id = queued.id  # the job's id: GET /v1/jobs/{id} follows it
+    deadline = time.monotonic() + 120
+    while (view := api.job(job_id))["status"] != "succeeded":
+        assert view["status"] in ("queued", "running"), view
+        assert time.monotonic() < deadline, view
+        time.sleep(0.1)
+    assert view["result"]["object"] == "response" and view["result"]["output"]
+
+    with pytest.raises(openai.BadRequestError) as streamed:
+        client.responses.create(model=api.model, input="Hi", stream=True)
+    assert streamed.value.param == "stream"
+    with pytest.raises(openai.BadRequestError) as image:
+        client.responses.create(model=api.model, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "https://example.com/a.png"}]}])
+    assert image.value.param == "input[0].content[0].type"
 
 
 def test_a_client_that_leaves_cancels_its_job(api: Api) -> None:

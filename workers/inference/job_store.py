@@ -219,6 +219,8 @@ class JobStore:
             # do; and by revision: new weights under the same name never see old results.
             salt = message.tenant_id + (f"@{self.model_revision}" if self.model_revision
                                         else "")
+            if message.kind == "response":  # the same chat body, another result object
+                salt += "|response"
             key = result_cache_key(message.model, message.body, salt=salt)
         if remember:
             if len(self._cache_keys) >= MAX_REMEMBERED_KEYS:

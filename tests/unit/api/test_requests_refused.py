@@ -59,7 +59,7 @@ def test_wrong_and_revoked_keys_are_401(
     ({"surprise": True}, 422, "surprise"),
     ({"priority": "urgent"}, 422, "priority"),
     ({"stream": True}, 400, "stream"),
-    ({"n": 3}, 400, "n"),
+    ({"n": 129}, 400, "n"),
     ({"top_logprobs": 5}, 400, "top_logprobs"),
     ({"logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"callback_url": "http://10.1.2.3/hook"}, 422, "callback_url"),
