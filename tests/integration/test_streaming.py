@@ -200,8 +200,9 @@ def _check_responses(api: Api, client: openai.OpenAI) -> None:
         client.responses.create(model=api.model, input="Hi", stream=True)
     assert streamed.value.param == "stream"
     with pytest.raises(openai.BadRequestError) as image:
-        client.responses.create(model=api.model, input=[{"role": "user", "content": [
-            {"type": "input_image", "image_url": "https://example.com/a.png"}]}])
+        image_part: Any = {"role": "user", "content": [
+            {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "auto"}]}
+        client.responses.create(model=api.model, input=[image_part])
     assert image.value.param == "input[0].content[0].type"
 
 
