@@ -27,11 +27,11 @@ expert 0 gets pair 1, expert 2 gets pairs 0, 2, 3, 4; padded runs are [1, P, P, 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from workers.engine.kernels.interpreter import dot_options
 
 
 @triton.jit
@@ -75,10 +75,6 @@ def _grouped_gemm_kernel(
         acc *= tl.load(pair_weights_ptr + pairs, mask=is_pair, other=0.0)[:, None]
     out = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=is_pair[:, None] & is_col[None, :])
-
-
-def _is_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def align_pairs(
@@ -131,8 +127,7 @@ def grouped_gemm(
     out = torch.empty(num_pairs, n_out, dtype=a.dtype, device=a.device)
     if num_pairs == 0:
         return out
-    upcast = _is_interpreting() and a.dtype == torch.bfloat16
-    precision = "ieee" if a.dtype == torch.float32 or upcast else None
+    upcast, precision = dot_options(a.dtype)
     block_n = 64 if n_out >= 64 else max(16, triton.next_power_of_2(n_out))
     block_k = 64 if k_dim >= 64 else max(16, triton.next_power_of_2(k_dim))
     grid = (block_expert_ids.shape[0], triton.cdiv(n_out, block_n))

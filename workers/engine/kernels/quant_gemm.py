@@ -19,11 +19,11 @@ Accumulation in fp32; out in x's dtype. Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from workers.engine.kernels.interpreter import dot_options
 
 
 @triton.jit
@@ -122,10 +122,6 @@ def _fp8_weight_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & is_col[None, :])
 
 
-def _is_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _tiles(m: int, n: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): decode batches are a few rows, so M tiles stay small there and
     the grid spreads over N instead."""
@@ -140,12 +136,6 @@ def _block_k(k: int, divides: int | None) -> int:
     if divides is None:
         return 64 if k >= 64 else max(16, triton.next_power_of_2(k))
     return next((size for size in (64, 32) if divides % size == 0), 16)
-
-
-def _precision(x: torch.Tensor) -> tuple[bool, str | None]:
-    """(upcast, dot precision): the interpreter has no bf16 dot, and fp32 stays exact."""
-    upcast = _is_interpreting() and x.dtype == torch.bfloat16
-    return upcast, "ieee" if x.dtype == torch.float32 or upcast else None
 
 
 def int_weight_gemm(
@@ -178,7 +168,7 @@ def int_weight_gemm(
     block_k = _block_k(k, None if one_group else group_size)
     one_group_per_tile = one_group or group_size % block_k == 0
     block_m, block_n = _tiles(m, n)
-    upcast, precision = _precision(x)
+    upcast, precision = dot_options(x.dtype)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int_weight_gemm_kernel[grid](
         x, qweight, scales, zeros, bias if bias is not None else out, out,
@@ -224,7 +214,7 @@ def fp8_weight_gemm(
         raise ValueError(f"fp8_weight_gemm: scale blocks of {block_k} inputs are not a "
                          "multiple of 16")
     block_m, tile_n = _tiles(m, n)
-    upcast, precision = _precision(x)
+    upcast, precision = dot_options(x.dtype)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, tile_n))
     _fp8_weight_gemm_kernel[grid](
         x, raw, scale, bias if bias is not None else out, out,

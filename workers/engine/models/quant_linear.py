@@ -4,12 +4,11 @@ dequantize-in-GEMM kernels; its output rows may stack several checkpoint matrice
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.engine.kernels.interpreter import is_interpreting
 from workers.engine.kernels.quant_gemm import fp8_weight_gemm, int_weight_gemm
 from workers.engine.quantization import QuantScheme
 from workers.engine.quantized_layouts import Fp8Weights, IntWeights
@@ -89,7 +88,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., out) in x's dtype."""
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if flat.device.type == "cpu" and not is_interpreting():
             out = F.linear(flat, self.dequantized().to(flat.dtype), self.bias)
         elif self.method == "fp8":
             out = fp8_weight_gemm(flat, self.weight, self.scale, block_n=self.block_n,
