@@ -5,11 +5,13 @@ and `tools` + `tool_choice` into one JSON schema (or none), and checking that th
 library can compile it, so the API refuses a bad schema at submission (400 naming the
 problem) and a worker never meets one. The API and the workers call the same functions.
 
-Tool calls are constrained only when the caller asks for them (`tool_choice` `required`
-or a named function): the output is then a JSON list of `{"name", "arguments"}` objects
-(one object for a named function), which the worker turns into OpenAI's `tool_calls`.
-With `auto` the output is not constrained; the worker parses a call if the model makes one
-(see docs/structured-outputs.md).
+Forced tool calls (`tool_choice` `required` or a named function) make the whole output a
+JSON list of `{"name", "arguments"}` objects (one object for a named function), which the
+worker turns into OpenAI's `tool_calls`. With `auto` the text stays free, but a call the
+model opens in the Hermes format (`<tool_call>` ... `</tool_call>`, what tool_prompt asks
+for and Qwen/Hermes templates use) is constrained from its trigger on: it names one of the
+tools and carries arguments that tool's schema accepts (`auto_tool_tag`, an xgrammar
+structural tag). See docs/structured-outputs.md.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 _NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 ToolMode = Literal["none", "auto", "required", "named"]
+# A call in the Hermes format opens with this; the grammar takes over from it.
+TOOL_CALL_TRIGGER = "<tool_call>"
+# Consecutive whitespace characters a constrained call's arguments may hold.
+MAX_CALL_WHITESPACE = 16
 
 
 class StructuredOutputError(ValueError):
@@ -139,6 +145,29 @@ def _call_schema(name: str, function: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def auto_tool_tag(body: dict[str, Any]) -> dict[str, Any] | None:
+    """With tools left to the model (`auto`) and no `response_format`: the structural tag
+    that leaves text free and constrains each Hermes-format call it opens (see the module
+    docstring); None otherwise. `parallel_tool_calls: false` ends the constraint, and so
+    any further call, after the first."""
+    tools = body.get("tools")
+    mode, _ = tool_mode(tools, body.get("tool_choice"))
+    if mode != "auto" or not tools or response_format_schema(body.get("response_format")):
+        return None
+    tags = [{"type": "tag",
+             "begin": f'{TOOL_CALL_TRIGGER}\n{{"name": {json.dumps(name)}, "arguments": ',
+             "content": {"type": "json_schema",
+                         "json_schema": function.get("parameters", {"type": "object"}),
+                         # Room for indented JSON, none for a run of blanks that never ends.
+                         "max_whitespace_cnt": MAX_CALL_WHITESPACE},
+             "end": "}\n</tool_call>"}
+            for name, function in functions_of(tools).items()]
+    return {"type": "structural_tag",
+            "format": {"type": "triggered_tags", "triggers": [TOOL_CALL_TRIGGER], "tags": tags,
+                       "at_least_one": False,
+                       "stop_after_first": body.get("parallel_tool_calls") is False}}
+
+
 def output_schema(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """(the schema a request's output must follow or None, the field it came from).
 
@@ -165,11 +194,14 @@ def compile_problem(schema: dict[str, Any]) -> str | None:
 
 
 @lru_cache(maxsize=256)  # batch files repeat one schema on every line
-def _compile_problem(schema_text: str) -> str | None:
+def _compile_problem(schema_text: str, *, is_tag: bool = False) -> str | None:
     import xgrammar as xgr
 
     try:
-        xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=True)
+        if is_tag:
+            xgr.Grammar.from_structural_tag(schema_text)
+        else:
+            xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=True)
     except Exception as e:  # noqa: BLE001 - xgrammar raises several types; all mean "cannot"
         return _NATIVE_PREFIX.sub("", str(e).strip()) or type(e).__name__
     return None
@@ -186,15 +218,21 @@ def constrains_output(body: dict[str, Any]) -> bool:
     response_format = body.get("response_format")
     has_format = isinstance(response_format, dict) and response_format.get("type") not in (
         None, "text")
-    return has_format or body.get("tool_choice") not in (None, "none", "auto")
+    return has_format or (bool(body.get("tools")) and body.get("tool_choice") != "none")
 
 
 def check_output_schema(body: dict[str, Any]) -> None:
     """StructuredOutputError naming the field when the output's schema cannot be enforced."""
     schema, param = output_schema(body)
-    if schema is None:
-        return
-    problem = compile_problem(schema)
-    if problem is not None:
-        raise StructuredOutputError(
-            f"{param}: the JSON schema cannot be enforced: {problem}", param=param)
+    if schema is not None:
+        problem = compile_problem(schema)
+        if problem is not None:
+            raise StructuredOutputError(
+                f"{param}: the JSON schema cannot be enforced: {problem}", param=param)
+    tag = auto_tool_tag(body)
+    if tag is not None:
+        problem = _compile_problem(json.dumps(tag, sort_keys=True), is_tag=True)
+        if problem is not None:
+            raise StructuredOutputError(
+                f"tools: the functions' parameters cannot be enforced: {problem}",
+                param="tools")

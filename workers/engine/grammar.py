@@ -77,6 +77,16 @@ class GrammarCompiler:
             raise ValueError(f"response_format: the JSON schema cannot be compiled: {e}") from e
         return GrammarState(self._xgr.GrammarMatcher(compiled))
 
+    def new_tag_state(self, structural_tag: str) -> GrammarState:
+        """A fresh matcher for a structural tag (JSON text); ValueError if it cannot
+        compile."""
+        try:
+            grammar = self._xgr.Grammar.from_structural_tag(structural_tag)
+            compiled = self._compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"tools: the functions' parameters cannot be enforced: {e}") from e
+        return GrammarState(self._xgr.GrammarMatcher(compiled))
+
     def fill_async(
         self, states: list[GrammarState | None], output_token_ids: list[list[int]]
     ) -> Future[StepMasks] | None:

@@ -253,8 +253,9 @@ class LLMEngine:
         return outputs
 
     def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
-        """A matcher for the request's schema (compiled once per schema); None without one."""
-        if params.json_schema is None:
+        """A matcher for the request's schema or structural tag (compiled once per schema);
+        None without either."""
+        if params.json_schema is None and params.structural_tag is None:
             return None
         if self._grammars is None:
             if self._grammars_future is None:
@@ -263,6 +264,9 @@ class LLMEngine:
                 self._grammars = self._grammars_future.result()
             except Exception as e:  # the library failed to load: this request cannot run
                 raise ValueError(f"response_format: grammar library unavailable: {e}") from e
+        if params.structural_tag is not None:
+            return self._grammars.new_tag_state(params.structural_tag)
+        assert params.json_schema is not None
         return self._grammars.new_state(params.json_schema)
 
     def _fill_masks(

@@ -12,7 +12,9 @@ class SamplingParams:
     `temperature == 0` means greedy. `seed` makes sampling reproducible whatever else
     shares the batch. `logprobs` asks for the log-probability of every sampled token.
     Penalties and `logit_bias` (token id -> bias) adjust the logits as OpenAI's do;
-    `json_schema` (JSON text) constrains the output to documents the schema accepts.
+    `json_schema` (JSON text) constrains the output to documents the schema accepts;
+    `structural_tag` (xgrammar's structural tag, JSON text) constrains the parts of a free
+    text it delimits, e.g. tool calls after their trigger.
     """
 
     max_tokens: int = 16
@@ -33,6 +35,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     json_schema: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +55,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.json_schema is not None and self.structural_tag is not None:
+            raise ValueError("json_schema and structural_tag cannot both constrain one output")
         if not isinstance(self.use_prefix_cache, bool):
             raise ValueError(f"use_prefix_cache must be a bool, got {self.use_prefix_cache!r}")
 

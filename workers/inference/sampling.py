@@ -11,7 +11,12 @@ import json
 from typing import Any
 
 from core.request_checks import MAX_CHOICES
-from core.structured_outputs import StructuredOutputError, output_schema, tool_mode
+from core.structured_outputs import (
+    StructuredOutputError,
+    auto_tool_tag,
+    output_schema,
+    tool_mode,
+)
 from workers.engine import SamplingParams
 
 # OpenAI's default for legacy completions; chat requests default to the rest of the context.
@@ -75,6 +80,7 @@ def sampling_params_from_body(
     top_p = _optional_float(body, "top_p")
     try:
         schema, _ = output_schema(body)
+        tag = auto_tool_tag(body)
     except StructuredOutputError as e:
         raise ValueError(str(e)) from e
     try:
@@ -91,6 +97,7 @@ def sampling_params_from_body(
             frequency_penalty=_optional_float(body, "frequency_penalty") or 0.0,
             logit_bias=_logit_bias(body),
             json_schema=None if schema is None else json.dumps(schema),
+            structural_tag=None if tag is None else json.dumps(tag),
         )
     except TypeError as e:
         raise ValueError(f"invalid sampling parameters: {e}") from e

@@ -73,3 +73,28 @@ def test_uncompilable_schema_is_refused_for_that_request(model_dir: Path) -> Non
         llm.generate(["hello"], [SamplingParams(json_schema='{"type": "nonsense"}')])
     with pytest.raises(ValueError, match="response_format"):
         llm.generate(["hello"], [SamplingParams(json_schema="{not json")])
+
+
+def test_a_structural_tag_leaves_text_free_and_constrains_after_its_trigger(
+    model_dir: Path,  # noqa: F811
+) -> None:
+    """The trigger is the text the model writes first anyway; from it on the output must
+    be the tag: a FINITE document, then its end string, then (stop_after_first) the end."""
+    llm = make_llm(model_dir)
+    [free] = llm.generate(["hello"], [SamplingParams(temperature=0, max_tokens=1)])
+    trigger = free.text
+    assert trigger.strip(), f"the first token {free.token_ids} has no visible text"
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": [trigger],
+        "tags": [{"type": "tag", "begin": trigger,
+                  "content": {"type": "json_schema", "json_schema": FINITE,
+                              "max_whitespace_cnt": 1},
+                  "end": "!"}],
+        "at_least_one": False, "stop_after_first": True}}
+    [out] = llm.generate(["hello"], [SamplingParams(
+        temperature=0, max_tokens=120, structural_tag=json.dumps(tag))])
+    assert out.finish_reason == "stop", repr((trigger, out.text))
+    assert out.text.startswith(trigger) and out.text.endswith("!"), out.text
+    jsonschema.validate(json.loads(out.text[len(trigger):-1]), FINITE)
+    [unconstrained] = llm.generate(["hello"], [SamplingParams(temperature=0, max_tokens=20)])
+    assert unconstrained.text != out.text  # the tag changed what the model wrote

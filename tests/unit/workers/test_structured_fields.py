@@ -47,7 +47,8 @@ def test_forced_tool_choice_becomes_the_schema_and_tools_reach_the_prompt() -> N
     named = tool_call_schema(TOOLS, {"type": "function", "function": {"name": "get_time"}})
     assert named is not None and named["properties"]["name"] == {"const": "get_time"}
     auto = sampling_params_from_body("chat.completion", CHAT | {"tools": TOOLS})
-    assert auto.json_schema is None  # auto is not constrained
+    assert auto.json_schema is None  # auto leaves the text free...
+    assert json.loads(auto.structural_tag or "")["format"]["triggers"] == ["<tool_call>"]
     assert chat_tools(CHAT | {"tools": TOOLS}) == TOOLS
     assert chat_tools(CHAT | {"tools": TOOLS, "tool_choice": "none"}) is None
     with pytest.raises(ValueError, match="response_format and a forced tool_choice"):
@@ -97,3 +98,55 @@ def test_result_carries_tool_calls_only_when_the_output_finished() -> None:
     cut = build_result("chat.completion", job_id="j", model="m", completion=completion,
                        created=0, tool_calls=calls)["choices"][0]
     assert cut["finish_reason"] == "length" and "tool_calls" not in cut["message"]
+
+
+def _tag_matcher(body: dict[str, Any]) -> Any:
+    from tests.unit.engine.tiny_models import byte_level_tokenizer
+    from workers.engine.grammar import GrammarCompiler
+
+    tokenizer = byte_level_tokenizer()
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    params = sampling_params_from_body("chat.completion", CHAT | body)
+    assert params.structural_tag is not None
+    return compiler.new_tag_state(params.structural_tag).matcher
+
+
+@pytest.mark.parametrize(("text", "takes"), [
+    ("It is sunny.", True),
+    ('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+     " Done.", True),
+    ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', True),
+    ('<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>', False),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": 7}}\n</tool_call>', False),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>', False),
+    ("<tool_call>I changed my mind", False),
+])
+def test_auto_tools_constrain_a_call_from_its_trigger_on(text: str, takes: bool) -> None:
+    """`auto`: free text is free; once `<tool_call>` is written, only a call of one of the
+    tools with arguments its schema accepts can follow."""
+    assert _tag_matcher({"tools": TOOLS}).accept_string(text) is takes
+
+
+def test_auto_tools_without_parallel_calls_end_after_the_first() -> None:
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    matcher = _tag_matcher({"tools": TOOLS, "parallel_tool_calls": False})
+    assert matcher.accept_string(call)
+    assert not matcher.accept_string(" then " + call)
+    assert _tag_matcher({"tools": TOOLS}).accept_string(call + " then " + call)
+
+
+def test_auto_tools_beside_a_response_format_follow_the_format() -> None:
+    params = sampling_params_from_body("chat.completion", CHAT | {
+        "tools": TOOLS, "response_format": {"type": "json_object"}})
+    assert params.structural_tag is None and params.json_schema is not None
+
+
+def test_auto_tools_whose_parameters_cannot_be_enforced_are_refused() -> None:
+    from core.structured_outputs import StructuredOutputError, check_output_schema
+
+    broken = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}]
+    with pytest.raises(StructuredOutputError, match="missing") as refused:
+        check_output_schema({"tools": broken})
+    assert refused.value.param == "tools"
+    check_output_schema({"tools": broken, "tool_choice": "none"})  # nothing to enforce
