@@ -187,43 +187,23 @@ class AttentionBackend(ABC):
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> StepMetadata:
         """Turn the step's layout into the tensors forward() needs, once for all layers."""
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: object,
-        params: AttentionParams = FULL_ATTENTION,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, metadata: object,
+                params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
         """Store k/v, attend q; q (N, H, D), k/v (N, Hkv, D) -> (N, H * D)."""
         assert isinstance(metadata, StepMetadata)
         self.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         return self.attend(q, k, v, k_cache, v_cache, metadata, params)
 
-    def write_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store this step's K/V rows in their pool slots (a torch scatter by default)."""
         write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     @abstractmethod
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: StepMetadata,
-        params: AttentionParams = FULL_ATTENTION,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, metadata: StepMetadata,
+               params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
         """Attend q once this step's K/V are in the pool; (N, H, D) -> (N, H * D)."""
 
 
@@ -365,16 +345,9 @@ class TorchAttentionBackend(AttentionBackend):
             meta.gather_block_ids = to_device(torch.tensor(gather, dtype=torch.int64), device)
         return meta
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: StepMetadata,
-        params: AttentionParams = FULL_ATTENTION,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, metadata: StepMetadata,
+               params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
         """Attend decodes in groups and longer chunks one by one; rows as in `metadata`."""
         meta = metadata
         assert isinstance(meta, TorchAttentionMetadata)

@@ -105,16 +105,9 @@ class CpuAttentionBackend(AttentionBackend):
             chunks=chunks,
         )
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: StepMetadata,
-        params: AttentionParams = FULL_ATTENTION,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, metadata: StepMetadata,
+               params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
         """Attend the decode rows in one kernel call, then the chunks in one."""
         meta = metadata
         assert isinstance(meta, CpuAttentionMetadata)

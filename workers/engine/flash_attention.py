@@ -80,16 +80,9 @@ class FlashAttentionBackend(AttentionBackend):
             meta.cu_seqlens_k = to_device(torch.tensor(cu_k, dtype=torch.int32), device)
         return meta
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: StepMetadata,
-        params: AttentionParams = FULL_ATTENTION,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, metadata: StepMetadata,
+               params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
         """Attend through the block table (decode-only steps: the graph-capturable call)."""
         meta = metadata
         assert isinstance(meta, PagedMetadata)

@@ -237,6 +237,10 @@ class LLMEngine:
             return outputs
         now = time.time()
         for seq in out.seqs:
+            # Only at its first step has a sequence computed just its cached prefix (and
+            # never been preempted): the others need no look-up.
+            if seq.num_computed_tokens != seq.num_cached_tokens or seq.num_preemptions:
+                continue
             request = self._requests[seq.request_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now

@@ -57,27 +57,14 @@ class TritonAttentionBackend(AttentionBackend):
         """The shared paged metadata: all the kernels read, copied without a host sync."""
         return paged_metadata(layout, device)
 
-    def write_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store k/v into the pool in one kernel launch."""
         kv_write(k, v, k_cache, v_cache, slot_mapping)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: StepMetadata,
-        params: AttentionParams = FULL_ATTENTION,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, metadata: StepMetadata,
+               params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
         """Attend q over pool and chunk in one launch."""
         meta = metadata
         assert isinstance(meta, PagedMetadata)
