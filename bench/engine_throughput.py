@@ -35,6 +35,12 @@ cores, and --threads 1 gives the steadiest CPU-time comparison.
     .venv/bin/python -m bench.engine_throughput --family gemma3 --hf-batch-sizes \\
         --skip-hf-cb                     # a random-weight 135M model of one family
 
+`--workload host-overhead` measures the engine's own work per step (bench/step_profile.py):
+a 2-layer, hidden-256 random model, 256 prompts of 32-128 tokens decoding 128-256 each,
+engine (with a per-phase step profile) and, with --vllm, vLLM's CPU build; no HF contenders.
+
+    .venv/bin/python -m bench.engine_throughput --workload host-overhead [--vllm]
+
 With --family, the model is a random-weight one of that family at SmolLM2-135M's shape
 (bench/family_models.py); the same shape in every family makes their figures comparable
 per FLOP.
@@ -60,6 +66,7 @@ from typing import Any
 import torch
 
 from bench.family_models import FAMILY_CONFIGS, random_family_model
+from bench.step_profile import StepProfiler, tiny_model
 from bench.vllm_contender import run_vllm
 from workers.engine import LLM, SamplingParams
 from workers.engine.config import DEFAULT_MODELS_DIR
@@ -140,11 +147,14 @@ def run_engine(model_dir: Path, work: Workload, args: argparse.Namespace) -> Res
     if args.kv_cache_gib is not None:
         options["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
     llm = LLM(model=str(model_dir), **options)
+    profiler = StepProfiler() if args.workload == "host-overhead" else None
     warmup = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate([work.prompts[0][:64], work.prompts[1][:16]], warmup)
     params = [
         SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
     ]
+    if profiler is not None:
+        profiler.attach(llm.engine)
     _sync()
     start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(work.prompts, params)
@@ -159,6 +169,8 @@ def run_engine(model_dir: Path, work: Workload, args: argparse.Namespace) -> Res
     graphs = "decode in CUDA graphs" if runner.graphs is not None else "no CUDA graphs"
     print(f"  engine: {runner.backend.name} attention, {graphs}, on {runner.device}")
     print(f"  engine: {stats.num_preemptions} preemptions, {computed} tokens computed")
+    if profiler is not None:
+        print(profiler.report())
     if args.roofline:
         decode_roofline(llm, args)
     del llm
@@ -390,6 +402,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--models-dir", type=Path, default=DEFAULT_MODELS_DIR)
     parser.add_argument("--random-llama-1b", action="store_true", help="random 1B Llama weights")
+    parser.add_argument("--workload", choices=["standard", "host-overhead"], default="standard",
+                        help="host-overhead: a tiny model, 256 sequences, a step profile")
     parser.add_argument("--family", choices=sorted(FAMILY_CONFIGS), default=None,
                         help="a random-weight 135M model of this family")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -415,7 +429,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--busy", type=int, default=0, metavar="N",
                         help="also run the engine beside N busy-looping processes")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.workload == "host-overhead":
+        args.num_prompts, args.input_len, args.output_len = 256, [32, 128], [128, 256]
+        args.hf_batch_sizes, args.skip_hf_cb = [], True
+    return args
 
 
 def main() -> None:
@@ -425,7 +443,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        if args.random_llama_1b:
+        if args.workload == "host-overhead":
+            model_dir = tiny_model(Path(tmp))
+        elif args.random_llama_1b:
             model_dir = random_llama_1b(Path(tmp))
         elif args.family:
             model_dir = random_family_model(args.family, Path(tmp))

@@ -11,6 +11,12 @@ Pool layout per layer, shared by all backends (it is flash-attn's paged layout):
 slot `block_table[p // block_size] * block_size + p % block_size`; e.g. with block_size 16
 and block_table [7, 2], position 20 is slot 2 * 16 + 4 = 36.
 
+Every backend's forward is the same two steps, written once here: store this step's K/V
+(`write_kv`: a torch scatter, or a backend's own kernel), then `attend`, the one method
+each backend must write. The paged backends (CPU, Triton, flash-attn) read the same step
+metadata (`PagedMetadata`: slots, padded block tables, lengths, query offsets), built once
+per step by `paged_metadata`; each adds only what its kernels need beyond it.
+
 Rows of a batch arrive ordered by the model runner: single-query sequences ("decodes",
 though a one-token prefill chunk counts too) first, by ascending sequence length, then the
 longer chunks. The torch backend relies on that order to batch decodes with little padding.
@@ -18,10 +24,12 @@ longer chunks. The torch backend relies on that order to batch decodes with litt
 
 from __future__ import annotations
 
+import itertools
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -61,14 +69,69 @@ class BatchLayout:
     num_decodes: int  # leading sequences whose query length is 1
     block_size: int
     dtype: torch.dtype = torch.float32  # of q/k/v: additive masks are built in it
+    # block_tables as one (S, W) int32 host tensor, each row padded past its table's end
+    # with entries never read: the model runner keeps these rows from step to step. None:
+    # padded from block_tables when a backend needs it.
+    block_table_tensor: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    """What every backend's forward reads: the pool slot of each new K/V row."""
+
+    slot_mapping: torch.Tensor  # (N,) int64
+
+
+@dataclass(slots=True)
+class PagedMetadata(StepMetadata):
+    """Device tensors the paged kernels read for one step, shared by every layer."""
+
+    block_tables: torch.Tensor  # (S, W) int32, padded with entries never read
+    seq_lens: torch.Tensor  # (S,) int32: cached + new tokens
+    cu_seqlens_q: torch.Tensor  # (S + 1,) int32: query offsets, 0 first
+    max_query_len: int  # 1 for decode-only steps
+    max_seq_len: int  # 0 where unknown (graph replays)
+
+
+def padded_block_tables(tables: list[list[int]], pad: int = 0) -> torch.Tensor:
+    """(S, W) int32 host tensor of the tables, each padded with `pad` to the longest."""
+    width = max((len(t) for t in tables), default=0)
+    out = np.full((len(tables), width), pad, dtype=np.int32)
+    for row, table in zip(out, tables, strict=True):
+        row[: len(table)] = table
+    return torch.from_numpy(out)
+
+
+def paged_metadata(layout: BatchLayout, device: torch.device) -> PagedMetadata:
+    """The step's paged metadata on `device`: two host-to-device copies, no host sync."""
+    tables = layout.block_table_tensor
+    if tables is None:
+        tables = padded_block_tables(layout.block_tables)
+    num_seqs = len(layout.seq_lens)
+    cu_seqlens_q = list(itertools.accumulate(layout.query_lens, initial=0))
+    # One host tensor and one copy for the two int32 vectors.
+    packed = to_device(torch.tensor(cu_seqlens_q + layout.seq_lens, dtype=torch.int32), device)
+    return PagedMetadata(
+        slot_mapping=layout.slot_mapping,
+        block_tables=to_device(tables, device),
+        seq_lens=packed[num_seqs + 1 :],
+        cu_seqlens_q=packed[: num_seqs + 1],
+        max_query_len=max(layout.query_lens),
+        max_seq_len=max(layout.seq_lens),
+    )
 
 
 class AttentionBackend(ABC):
-    """Writes new K/V into the pool and computes paged causal attention."""
+    """Writes new K/V into the pool and computes paged causal attention.
+
+    A backend writes `build_metadata` and `attend`; `forward` and `write_kv` are shared.
+    """
 
     name: str
     default_block_size: int
     supports_cuda_graphs: bool = False
+    # Whether build_metadata reads BatchLayout.block_table_tensor (the paged backends).
+    reads_block_table_tensor: bool = True
     # The model's pointwise steps on this backend's device (workers/engine/pointwise.py).
     pointwise: TorchPointwise = TORCH_POINTWISE
 
@@ -98,14 +161,19 @@ class AttentionBackend(ABC):
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
         cu_seqlens_q: torch.Tensor,
-    ) -> object:
+    ) -> StepMetadata:
         """Metadata over fixed decode buffers, for backends that support CUDA graphs.
 
         slot_mapping (B,) int64, seq_lens (B,) int32, block_tables (B, W) int32 and
         cu_seqlens_q (B + 1,) int32 = 0..B: their contents change between replays, never
         their addresses.
         """
-        raise NotImplementedError(f"the {self.name} attention backend has no CUDA-graph path")
+        if not self.supports_cuda_graphs:
+            raise NotImplementedError(
+                f"the {self.name} attention backend has no CUDA-graph path"
+            )
+        return PagedMetadata(slot_mapping, block_tables, seq_lens, cu_seqlens_q,
+                             max_query_len=1, max_seq_len=0)
 
     def pool_workspace_ratio(self, num_layers: int) -> float:
         """Bytes of gather workspace a step may need per byte of KV pool (0: reads in place)."""
@@ -116,21 +184,27 @@ class AttentionBackend(ABC):
         return 0
 
     @abstractmethod
-    def build_metadata(self, layout: BatchLayout, device: torch.device) -> object:
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> StepMetadata:
         """Turn the step's layout into the tensors forward() needs, once for all layers."""
 
-    @abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: object,
-        params: AttentionParams = FULL_ATTENTION,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, metadata: object,
+                params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
         """Store k/v, attend q; q (N, H, D), k/v (N, Hkv, D) -> (N, H * D)."""
+        assert isinstance(metadata, StepMetadata)
+        self.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return self.attend(q, k, v, k_cache, v_cache, metadata, params)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store this step's K/V rows in their pool slots (a torch scatter by default)."""
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, metadata: StepMetadata,
+               params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
+        """Attend q once this step's K/V are in the pool; (N, H, D) -> (N, H * D)."""
 
 
 def write_kv(
@@ -174,10 +248,9 @@ class _Chunk:
 
 
 @dataclass(slots=True)
-class TorchAttentionMetadata:
+class TorchAttentionMetadata(StepMetadata):
     """What the torch backend needs for one step, shared by every layer."""
 
-    slot_mapping: torch.Tensor
     # Pool blocks each layer gathers, part by part: each decode group's tables (padded
     # with block 0), then each cached chunk's table. (num_gather_blocks,) int64
     gather_block_ids: torch.Tensor
@@ -202,6 +275,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
     default_block_size = 16
+    reads_block_table_tensor = False  # gathers through block_tables lists
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
@@ -271,32 +345,12 @@ class TorchAttentionBackend(AttentionBackend):
             meta.gather_block_ids = to_device(torch.tensor(gather, dtype=torch.int64), device)
         return meta
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: object,
-        params: AttentionParams = FULL_ATTENTION,
-    ) -> torch.Tensor:
-        """Store k/v, then attend decodes in groups and longer chunks one by one."""
-        assert isinstance(metadata, TorchAttentionMetadata)
-        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        return self.attend(q, k, v, k_cache, v_cache, metadata, params)
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: TorchAttentionMetadata,
-        params: AttentionParams = FULL_ATTENTION,
-    ) -> torch.Tensor:
-        """Attention alone, once this step's K/V are in the pool; rows as in `meta`."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, metadata: StepMetadata,
+               params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
+        """Attend decodes in groups and longer chunks one by one; rows as in `metadata`."""
+        meta = metadata
+        assert isinstance(meta, TorchAttentionMetadata)
         hkv, d = self.num_kv_heads, self.head_dim
         scale, window, cap = self.scale_of(params), params.sliding_window, params.softcap
         group = self.num_heads // hkv

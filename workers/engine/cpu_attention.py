@@ -11,7 +11,6 @@ chunks through the torch backend, unchanged.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -21,10 +20,10 @@ from workers.engine.attention import (
     AttentionBackend,
     AttentionParams,
     BatchLayout,
+    StepMetadata,
     TorchAttentionBackend,
     TorchAttentionMetadata,
-    to_device,
-    write_kv,
+    paged_metadata,
 )
 from workers.engine.pointwise import CPU_POINTWISE
 
@@ -39,36 +38,17 @@ PREFILL_MAX_GROUP = 48
 class PagedRows:
     """Rows that read the pool through block tables, as the kernels take them."""
 
-    block_tables: torch.Tensor  # (rows, W) int32, padded with block 0 (never read)
+    block_tables: torch.Tensor  # (rows, W) int32, padded with entries never read
     seq_lens: torch.Tensor  # (rows,) int32: keys after this step
     query_starts: torch.Tensor | None = None  # (rows + 1,) int32, chunks only
 
 
 @dataclass(slots=True)
-class CpuAttentionMetadata:
-    slot_mapping: torch.Tensor  # (N,) every row's pool slot
+class CpuAttentionMetadata(StepMetadata):
     num_decodes: int
     decodes: PagedRows
     # Rows after the decodes: the prefill kernel's, or torch's for other head sizes.
     chunks: PagedRows | TorchAttentionMetadata | None
-
-
-def paged_rows(
-    tables: list[list[int]], seq_lens: list[int], device: torch.device,
-    query_lens: list[int] | None = None,
-) -> PagedRows:
-    """Block tables padded to one width, lengths (and query offsets) as int32 tensors."""
-    width = max((len(t) for t in tables), default=0)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    starts = None
-    if query_lens is not None:
-        offsets = list(itertools.accumulate(query_lens, initial=0))
-        starts = to_device(torch.tensor(offsets, dtype=torch.int32), device)
-    return PagedRows(
-        to_device(torch.tensor(padded, dtype=torch.int32).view(len(tables), width), device),
-        to_device(torch.tensor(seq_lens, dtype=torch.int32), device),
-        starts,
-    )
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -98,14 +78,15 @@ class CpuAttentionBackend(AttentionBackend):
         return self._torch.mask_bytes(max_num_batched_tokens, max_model_len, itemsize)
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> CpuAttentionMetadata:
-        """Decode tables and lengths as int32 tensors; the chunks' the same way (with their
-        query offsets) or, for the torch path, the parent's metadata."""
+        """The shared paged metadata, split into decode rows and chunk rows (with query
+        offsets from 0); for the torch path, the parent's metadata for the chunks."""
         nd = layout.num_decodes
+        paged = paged_metadata(layout, device)
         chunks: PagedRows | TorchAttentionMetadata | None = None
         if nd < len(layout.query_lens):
             if self._prefill_kernel:
-                chunks = paged_rows(layout.block_tables[nd:], layout.seq_lens[nd:], device,
-                                    layout.query_lens[nd:])
+                chunks = PagedRows(paged.block_tables[nd:], paged.seq_lens[nd:],
+                                   paged.cu_seqlens_q[nd:] - nd)
             else:
                 rest = BatchLayout(
                     query_lens=layout.query_lens[nd:],
@@ -120,24 +101,16 @@ class CpuAttentionBackend(AttentionBackend):
         return CpuAttentionMetadata(
             slot_mapping=layout.slot_mapping,
             num_decodes=nd,
-            decodes=paged_rows(layout.block_tables[:nd], layout.seq_lens[:nd], device),
+            decodes=PagedRows(paged.block_tables[:nd], paged.seq_lens[:nd]),
             chunks=chunks,
         )
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: object,
-        params: AttentionParams = FULL_ATTENTION,
-    ) -> torch.Tensor:
-        """Store k/v, attend the decode rows in one kernel call, then the chunks in one."""
-        assert isinstance(metadata, CpuAttentionMetadata)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, metadata: StepMetadata,
+               params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
+        """Attend the decode rows in one kernel call, then the chunks in one."""
         meta = metadata
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        assert isinstance(meta, CpuAttentionMetadata)
         nd = meta.num_decodes
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         ops = torch.ops.batchinfer_cpu

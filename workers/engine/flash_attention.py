@@ -12,6 +12,7 @@ from source (see the README), the Triton backend covers CUDA without it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -22,8 +23,10 @@ from workers.engine.attention import (
     AttentionBackend,
     AttentionParams,
     BatchLayout,
+    PagedMetadata,
+    StepMetadata,
+    paged_metadata,
     to_device,
-    write_kv,
 )
 
 logger = logging.getLogger(__name__)
@@ -40,18 +43,11 @@ MIN_FLASH_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere and newer
 
 
 @dataclass(slots=True)
-class FlashAttentionMetadata:
-    """Tensors flash-attn reads for one step, shared by every layer."""
+class FlashAttentionMetadata(PagedMetadata):
+    """The shared paged metadata, plus what flash-attn's varlen call reads of mixed steps."""
 
-    slot_mapping: torch.Tensor  # (num_tokens,) int64
-    seq_lens: torch.Tensor  # (num_seqs,) int32: cached + new tokens
-    block_tables: torch.Tensor  # (num_seqs, max_blocks) int32
-    is_decode_only: bool
     has_cached_context: bool = True  # False: every sequence is a fresh prefill chunk
-    cu_seqlens_q: torch.Tensor | None = None  # (num_seqs + 1,) int32
     cu_seqlens_k: torch.Tensor | None = None  # (num_seqs + 1,) int32
-    max_seqlen_q: int = 1
-    max_seqlen_k: int = 0
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -70,63 +66,28 @@ class FlashAttentionBackend(AttentionBackend):
             )
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> FlashAttentionMetadata:
-        """Cumulative lengths and a padded block table, copied to the device without a sync."""
-        max_blocks = max(len(t) for t in layout.block_tables)
-        # Unused table entries are never read (flash stops at seq_len); 0 keeps them valid.
-        tables = [t + [0] * (max_blocks - len(t)) for t in layout.block_tables]
-        block_tables = to_device(torch.tensor(tables, dtype=torch.int32), device)
-        seq_lens = to_device(torch.tensor(layout.seq_lens, dtype=torch.int32), device)
-        is_decode_only = layout.num_decodes == len(layout.query_lens)
+        """The shared paged metadata; for mixed steps also cumulative key lengths."""
+        paged = paged_metadata(layout, device)
         meta = FlashAttentionMetadata(
-            slot_mapping=layout.slot_mapping,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            is_decode_only=is_decode_only,
-            max_seqlen_q=max(layout.query_lens),
-            max_seqlen_k=max(layout.seq_lens),
+            paged.slot_mapping, paged.block_tables, paged.seq_lens, paged.cu_seqlens_q,
+            paged.max_query_len, paged.max_seq_len,
         )
-        if not is_decode_only:
+        if meta.max_query_len > 1:
             meta.has_cached_context = any(
                 s > n for n, s in zip(layout.query_lens, layout.seq_lens, strict=True)
             )
-            cu_q = [0]
-            cu_k = [0]
-            for n, s in zip(layout.query_lens, layout.seq_lens, strict=True):
-                cu_q.append(cu_q[-1] + n)
-                cu_k.append(cu_k[-1] + s)
-            meta.cu_seqlens_q = to_device(torch.tensor(cu_q, dtype=torch.int32), device)
+            cu_k = list(itertools.accumulate(layout.seq_lens, initial=0))
             meta.cu_seqlens_k = to_device(torch.tensor(cu_k, dtype=torch.int32), device)
         return meta
 
-    def decode_metadata(
-        self,
-        slot_mapping: torch.Tensor,
-        seq_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-    ) -> FlashAttentionMetadata:
-        """Metadata over fixed buffers, for capturing and replaying decode CUDA graphs."""
-        return FlashAttentionMetadata(
-            slot_mapping=slot_mapping,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            is_decode_only=True,
-        )
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: object,
-        params: AttentionParams = FULL_ATTENTION,
-    ) -> torch.Tensor:
-        """Store k/v into the pool, then attend through the block table."""
-        assert isinstance(metadata, FlashAttentionMetadata)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, metadata: StepMetadata,
+               params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
+        """Attend through the block table (decode-only steps: the graph-capturable call)."""
         meta = metadata
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        assert isinstance(meta, PagedMetadata)
+        # Mixed steps come from build_metadata; decode-only ones may come from graph buffers.
+        mixed = meta if isinstance(meta, FlashAttentionMetadata) else None
         num_tokens = q.shape[0]
         # flash-attn's window counts keys left of the query: ours counts the query too.
         extra = {
@@ -135,7 +96,7 @@ class FlashAttentionBackend(AttentionBackend):
             else (params.sliding_window - 1, 0),
             "softcap": params.softcap or 0.0,
         }
-        if meta.is_decode_only:
+        if meta.max_query_len == 1:
             # q (B, 1, H, D); cache_seqlens already counts the token written above.
             o = flash_attn_with_kvcache(
                 q.unsqueeze(1),
@@ -146,7 +107,9 @@ class FlashAttentionBackend(AttentionBackend):
                 causal=True,
                 **extra,
             )
-        elif not meta.has_cached_context:
+        elif mixed is None:
+            raise ValueError("a mixed step needs build_metadata's flash-attn metadata")
+        elif not mixed.has_cached_context:
             # Fresh prompts only: keys are the chunks themselves, no pool reads.
             o = flash_attn_varlen_func(
                 q,
@@ -154,8 +117,8 @@ class FlashAttentionBackend(AttentionBackend):
                 v,
                 cu_seqlens_q=meta.cu_seqlens_q,
                 cu_seqlens_k=meta.cu_seqlens_q,
-                max_seqlen_q=meta.max_seqlen_q,
-                max_seqlen_k=meta.max_seqlen_q,
+                max_seqlen_q=meta.max_query_len,
+                max_seqlen_k=meta.max_query_len,
                 causal=True,
                 **extra,
             )
@@ -167,9 +130,9 @@ class FlashAttentionBackend(AttentionBackend):
                 k_cache,
                 v_cache,
                 cu_seqlens_q=meta.cu_seqlens_q,
-                cu_seqlens_k=meta.cu_seqlens_k,
-                max_seqlen_q=meta.max_seqlen_q,
-                max_seqlen_k=meta.max_seqlen_k,
+                cu_seqlens_k=mixed.cu_seqlens_k,
+                max_seqlen_q=meta.max_query_len,
+                max_seqlen_k=meta.max_seq_len,
                 causal=True,
                 **extra,
                 block_table=meta.block_tables,

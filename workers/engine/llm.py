@@ -11,6 +11,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine, Prompt
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.tokenizing import encode_ids_batch
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +49,24 @@ class LLM:
                     f"sampling_params has {len(params)} entries for {len(batch)} prompts"
                 )
         request_ids = [f"generate-{next(self._ids)}" for _ in batch]
+        encoded = self._encode_texts(batch)
         try:
-            for request_id, prompt, p in zip(request_ids, batch, params, strict=True):
-                self.engine.add_request(request_id, prompt, p)
+            for request_id, prompt, p, ids in zip(request_ids, batch, params, encoded,
+                                                   strict=True):
+                self.engine.add_request(request_id, prompt, p, prompt_token_ids=ids)
             return self._run(request_ids, use_tqdm)
         finally:
             # On bad input (or an interrupt) leave nothing of this batch behind.
             for request_id in request_ids:
                 self.engine.abort(request_id)
+
+    def _encode_texts(self, batch: list[Prompt]) -> list[list[int] | None]:
+        """The ids of each non-empty text prompt, encoded in one call; None for the rest."""
+        texts = [p for p in batch if isinstance(p, str) and p]
+        if self.engine.tokenizer is None or len(texts) < 2:
+            return [None] * len(batch)
+        ids = iter(encode_ids_batch(self.engine.tokenizer, texts))
+        return [next(ids) if isinstance(p, str) and p else None for p in batch]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)
@@ -67,7 +78,7 @@ class LLM:
             progress = tqdm(total=len(request_ids), desc="generate", unit="req")
         try:
             while len(finished) < len(request_ids):
-                for output in self.engine.step():
+                for output in self.engine.step(finished_only=True):
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
                         if progress is not None:

@@ -138,12 +138,14 @@ class LLMEngine:
         deadline: float | None = None,
         *,
         tools: list[dict[str, Any]] | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request; ValueError naming the field if it is malformed or cannot fit.
 
         `deadline` (seconds since the epoch) orders requests within a priority, earliest
         first; requests without one come after those with one. `tools` (OpenAI's tool
-        objects) are rendered into a chat prompt (see tool_prompt).
+        objects) are rendered into a chat prompt (see tool_prompt). `prompt_token_ids`:
+        a text prompt's ids, encoded already (`encode_ids_batch`, as LLM.generate does).
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
@@ -165,7 +167,14 @@ class LLMEngine:
             raise ValueError(f"logit_bias has token ids outside [0, {self.vocab_size}): "
                              f"{bad_bias[:5]}")
         grammar = self._grammar_state(params)
-        prompt_text, token_ids = self._tokenize(prompt, tools)
+        prompt_text: str | None
+        if prompt_token_ids is not None and isinstance(prompt, str) and prompt:
+            prompt_text, token_ids = prompt, list(prompt_token_ids)
+            if not token_ids or any(not 0 <= t < self.vocab_size for t in token_ids):
+                raise ValueError(f"prompt_token_ids must be non-empty ids in [0, "
+                                 f"{self.vocab_size})")
+        else:
+            prompt_text, token_ids = self._tokenize(prompt, tools)
         if len(token_ids) > self.max_model_len:
             raise ValueError(
                 f"prompt is {len(token_ids)} tokens, longer than max_model_len {self.max_model_len}"
@@ -211,21 +220,27 @@ class LLMEngine:
         """Requests waiting or running."""
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
         """Run one batch: new tokens for running requests, outputs for those that moved.
 
-        With overlap, a step returns the outputs of the tokens sampled by the step before:
-        their detokenization runs on the host while the GPU computes this step, and a
-        sequence a stop string ends there has its extra token of this step discarded.
+        With `finished_only`, outputs only of the requests that finished (what a caller
+        waiting for whole results needs): the others' are not built. With overlap, a step
+        returns the outputs of the tokens sampled by the step before: their detokenization
+        runs on the host while the GPU computes this step, and a sequence a stop string
+        ends there has its extra token of this step discarded.
         """
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
-            outputs = self._advance_all(self._deferred)
+            outputs = self._advance_all(self._deferred, finished_only)
             self._deferred = []
             return outputs
         now = time.time()
         for seq in out.seqs:
+            # Only at its first step has a sequence computed just its cached prefix (and
+            # never been preempted): the others need no look-up.
+            if seq.num_computed_tokens != seq.num_cached_tokens or seq.num_preemptions:
+                continue
             request = self._requests[seq.request_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
@@ -235,7 +250,8 @@ class LLMEngine:
             kv_link.flush()
         masks = self._fill_masks(out.seqs, out.num_scheduled_tokens)
         pending = self.runner.execute_async(out.seqs, out.num_scheduled_tokens, masks)
-        outputs = self._advance_all(self._deferred)  # host work while the GPU runs
+        # Host work while the GPU runs.
+        outputs = self._advance_all(self._deferred, finished_only)
         sampled = pending.result()
         updated = self.scheduler.postprocess(out, sampled)
         if kv_link is not None:  # write-through: this step's blocks now, not at the next step
@@ -245,7 +261,7 @@ class LLMEngine:
         if self._overlap:
             self._deferred = updated
         else:
-            outputs = self._advance_all(updated)
+            outputs = self._advance_all(updated, finished_only)
         seconds = time.perf_counter() - start
         self._busy_seconds += seconds
         # The whole step is what a running sequence waits between two tokens.
@@ -302,17 +318,36 @@ class LLMEngine:
             num_steps=self.scheduler.cost_model.num_steps,
         )
 
-    def _advance_all(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Outputs for sequences that got a token, skipping requests aborted since."""
+    def _advance_all(
+        self, seqs: list[Sequence], finished_only: bool = False
+    ) -> list[RequestOutput]:
+        """Outputs for sequences that got a token, skipping requests aborted since (and,
+        with `finished_only`, the unfinished ones once their new token is detokenized)."""
         now = time.time()
-        requests = [self._requests.get(seq.request_id) for seq in seqs]
-        return [self._advance(r, now) for r in requests if r is not None]
+        outputs: list[RequestOutput] = []
+        get = self._requests.get
+        for seq in seqs:
+            request = get(seq.request_id)
+            if request is None:
+                continue
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if request.detokenizer is None and not seq.status.is_finished:
+                if not finished_only:
+                    outputs.append(self._output(request, ""))
+                continue
+            delta_text = self._detokenize(request)
+            if seq.is_finished:
+                request.metrics.finish_time = now
+                del self._requests[seq.request_id]
+            elif finished_only:
+                continue
+            outputs.append(self._output(request, delta_text))
+        return outputs
 
-    def _advance(self, request: _Request, now: float) -> RequestOutput:
-        """Detokenize a request's new token, apply stop strings, build its output."""
+    def _detokenize(self, request: _Request) -> str:
+        """Detokenize a request's new token and apply stop strings; its new text."""
         seq = request.seq
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
         delta_text = ""
         detok = request.detokenizer
         if detok is not None:
@@ -324,9 +359,12 @@ class LLMEngine:
             elif seq.is_finished:
                 detok.flush()
             delta_text = detok.take_delta(finished=seq.is_finished)
-        if seq.is_finished:
-            request.metrics.finish_time = now
-            del self._requests[seq.request_id]
+        return delta_text
+
+    def _output(self, request: _Request, delta_text: str) -> RequestOutput:
+        """The request's output after this step (its new tokens since the last one)."""
+        seq = request.seq
+        detok = request.detokenizer
         output_ids = seq.output_token_ids
         delta_ids = output_ids[request.num_reported_tokens :]
         request.num_reported_tokens = len(output_ids)

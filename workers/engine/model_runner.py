@@ -10,6 +10,7 @@ It reads sequences and never changes them.
 from __future__ import annotations
 
 import logging
+from array import array
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from transformers import PretrainedConfig
 
 from workers.engine.attention import BatchLayout, to_device
+from workers.engine.block_tables import BlockTableRows
 from workers.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from workers.engine.cpu_threads import CpuThreadGovernor
 from workers.engine.cuda_graphs import DecodeGraphs
@@ -117,6 +119,10 @@ class ModelRunner:
         # On the CPU, ops use as many threads as other processes leave cores free.
         self.threads = CpuThreadGovernor() if self.device.type == "cpu" else None
         self.graphs: DecodeGraphs | None = None  # captured once the pool exists
+        # Twice the running cap: rows of sequences that left are reclaimed only in bulk.
+        self.block_tables = BlockTableRows(
+            2 * config.max_num_seqs + 8, -(-self.max_model_len // self.block_size)
+        )
         self.num_kv_blocks = self._count_kv_blocks()
         # One extra block at the end: scratch space for padded CUDA-graph rows; the block
         # manager only ever sees ids 0..num_kv_blocks-1. Zeroed so masked reads stay finite.
@@ -158,13 +164,14 @@ class ModelRunner:
         step_masks = masks.result() if masks is not None else None
         if not indices:
             return PendingTokens(len(seqs), [], [], None, None, None)
-        params = [seqs[i].params for i in indices]
+        sampling = [seqs[i] for i in indices]
+        params = [seq.params for seq in sampling]
         output_ids = None
         if any(p.has_penalties for p in params):
-            output_ids = [seqs[i].output_token_ids for i in indices]
+            output_ids = [seq.output_token_ids for seq in sampling]
+        steps = [len(seq.token_ids) - seq.num_prompt_tokens for seq in sampling]
         token_ids, logprobs = self.sampler.sample_on_device(
-            logits, params, [seqs[i].num_output_tokens for i in indices],
-            output_token_ids=output_ids, masks=step_masks,
+            logits, params, steps, output_token_ids=output_ids, masks=step_masks
         )
         event = None
         if self.device.type == "cuda":
@@ -202,28 +209,33 @@ class ModelRunner:
                 step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.block_tables
             )
         else:
-            hidden = self._forward_eager(step)
+            hidden = self._forward_eager(step, seqs)
         if not step.sample_seq_indices:
             return [], hidden.new_empty(0, self.hf_config.vocab_size, dtype=torch.float32)
         rows = to_device(torch.tensor(step.sample_token_rows), self.device)
         # Only the last token of each sampling sequence reaches the vocab projection.
         return step.sample_seq_indices, self.model.compute_logits(hidden.index_select(0, rows))
 
-    def _forward_eager(self, step: _Step) -> torch.Tensor:
+    def _forward_eager(self, step: _Step, seqs: list[Sequence]) -> torch.Tensor:
         """Run the model without graphs; hidden states (N, hidden) in batch-row order."""
+        # Token ids, positions and slots: one host tensor, one copy.
+        n = len(step.input_ids)
+        # array() converts a list of ints several times faster than torch.tensor().
+        values = array("q", step.input_ids + step.positions + step.slot_mapping)
+        packed = to_device(torch.frombuffer(values, dtype=torch.int64), self.device)
         layout = BatchLayout(
             query_lens=step.query_lens,
             seq_lens=step.seq_lens,
             block_tables=step.block_tables,
-            slot_mapping=to_device(torch.tensor(step.slot_mapping), self.device),
+            slot_mapping=packed[2 * n :],
             num_decodes=step.num_decodes,
             block_size=self.block_size,
             dtype=self.dtype,
         )
+        if self.backend.reads_block_table_tensor:
+            layout.block_table_tensor = self.block_tables.gather([seqs[i] for i in step.order])
         metadata = self.backend.build_metadata(layout, self.device)
-        input_ids = to_device(torch.tensor(step.input_ids), self.device)
-        positions = to_device(torch.tensor(step.positions), self.device)
-        return self.model(input_ids, positions, self.kv_cache, metadata)
+        return self.model(packed[:n], packed[n : 2 * n], self.kv_cache, metadata)
 
     def _pack(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> _Step:
         """Order rows (decodes first, shortest first) and list tokens, positions and slots."""
@@ -232,7 +244,24 @@ class ModelRunner:
         decodes.sort(key=lambda i: seqs[i].num_computed_tokens)
         others = [i for i, n in enumerate(num_scheduled_tokens) if n != 1]
         step = _Step(order=decodes + others, num_decodes=len(decodes))
-        for i in step.order:
+        # Decodes, the bulk of a large batch: one token at position c = num_computed_tokens.
+        max_len = self.max_model_len
+        input_ids, positions, slots = step.input_ids, step.positions, step.slot_mapping
+        for i in decodes:
+            seq = seqs[i]
+            c, table, token_ids = seq.num_computed_tokens, seq.block_table, seq.token_ids
+            if c >= len(token_ids) or c >= max_len or len(table) * bs <= c:
+                self._check_scheduled(seq, 1, c + 1)  # raises: the scheduler broke the contract
+            input_ids.append(token_ids[c])
+            positions.append(c)
+            slots.append(table[c // bs] * bs + c % bs)
+            step.seq_lens.append(c + 1)
+            step.block_tables.append(table)
+            if c + 1 == len(token_ids):
+                step.sample_token_rows.append(len(input_ids) - 1)
+                step.sample_seq_indices.append(i)
+        step.query_lens += [1] * len(decodes)
+        for i in others:
             seq, n = seqs[i], num_scheduled_tokens[i]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             self._check_scheduled(seq, n, end)

@@ -164,11 +164,17 @@ class Scheduler:
             # The tightest target among the more urgent sequences already in this step;
             # the first level present never has one, so the most urgent work always runs.
             step.cap = self._cap(step)
-            group = [s for s in running if s.priority == level]
+            group = running if len(levels) == 1 else [s for s in running if s.priority == level]
             # Decodes first (one token each, latency-sensitive), then prefill chunks.
-            for seq in [s for s in group if s.num_uncomputed_tokens == 1] + [
-                s for s in group if s.num_uncomputed_tokens > 1
-            ]:
+            decodes, chunks = [], []
+            for seq in group:
+                num_uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+                if num_uncomputed == 1:
+                    decodes.append(seq)
+                elif num_uncomputed > 1:
+                    chunks.append(seq)
+            self._schedule_decodes(decodes, step)
+            for seq in chunks:
                 if seq.status is SequenceStatus.RUNNING and step.budget > 0:
                     self._schedule_running(seq, step)
             self._admit_waiting(step, max_priority=level)
@@ -212,14 +218,18 @@ class Scheduler:
         if len(sampled) != len(out.seqs):
             raise ValueError(f"sampled has {len(sampled)} entries for {len(out.seqs)} seqs")
         updated: list[Sequence] = []
+        block_size = self.block_manager.block_size
+        running = SequenceStatus.RUNNING
         for seq, n, token in zip(out.seqs, out.num_scheduled_tokens, sampled, strict=True):
-            if seq.is_finished:
+            if seq.status is not running:
                 # Ended by a stop string (or aborted) while this step ran: the engine
                 # overlaps the last step's output processing with this one. Drop its work.
+                assert seq.status.is_finished
                 continue
-            assert seq.status is SequenceStatus.RUNNING
             seq.num_computed_tokens += n
-            self.block_manager.cache_computed_blocks(seq)
+            # A decode fills a block only at a block boundary; until then nothing to cache.
+            if n > 1 or seq.num_computed_tokens % block_size == 0:
+                self.block_manager.cache_computed_blocks(seq)
             if self.kv_window is not None:
                 self.block_manager.release_out_of_window(seq, self.kv_window)
             if token is None:
@@ -244,16 +254,49 @@ class Scheduler:
         self.block_manager.forget(seq)
 
     def _stop_status(self, seq: Sequence) -> SequenceStatus | None:
-        token_id = seq.last_token_id
-        if not seq.params.ignore_eos and token_id in self.eos_token_ids:
+        # Runs for every sampled token: plain attribute reads, no properties.
+        token_ids, params = seq.token_ids, seq.params
+        token_id = token_ids[-1]
+        if not params.ignore_eos and token_id in self.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED
-        if token_id in seq.params.stop_token_ids:
+        if params.stop_token_ids and token_id in params.stop_token_ids:
             return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= seq.params.max_tokens:
+        num_tokens = len(token_ids)
+        if num_tokens - seq.num_prompt_tokens >= params.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.max_model_len:
+        if num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+    def _schedule_decodes(self, decodes: list[Sequence], step: _Step) -> None:
+        """One token for each running decode, in order, while the budget lasts.
+
+        A decode whose next position lies in a block it holds needs no allocation and, with
+        no time cap on the step, no pricing: it is added here in a few operations (the step
+        loop's hottest path at large batches); the others go through _schedule_running.
+        """
+        bs = self.block_manager.block_size
+        caching = self.block_manager.enable_prefix_caching
+        scheduled, running_status = step.scheduled, SequenceStatus.RUNNING
+        num_fast = num_fast_kv = 0
+        for seq in decodes:
+            if step.budget <= 0:
+                break
+            if seq.status is not running_status:
+                continue  # preempted earlier in this step
+            end = seq.num_computed_tokens + 1
+            if step.cap is not None or end > len(seq.block_table) * bs:
+                step.shape = step.shape.plus(num_fast, num_fast_kv, num_fast)
+                num_fast = num_fast_kv = 0
+                self._schedule_running(seq, step)
+                continue
+            scheduled[seq] = 1
+            step.budget -= 1
+            num_fast += 1
+            num_fast_kv += end
+            if caching and end % bs == 0:  # this token completes a block
+                step.completing_hashes.update(self.block_manager.hashes_completed_by(seq, 1))
+        step.shape = step.shape.plus(num_fast, num_fast_kv, num_fast)
 
     def _schedule_running(self, seq: Sequence, step: _Step) -> None:
         num_new = min(seq.num_uncomputed_tokens, step.budget)

@@ -61,6 +61,9 @@ class Sequence:
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
+        # Kept apart as well: every output of the request carries it, and slicing it off
+        # token_ids for each would copy the prompt once per generated token.
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         # Lower value = more urgent (as in vLLM); ties broken by arrival_order.
@@ -96,11 +99,6 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         """The generated tokens, in order."""
         return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        """The prompt tokens."""
-        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def last_token_id(self) -> int:

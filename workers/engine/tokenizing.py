@@ -23,15 +23,32 @@ Decode = Callable[[list[int], bool], str]
 EncodeTexts = Callable[[list[str]], list[list[int]]]
 
 
-def encode_ids(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
-    """`list(tokenizer(text, add_special_tokens=...).input_ids)`, without its wrappers."""
+def _plain_backend(tokenizer: Any) -> Any:
+    """The Rust backend when its options are the ones a call would set, else None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (backend is not None and backend.truncation is None and backend.padding is None
             and backend.encode_special_tokens == bool(
                 getattr(tokenizer, "split_special_tokens", False))):
+        return backend
+    return None
+
+
+def encode_ids(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """`list(tokenizer(text, add_special_tokens=...).input_ids)`, without its wrappers."""
+    backend = _plain_backend(tokenizer)
+    if backend is not None:
         ids: list[int] = backend.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
     return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+
+def encode_ids_batch(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """`encode_ids` of each text (special tokens added), in one call: the backend encodes a
+    batch on its own threads, and the per-call wrappers are paid once."""
+    backend = _plain_backend(tokenizer)
+    if backend is not None:
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=True)]
+    return [list(ids) for ids in tokenizer(texts).input_ids]
 
 
 def texts_encoder_of(tokenizer: Any) -> EncodeTexts:

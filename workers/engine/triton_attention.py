@@ -11,7 +11,6 @@ device, inside the kernel.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +19,9 @@ from workers.engine.attention import (
     AttentionBackend,
     AttentionParams,
     BatchLayout,
-    to_device,
+    PagedMetadata,
+    StepMetadata,
+    paged_metadata,
 )
 
 logger = logging.getLogger(__name__)
@@ -35,17 +36,6 @@ except ImportError:
 
 # tl.dot needs tiles of at least 16 rows: pool blocks are key tiles of the kernel.
 MIN_TRITON_BLOCK_SIZE = 16
-
-
-@dataclass(slots=True)
-class TritonAttentionMetadata:
-    """Device tensors the kernels read for one step, shared by every layer."""
-
-    slot_mapping: torch.Tensor  # (N,) int64
-    cu_seqlens_q: torch.Tensor  # (S + 1,) int32
-    seq_lens: torch.Tensor  # (S,) int32: cached + new tokens
-    block_tables: torch.Tensor  # (S, W) int32, padded with block 0 (never read)
-    max_query_len: int  # 1 for decode-only steps, the only host value a launch needs
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -63,55 +53,21 @@ class TritonAttentionBackend(AttentionBackend):
                 f"attention backend, got {block_size}"
             )
 
-    def build_metadata(self, layout: BatchLayout, device: torch.device) -> TritonAttentionMetadata:
-        """Cumulative query lengths, lengths and a padded table, copied without a host sync."""
-        width = max(len(t) for t in layout.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in layout.block_tables]
-        cu_seqlens_q = [0]
-        for n in layout.query_lens:
-            cu_seqlens_q.append(cu_seqlens_q[-1] + n)
-        # One host tensor and one copy for the three int32 vectors.
-        num_seqs = len(layout.seq_lens)
-        packed = torch.tensor(cu_seqlens_q + layout.seq_lens, dtype=torch.int32)
-        packed = to_device(packed, device)
-        return TritonAttentionMetadata(
-            slot_mapping=layout.slot_mapping,
-            cu_seqlens_q=packed[: num_seqs + 1],
-            seq_lens=packed[num_seqs + 1 :],
-            block_tables=to_device(torch.tensor(tables, dtype=torch.int32), device),
-            max_query_len=max(layout.query_lens),
-        )
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> PagedMetadata:
+        """The shared paged metadata: all the kernels read, copied without a host sync."""
+        return paged_metadata(layout, device)
 
-    def decode_metadata(
-        self,
-        slot_mapping: torch.Tensor,
-        seq_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-    ) -> TritonAttentionMetadata:
-        """Metadata over fixed buffers, for capturing and replaying decode CUDA graphs."""
-        return TritonAttentionMetadata(
-            slot_mapping=slot_mapping,
-            cu_seqlens_q=cu_seqlens_q,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            max_query_len=1,
-        )
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store k/v into the pool in one kernel launch."""
+        kv_write(k, v, k_cache, v_cache, slot_mapping)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: object,
-        params: AttentionParams = FULL_ATTENTION,
-    ) -> torch.Tensor:
-        """Store k/v into the pool (one launch), attend q over pool and chunk (one launch)."""
-        assert isinstance(metadata, TritonAttentionMetadata)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, metadata: StepMetadata,
+               params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
+        """Attend q over pool and chunk in one launch."""
         meta = metadata
-        kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        assert isinstance(meta, PagedMetadata)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         paged_attention(
             q, k, v, k_cache, v_cache, out,

@@ -221,6 +221,34 @@ def test_generate_accepts_every_prompt_form_in_order(model_dir: Path) -> None:
     assert llm.engine.stats().num_kv_blocks_used == 0
 
 
+def test_finished_only_steps_give_the_final_outputs_of_full_steps(model_dir: Path) -> None:
+    """step(finished_only=True) returns exactly the finished outputs step() would, and a
+    text prompt with its ids given runs as the same text encoded by the engine."""
+    rng = random.Random(3)
+    outputs = []
+    for finished_only in (False, True):
+        engine = make_engine(model_dir)
+        for i in range(6):
+            engine.add_request(f"r{i}", random_prompt(rng, 5 + i), greedy(3 + 2 * i))
+        ids = engine.tokenizer("a b c").input_ids
+        engine.add_request("text", "a b c", greedy(4), prompt_token_ids=ids)
+        seen = []
+        while engine.has_unfinished_requests():
+            step = engine.step(finished_only=finished_only)
+            if finished_only:
+                assert all(o.finished for o in step)
+            seen += [(o.request_id, o.token_ids, o.text) for o in step if o.finished]
+        outputs.append(sorted(seen))
+        rng = random.Random(3)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 7
+    alone = make_llm(model_dir).generate("a b c", greedy(4))[0]
+    assert ("text", alone.token_ids, alone.text) in outputs[1]
+    engine = make_engine(model_dir)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        engine.add_request("bad", "a b c", greedy(1), prompt_token_ids=[10**6])
+    assert not engine.has_unfinished_requests()
+
+
 def test_eos_and_max_model_len_end_requests(model_dir: Path) -> None:
     """Without ignore_eos the eos token stops; a sequence never outgrows max_model_len."""
     engine = make_engine(model_dir, max_model_len=40)

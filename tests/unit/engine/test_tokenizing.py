@@ -12,7 +12,7 @@ from tokenizers.pre_tokenizers import PreTokenizer
 from transformers import PreTrainedTokenizerFast
 
 from tests.unit.engine.tiny_models import byte_level_tokenizer, metaspace_tokenizer
-from workers.engine.tokenizing import decoder_of, encode_ids, texts_encoder_of
+from workers.engine.tokenizing import decoder_of, encode_ids, encode_ids_batch, texts_encoder_of
 
 TEXTS = [
     "", "hello world", "  leading and trailing  ", "<s> a </s> b</s>", "<pad><unk>x",
@@ -38,6 +38,19 @@ def test_ids_and_text_are_the_transformers_calls(
         for window in (ids, ids[1:], ids[:-1], ids[2:5]):
             assert decode(window, special) == tokenizer.decode(window,
                                                                skip_special_tokens=special)
+
+
+@pytest.mark.parametrize("make", TOKENIZERS, ids=["byte-level", "metaspace"])
+def test_a_batch_encodes_as_each_text_alone(make: Callable[[], PreTrainedTokenizerFast]) -> None:
+    """encode_ids_batch gives each text's encode_ids (special tokens added), also where the
+    backend carries an option the call resets and the call runs instead."""
+    tokenizer = make()
+    assert encode_ids_batch(tokenizer, TEXTS) == [encode_ids(tokenizer, t) for t in TEXTS]
+    tokenizer.backend_tokenizer.enable_truncation(max_length=3)
+    try:
+        assert encode_ids_batch(tokenizer, TEXTS) == [tokenizer(t).input_ids for t in TEXTS]
+    finally:
+        tokenizer.backend_tokenizer.no_truncation()
 
 
 def test_encode_steps_aside_when_the_backend_carries_options_the_call_resets() -> None:

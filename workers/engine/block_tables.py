@@ -1,0 +1,74 @@
+"""Block tables kept as rows of one host tensor from step to step, for the paged kernels.
+
+Responsible for one thing: handing the model runner a step's (S, W) int32 block tables
+without rebuilding them from Python lists. Each sequence keeps a row while it runs; a step
+writes only what changed since the sequence's last step (usually nothing: a decode takes
+a new block once every block_size tokens), then gathers its rows in one indexing op.
+
+A row is current while the sequence's `block_table` is the same list object, no shorter
+than what was written: the block manager appends to that list as a sequence grows and
+replaces it when it frees or admits the sequence (preemption, readmission), so a new
+object means "rewrite the row". When rows run out, those of sequences not running (finished,
+preempted, or driven outside the scheduler) and not in the step are reclaimed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.engine.sequence import Sequence, SequenceStatus
+
+
+class BlockTableRows:
+    """Per-sequence rows of padded block tables, updated incrementally (see module doc)."""
+
+    def __init__(self, num_rows: int, max_blocks_per_seq: int) -> None:
+        self.table = torch.zeros(num_rows, max_blocks_per_seq, dtype=torch.int32)
+        self._rows = self.table.numpy()  # the same memory: cheap writes of a few entries
+        self._row_of: dict[Sequence, int] = {}
+        # Per row: the block_table list it was written from, and how many entries.
+        self._written: list[tuple[list[int] | None, int]] = [(None, 0)] * num_rows
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+
+    def gather(self, seqs: list[Sequence]) -> torch.Tensor:
+        """(len(seqs), W) int32: each sequence's table, W its longest; entries past a
+        table's end are never read by the kernels."""
+        rows: list[int] = []
+        width = 0
+        row_of, written, table_rows = self._row_of, self._written, self._rows
+        for seq in seqs:
+            row = row_of.get(seq)
+            if row is None:
+                row = self._assign(seq, seqs)
+            table = seq.block_table
+            n = len(table)
+            source, num_written = written[row]
+            if source is not table or num_written > n:
+                table_rows[row, :n] = table
+                written[row] = (table, n)
+            elif num_written < n:
+                table_rows[row, num_written:n] = table[num_written:]
+                written[row] = (table, n)
+            rows.append(row)
+            width = max(width, n)
+        index = torch.tensor(rows, dtype=torch.int64)
+        return self.table[:, :width].index_select(0, index)
+
+    def _assign(self, seq: Sequence, keep: list[Sequence]) -> int:
+        if not self._free_rows:
+            self._reclaim(keep)
+        if not self._free_rows:
+            raise RuntimeError("more sequences in one step than block table rows")
+        row = self._free_rows.pop()
+        self._row_of[seq] = row
+        self._written[row] = (None, 0)
+        return row
+
+    def _reclaim(self, keep: list[Sequence]) -> None:
+        """Free the rows of sequences that are not running, except the step's own."""
+        in_step = set(keep)
+        for seq, row in list(self._row_of.items()):
+            if seq.status is not SequenceStatus.RUNNING and seq not in in_step:
+                del self._row_of[seq]
+                self._written[row] = (None, 0)
+                self._free_rows.append(row)
