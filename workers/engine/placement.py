@@ -10,7 +10,6 @@ Triton there only under its interpreter, for tests.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from transformers import PretrainedConfig
@@ -23,6 +22,7 @@ from workers.engine.flash_attention import (
     MIN_FLASH_CAPABILITY,
     FlashAttentionBackend,
 )
+from workers.engine.kernels.interpreter import is_interpreting
 from workers.engine.models import head_dim_of
 from workers.engine.triton_attention import HAS_TRITON, TritonAttentionBackend
 
@@ -104,7 +104,7 @@ def pick_backend(
             raise ValueError(f"attention_backend 'flash' cannot run here: {reason}")
         logger.info("flash attention not used: %s", reason)
     if name == "triton" or name == "auto" and device.type == "cuda":
-        if HAS_TRITON and (device.type == "cuda" or _is_triton_interpreting()):
+        if HAS_TRITON and (device.type == "cuda" or is_interpreting()):
             return TritonAttentionBackend(heads, kv_heads, head_dim)
         if name == "triton":
             raise ValueError(
@@ -132,6 +132,3 @@ def _flash_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _is_triton_interpreting() -> bool:
-    """Triton's interpreter runs kernels on the CPU (TRITON_INTERPRET=1), for tests."""
-    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -28,11 +28,11 @@ Soft-capping (`softcap` > 0): scores -> softcap * tanh(scores / softcap) before 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from workers.engine.kernels.interpreter import dot_options
 
 
 @triton.jit
@@ -160,10 +160,6 @@ def _paged_attention_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-def _is_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def check_paged_attention_args(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -241,8 +237,7 @@ def paged_attention(
     # The interpreter's bf16 arithmetic and tl.dot are wrong (triton-lang/triton#4972):
     # there bf16 tiles are loaded as bf16 and computed in fp32. fp32 dots stay exact (no
     # TF32) so fp32 runs match the torch path.
-    upcast = _is_interpreting() and q.dtype == torch.bfloat16
-    precision = "ieee" if q.dtype == torch.float32 or upcast else None  # None: the default
+    upcast, precision = dot_options(q.dtype)
     grid = (num_seqs, k.shape[1], triton.cdiv(max_query_len, block_q))
     _paged_attention_kernel[grid](
         q, k, v, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
