@@ -201,6 +201,16 @@ class CachePolicyField(ClientObject):
     # Cosine similarity a semantic match needs; below 0.8 everything looks alike.
     threshold: Annotated[float, Field(ge=0.8, le=1, strict=True, allow_inf_nan=False)] | None = (
         None)
+    # The chance of a wrong semantic answer accepted (calibrated; see storage.cache_policy).
+    max_error: Annotated[float, Field(ge=0.0001, le=0.5, strict=True,
+                                      allow_inf_nan=False)] | None = None
+
+    @model_validator(mode="after")
+    def _one_similarity_rule(self) -> CachePolicyField:
+        if self.threshold is not None and self.max_error is not None:
+            raise ValueError("give cache.max_error or cache.threshold, not both: max_error "
+                             "bounds wrong answers, threshold is a raw cosine similarity")
+        return self
 
 
 class SamplingRequest(ClientObject):

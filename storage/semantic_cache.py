@@ -1,8 +1,8 @@
 """Semantic cache in Redis: answers of earlier prompts, found by embedding similarity.
 
 Responsible for what every backend shares: the scope a request searches and fills
-(tenant, model, weights revision and its sampling parameters: a prompt only ever
-matches prompts asked the same way, of the same tenant), what an entry and a match are,
+(tenant, model, weights revision, its sampling parameters and system prompt: a prompt
+only ever matches prompts asked the same way, of the same tenant), what an entry and a match are,
 and the interface of a backend. Redis errors are logged and read as misses by every
 backend, never raised.
 
@@ -30,7 +30,7 @@ from storage.result_cache import canonical_request
 logger = logging.getLogger(__name__)
 
 # Bump when the scope material or a stored layout changes: old entries then miss.
-SEMANTIC_CACHE_VERSION = 2
+SEMANTIC_CACHE_VERSION = 3
 PROMPT_FIELDS = ("messages", "prompt", "cache")
 # Candidates a lookup considers per query, best first (the best live one wins).
 NUM_CANDIDATES = 8
@@ -38,11 +38,12 @@ KIND = "semantic"  # the cache kind in metrics, stats and the ledger
 
 
 def semantic_namespace(*, tenant_id: str, model: str, revision: str | None,
-                       body: dict[str, Any]) -> str:
-    """The scope a request searches and fills (32 hex digits)."""
+                       body: dict[str, Any], system: str = "") -> str:
+    """The scope a request searches and fills (32 hex digits); `system` is the request's
+    system prompt (a different one may well want a different answer)."""
     sampling = {k: v for k, v in canonical_request(body).items() if k not in PROMPT_FIELDS}
     material = {"v": SEMANTIC_CACHE_VERSION, "tenant": tenant_id, "model": model,
-                "revision": revision, "sampling": sampling}
+                "revision": revision, "sampling": sampling, "system": system}
     text = json.dumps(material, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 

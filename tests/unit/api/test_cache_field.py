@@ -25,6 +25,12 @@ def test_a_cache_policy_reaches_the_stored_request(
         job = session.get(Job, response.json()["id"])
         assert job is not None
         assert job.request["cache"] == {"mode": "semantic", "ttl": 600, "threshold": 0.97}
+    body["cache"] = {"mode": "semantic", "max_error": 0.02}
+    response = client.post("/v1/jobs", json=body, headers=acme.headers)
+    assert response.status_code == 202, response.text
+    with sessions() as session:
+        job = session.get(Job, response.json()["id"])
+        assert job is not None and job.request["cache"] == body["cache"]
 
 
 @pytest.mark.parametrize(
@@ -32,6 +38,10 @@ def test_a_cache_policy_reaches_the_stored_request(
     [
         ({"mode": "sometimes"}, "cache.mode"),
         ({"mode": "semantic", "threshold": 0.5}, "cache.threshold"),
+        ({"mode": "semantic", "max_error": 0}, "cache.max_error"),
+        ({"mode": "semantic", "max_error": 0.9}, "cache.max_error"),
+        ({"mode": "semantic", "max_error": "0.01"}, "cache.max_error"),
+        ({"mode": "semantic", "max_error": 0.01, "threshold": 0.97}, "cache"),
         ({"mode": "exact", "ttl": 0}, "cache.ttl"),
         ({"mode": "exact", "ttl": "60"}, "cache.ttl"),
         ({"mode": "exact", "store": True}, "cache.store"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from storage.cache_policy import DEFAULT_SEMANTIC_THRESHOLD, CachePolicy
+from storage.cache_policy import DEFAULT_MAX_ERROR, CachePolicy
 
 
 def test_off_bypasses_every_cache_and_the_other_modes_share_prefix_kv() -> None:
@@ -18,5 +18,12 @@ def test_off_bypasses_every_cache_and_the_other_modes_share_prefix_kv() -> None:
 def test_odd_fields_from_the_queue_read_as_defaults() -> None:
     """A body from the queue is read leniently: unknown mode, bool ttl, string threshold."""
     policy = CachePolicy.of({"cache": {"mode": "sometimes", "ttl": True, "threshold": "x"}})
-    assert policy == CachePolicy("auto", None, DEFAULT_SEMANTIC_THRESHOLD)
+    assert policy == CachePolicy("auto", None, None, DEFAULT_MAX_ERROR)
     assert CachePolicy.of({"cache": {"ttl": 30}}).ttl_or(5) == 30
+    assert CachePolicy.of({"cache": {"max_error": 7}}).max_error == DEFAULT_MAX_ERROR
+
+
+def test_max_error_and_threshold_are_read_from_the_body() -> None:
+    policy = CachePolicy.of({"cache": {"mode": "semantic", "max_error": 0.05}})
+    assert (policy.max_error, policy.threshold) == (0.05, None)
+    assert CachePolicy.of({"cache": {"mode": "semantic", "threshold": 0.97}}).threshold == 0.97
