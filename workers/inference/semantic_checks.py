@@ -28,11 +28,12 @@ run; they never make a miss into a hit.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 _TOKEN = re.compile(r"\d+(?:[.,]\d+)*|[^\W\d_]+(?:['’][^\W\d_]+)?|%|\$|€|£|°", re.UNICODE)
 _QUOTED = re.compile(r"[\"“”‘’`]([^\"“”‘’`]{1,80})[\"“”‘’`]"
                      r"|(?:(?<=\s)|^)'([^']{1,80})'(?=\W|$)")
-_SENTENCE_END = re.compile(r"[.!?:;\n]\s*$")
+_SENTENCE_ENDS = frozenset(".!?:;\n")
 
 NUMBER_WORDS = {
     "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6",
@@ -121,7 +122,7 @@ NOT_NAMES = frozenset({"i", "im", "ive", "id", "ill", "ok", "okay"})
 
 def disagreements(text: str, other: str) -> list[str]:
     """The names of the checks on which two texts disagree (empty: they agree)."""
-    a, b = Salient.of(text), Salient.of(other)
+    a, b = salient(text), salient(other)
     failed = []
     # "one pound" and "a pound" agree: 1 is what an article says too.
     if a.numbers - {"1"} != b.numbers - {"1"}:
@@ -164,6 +165,12 @@ def _opposed(only_a: frozenset[str], only_b: frozenset[str]) -> bool:
     return any(OPPOSITES[word] & only_b for word in only_a)
 
 
+@lru_cache(maxsize=4096)
+def salient(text: str) -> Salient:
+    """`Salient.of(text)`, remembered: a cached prompt is checked against many askers."""
+    return Salient.of(text)
+
+
 class Salient:
     """What the checks compare of one text."""
 
@@ -191,8 +198,12 @@ class Salient:
         order: dict[str, None] = {}
         content: list[tuple[str, int]] = []
         negations = 0
+        previous_end = 0  # where the token before this one ended
         for match in _TOKEN.finditer(text):
             token = match.group(0)
+            gap = text[previous_end:match.start()]
+            starts_sentence = previous_end == 0 or any(c in _SENTENCE_ENDS for c in gap)
+            previous_end = match.end()
             folded = token.casefold().replace("’", "'")
             if folded.endswith("'s"):  # California's is California
                 folded = folded[:-2]
@@ -215,8 +226,6 @@ class Salient:
                 negations += 1
             if folded in OPPOSITES:
                 polar.add(folded)
-            before = text[: match.start()]
-            starts_sentence = not before.strip() or bool(_SENTENCE_END.search(before))
             if (token[0].isupper() and not starts_sentence and folded not in DATE_WORDS
                     and folded not in NOT_NAMES):
                 names.add(folded)

@@ -82,16 +82,27 @@ class SemanticLookup:
 
     def find(self, messages: list[JobMessage]) -> dict[str, SemanticMatch]:
         """Job id → the earlier answer that may serve it, for the opted-in ones."""
+        return self.match(self.embed(messages))
+
+    def embed(self, messages: list[JobMessage]) -> list[_Asked]:
+        """The opted-in jobs, their prompts segmented and embedded (find's first step)."""
         wanted = [(m, CachePolicy.of(m.body)) for m in messages]
         wanted = [(m, p) for m, p in wanted if p.reads_semantic]
         if not wanted:
-            return {}
+            return []
         segments = [segments_of(m.body) for m, _ in wanted]
         vectors = self._embed(segments)
+        return [_Asked(message, policy, seg, vec)
+                for (message, policy), seg, vec in zip(wanted, segments, vectors, strict=True)]
+
+    def match(self, wanted: list[_Asked]) -> dict[str, SemanticMatch]:
+        """Search and verify embedded jobs (find's second step); misses wait to be
+        remembered."""
+        if not wanted:
+            return {}
         by_namespace: dict[str, list[_Asked]] = defaultdict(list)
-        for (message, policy), seg, vec in zip(wanted, segments, vectors, strict=True):
-            asked = _Asked(message, policy, seg, vec)
-            by_namespace[self._namespace(message, seg)].append(asked)
+        for asked in wanted:
+            by_namespace[self._namespace(asked.message, asked.segments)].append(asked)
         calibration = load_calibration()
         hits: dict[str, SemanticMatch] = {}
         for namespace, group in by_namespace.items():

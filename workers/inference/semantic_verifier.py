@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from storage.cache_policy import CachePolicy
-from workers.inference.semantic_checks import STOP_WORDS, Salient, disagreements
+from workers.inference.semantic_checks import STOP_WORDS, disagreements, salient
 from workers.inference.semantic_segments import PromptSegments, SegmentVectors
 
 CALIBRATION_PATH = Path(__file__).with_name("semantic_calibration.json")
@@ -189,7 +189,7 @@ def conformal_threshold(trap_scores: list[float], max_error: float) -> float | N
 
 
 def _content_words(text: str) -> frozenset[str]:
-    return frozenset(w for w in Salient.of(text).words if w not in STOP_WORDS)
+    return frozenset(w for w in salient(text).words if w not in STOP_WORDS)
 
 
 def _pack(vector: np.ndarray) -> str:
