@@ -38,12 +38,17 @@ KIND = "semantic"  # the cache kind in metrics, stats and the ledger
 
 
 def semantic_namespace(*, tenant_id: str, model: str, revision: str | None,
-                       body: dict[str, Any], system: str = "") -> str:
+                       body: dict[str, Any], system: str = "",
+                       kind: str = "chat.completion") -> str:
     """The scope a request searches and fills (32 hex digits); `system` is the request's
-    system prompt (a different one may well want a different answer)."""
+    system prompt (a different one may well want a different answer); `kind` the result
+    object (a `/v1/responses` job runs the chat body a chat call would, but its answer is
+    another object)."""
     sampling = {k: v for k, v in canonical_request(body).items() if k not in PROMPT_FIELDS}
     material = {"v": SEMANTIC_CACHE_VERSION, "tenant": tenant_id, "model": model,
                 "revision": revision, "sampling": sampling, "system": system}
+    if kind == "response":  # other kinds differ in their bodies already
+        material["kind"] = kind
     text = json.dumps(material, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 

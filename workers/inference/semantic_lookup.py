@@ -161,7 +161,7 @@ class SemanticLookup:
     def _namespace(self, message: JobMessage, segments: PromptSegments) -> str:
         return semantic_namespace(tenant_id=message.tenant_id, model=message.model,
                                   revision=self._revision, body=message.body,
-                                  system=segments.system)
+                                  system=segments.system, kind=message.kind)
 
     def _embed(self, prompts: list[PromptSegments]) -> list[SegmentVectors]:
         if self._embedder is None:
