@@ -130,10 +130,12 @@ class RateLimited(APIError):
     type = RATE_LIMIT
     code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, retry_after_s: float, code: str | None = None) -> None:
+    def __init__(self, message: str, *, retry_after_s: float, code: str | None = None,
+                 param: str | None = None) -> None:
         # Retry-After takes whole seconds; rounding down to 0 would invite a hot retry loop.
         seconds = max(1, int(retry_after_s + 0.999))
-        super().__init__(message, code=code, headers={"Retry-After": str(seconds)})
+        super().__init__(message, code=code, param=param,
+                         headers={"Retry-After": str(seconds)})
 
 
 class ServiceUnavailable(APIError):

@@ -37,6 +37,7 @@ from api.key_cache import ApiKeyCache
 from api.model_states import ModelStateReader
 from api.rate_limit import TokenBucketLimiter
 from api.single_flight import SingleFlight
+from api.token_budgets import BudgetGate
 from core.kafka import ensure_topics, make_producer
 from core.settings import Settings
 from storage.db import create_db_engine, session_factory
@@ -299,6 +300,8 @@ class Resources:
     key_lookups: SingleFlight[CurrentTenant | None] = field(default_factory=SingleFlight)
     # Active-job counts under way, by tenant id (see api.submission._admit).
     active_counts: SingleFlight[None] = field(default_factory=SingleFlight)
+    # Tenants' token budgets (see api.token_budgets); None leaves them unchecked.
+    budgets: BudgetGate | None = None
 
     @classmethod
     def open(cls, settings: Settings) -> Resources:
@@ -330,6 +333,7 @@ class Resources:
             done_hub=JobDoneHub(async_redis, prefix=settings.topic_prefix),
             estimates=EstimateBoard(engine, refresh_s=settings.estimate_refresh_s,
                                     heartbeat_timeout_s=settings.worker_heartbeat_timeout_s),
+            budgets=BudgetGate(settings, sessions, async_redis, sync_redis),
         )
 
     async def aclose(self) -> None:

@@ -141,8 +141,10 @@ async def _queue(
         published=True,
         deadline=deadline,
     )
+    if resources.budgets is not None:
+        await resources.budgets.reserve(job)  # 429 when a token budget is spent
     try:
-        await _store(job, resources, producer)
+        await _store_reserved(job, resources, producer)
     except IdempotencyKeyTaken:
         # A concurrent request with the same key committed first: answer as its replay.
         assert idempotency_key is not None and digest is not None
@@ -157,6 +159,16 @@ async def _queue(
     JOBS_SUBMITTED.labels(priority=job.priority).inc()
     logger.debug("job %s queued (%s, %s)", job.id, job.priority, job.model)
     return Submission(job=job, is_replay=False)
+
+
+async def _store_reserved(job: Job, resources: Resources, producer: LazyProducer) -> None:
+    """`_store`, giving the job's token reservation back when it was not stored."""
+    try:
+        await _store(job, resources, producer)
+    except Exception:
+        if resources.budgets is not None:
+            await resources.budgets.release(job)
+        raise
 
 
 async def _store(job: Job, resources: Resources, producer: LazyProducer) -> None:

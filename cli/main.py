@@ -359,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cli.jobs import add_jobs_parser
 
     add_jobs_parser(sub)
+    from cli.tenants import add_tenants_parser
+
+    add_tenants_parser(sub)
     return parser
 
 

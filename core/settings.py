@@ -55,6 +55,13 @@ class Settings(BaseSettings):
     tenant_max_active_jobs: int = Field(default=100_000, ge=1)
     # Submissions per tenant per second (token bucket; 429 above it).
     tenant_rate_limit_per_s: float = Field(default=1000.0, gt=0)
+    # Tenants' token budgets (`batchinfer tenants set-limits`): how long an API process or
+    # the scheduler trusts the limits it read, and the output tokens a job without
+    # `max_tokens` is expected to use when its reservation is made (settled when it ends).
+    tenant_limits_refresh_s: float = Field(default=5.0, gt=0)
+    budget_default_completion_tokens: int = Field(default=256, ge=1)
+    # Prometheus series per tenant before further tenants are counted as "other".
+    tenant_metrics_max_tenants: int = Field(default=50, ge=1)
     long_poll_max_s: float = Field(default=60.0, ge=0)
     # How long OpenAI-compatible /v1/chat/completions waits for its job.
     sync_request_timeout_s: float = Field(default=600.0, gt=0)
@@ -209,6 +216,11 @@ class Settings(BaseSettings):
     # Longest wait between batch passes (validate, fan out, count, finalize); announced
     # batches and batches about to finish bring a pass sooner.
     batch_poll_interval_s: float = Field(default=1.0, gt=0)
+    # A batch's lines queued in the topics at once (0: no window). Lines past it wait in
+    # the input file, so another tenant's jobs of the same priority are never queued behind
+    # more than this many of the batch's (fair share, docs/tenants.md). Keep it above what
+    # the fleet runs at once (workers x worker_max_inflight), or one batch cannot use it all.
+    batch_max_queued_lines: int = Field(default=2000, ge=0)
 
     # Webhook callbacks (`batchinfer callbacks`, a Celery worker on redis_url).
     # Hosts or CIDRs a callback URL may resolve into although private (e.g. 127.0.0.1).

@@ -6,6 +6,17 @@ checking it is still `in_progress` and its cursor is where this pass left it, ad
 jobs and advancing the cursor; then producing the jobs to their priority topic and
 stamping them published. Memory holds one chunk.
 
+Fair share: at most `batch_max_queued_lines` of a batch's jobs are queued at once; the
+rest wait in the file for the next pass. A huge batch therefore never puts more than that
+many records ahead of another tenant's jobs in a priority's topic, and the workers' intake
+shares what it fetches between tenants (`workers.inference.prefetch`).
+
+Token budgets: a line counts against its tenant's budgets (`storage.token_budget`) when it
+is enqueued. Lines that do not fit wait in the input file; the next pass (the scheduler
+comes back at least every `batch_poll_interval_s`) enqueues them as the budget refills, so
+a batch over budget is slowed, never failed. Each enqueued line's reservation is settled
+by the worker that runs it.
+
 Crash safety: a chunk's jobs and its cursor commit together, so a restarted pass resumes
 at the first line without a job — no line is skipped or doubled. Jobs committed but not yet
 produced stay `queued` with no publish stamp; the reconciler re-publishes them.
@@ -16,9 +27,10 @@ from __future__ import annotations
 import logging
 import time
 from itertools import islice
+from typing import Any
 
 from kafka import KafkaProducer
-from sqlalchemy import insert
+from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import metrics
@@ -30,6 +42,8 @@ from storage.batches import BatchStatus, lock_batch
 from storage.files import FileStore
 from storage.jobs import new_job_message, new_job_values
 from storage.models import Job, JobStatus
+from storage.tenant_limits import Budget, budgets_of, limits_of_tenant
+from storage.token_budget import TokenBudgets, estimate_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +55,10 @@ PUBLISH_TIMEOUT_S = 30.0
 
 def fan_out(
     settings: Settings, sessions: sessionmaker[Session], producer: KafkaProducer,
-    store: FileStore, *, batch_id: str, budget_s: float,
+    store: FileStore, *, batch_id: str, budget_s: float, budgets: TokenBudgets | None = None,
 ) -> int:
-    """Enqueue the batch's remaining lines for up to about `budget_s`; returns jobs added."""
+    """Enqueue the batch's remaining lines for up to about `budget_s`, as far as the
+    tenant's token budgets allow (with `budgets`); returns jobs added."""
     with sessions() as session:
         batch = lock_batch(session, batch_id=batch_id)
         if batch is None or batch.status != BatchStatus.IN_PROGRESS:
@@ -52,31 +67,57 @@ def fan_out(
         endpoint, model_override = batch.endpoint, batch.model_override
     deadline = time.monotonic() + budget_s
     num_added = 0
+    room = _queue_room(settings, sessions, batch_id=batch_id)
+    if room <= 0:
+        return 0
     with store.open(input_file_id) as handle:
         requests = iter_requests(handle, endpoint=endpoint, model_override=model_override,
                                  max_line_bytes=settings.max_request_bytes, skip=cursor,
                                  check_bodies=True, models_dir=settings.models_dir)
-        while time.monotonic() < deadline:
-            chunk = list(islice(requests, CHUNK_SIZE))
+        while time.monotonic() < deadline and room > 0:
+            chunk = list(islice(requests, min(CHUNK_SIZE, room)))
             if not chunk:
                 break
-            jobs = _add_chunk(sessions, batch_id=batch_id, cursor=cursor, chunk=chunk)
-            if jobs is None:
+            added = _add_chunk(sessions, batch_id=batch_id, cursor=cursor, chunk=chunk,
+                               budgets=budgets, settings=settings)
+            if added is None:
                 break
+            jobs, num_lines = added
             if jobs:
                 _publish(settings, sessions, producer, jobs)
-            cursor += len(chunk)
-            num_added += len(chunk)
+            cursor += num_lines
+            num_added += num_lines
+            room -= num_lines
+            if num_lines < len(chunk):  # a token budget is spent: the rest waits
+                logger.info("batch %s: %d line(s) wait for the tenant's token budget",
+                            batch_id, len(chunk) - num_lines)
+                break
     if num_added:
         logger.info("batch %s: enqueued %d job(s), %d so far", batch_id, num_added, cursor)
     return num_added
 
 
+def _queue_room(settings: Settings, sessions: sessionmaker[Session], *, batch_id: str
+                ) -> int:
+    """Lines the batch may still put in the topics now (`batch_max_queued_lines` less its
+    queued jobs; ix_jobs_batch answers the count)."""
+    window = settings.batch_max_queued_lines
+    if not window:
+        return CHUNK_SIZE * 1_000_000  # no window: the time budget alone bounds a pass
+    with sessions() as session:
+        num_queued = session.scalar(select(func.count()).select_from(Job).where(
+            Job.batch_id == batch_id, Job.status == JobStatus.QUEUED)) or 0
+    return window - num_queued
+
+
 def _add_chunk(
-    sessions: sessionmaker[Session], *, batch_id: str, cursor: int, chunk: list[BatchRequest]
-) -> list[JobMessage] | None:
-    """Add one chunk's jobs and advance the cursor; the messages of the jobs to publish,
-    None if the batch moved on meanwhile.
+    sessions: sessionmaker[Session], *, batch_id: str, cursor: int,
+    chunk: list[BatchRequest], budgets: TokenBudgets | None = None,
+    settings: Settings | None = None,
+) -> tuple[list[JobMessage], int] | None:
+    """Add the chunk's jobs that the tenant's token budgets admit (all, without budgets)
+    and advance the cursor past them; the messages of the jobs to publish and the number
+    of lines taken, None if the batch moved on meanwhile.
 
     A line the API would refuse (`BatchRequest.error`) is stored failed with that error, in
     the same transaction: it shows in the error file and never reaches a worker.
@@ -98,6 +139,13 @@ def _add_chunk(
                            deadline=batch.expires_at)
             for request in chunk
         ]
+        if budgets is not None:
+            assert settings is not None, "budgets are checked with the settings' estimates"
+            num_taken = _num_within_budget(settings, session, budgets, batch.tenant_id,
+                                           rows, chunk)
+            rows, chunk = rows[:num_taken], chunk[:num_taken]
+            if not rows:
+                return [], 0
         num_refused = 0
         for row, request in zip(rows, chunk, strict=True):
             if request.error:
@@ -115,7 +163,38 @@ def _add_chunk(
             logger.info("batch %s: %d line(s) refused as the API would refuse them", batch_id,
                         num_refused)
         return [new_job_message(row) for row, request in zip(rows, chunk, strict=True)
-                if not request.error]
+                if not request.error], len(chunk)
+
+
+def _num_within_budget(settings: Settings, session: Session, budgets: TokenBudgets,
+                       tenant_id: str, rows: list[dict[str, Any]],
+                       chunk: list[BatchRequest]) -> int:
+    """Reserve tokens for the leading lines that fit the tenant's budgets; how many lines
+    (refused lines need none) are taken."""
+    limits = limits_of_tenant(session, tenant_id=tenant_id)
+    if not limits:
+        return len(rows)
+    wanted = [(i, row) for i, (row, request) in enumerate(zip(rows, chunk, strict=True))
+              if not request.error]
+    by_model: dict[str, list[Budget]] = {}
+    num_taken = len(rows)
+    # Lines of one model in a row share one script call; a batch has one model in practice.
+    start = 0
+    while start < len(wanted):
+        model = wanted[start][1]["model"]
+        end = start
+        while end < len(wanted) and wanted[end][1]["model"] == model:
+            end += 1
+        model_budgets = by_model.setdefault(model, budgets_of(limits, model=model))
+        estimates = [(row["id"], estimate_tokens(
+            row["request"], default_completion_tokens=settings.budget_default_completion_tokens))
+            for _, row in wanted[start:end]]
+        verdict = budgets.reserve(tenant_id=tenant_id, budgets=model_budgets, jobs=estimates)
+        if verdict.num_granted < len(estimates):
+            num_taken = wanted[start + verdict.num_granted][0]
+            break
+        start = end
+    return num_taken
 
 
 def _publish(settings: Settings, sessions: sessionmaker[Session], producer: KafkaProducer,

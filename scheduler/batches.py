@@ -57,6 +57,7 @@ from storage.batches import Batch, BatchStatus, active_batch_ids, batch_object, 
 from storage.events import publish_batch_done, publish_cancel
 from storage.files import FileStore, get_file
 from storage.models import utcnow
+from storage.token_budget import TokenBudgets
 from storage.webhook_events import BATCH_STATUS_TO_EVENT, enqueue_event
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class BatchRunner:
         self.sessions = sessions
         self.producer = producer
         self.redis = redis_client
+        self.budgets = TokenBudgets(redis_client, prefix=settings.topic_prefix)
         self.store = store
         self.wakeup = wakeup or Wakeup()
         self._usage_summed_at: dict[str, float] = {}  # batch id -> monotonic time
@@ -239,7 +241,7 @@ class BatchRunner:
             is_fanned_out = batch.num_enqueued >= batch.num_requests
         if not is_fanned_out and not is_past_window:
             fan_out(self.settings, self.sessions, self.producer, self.store,
-                    batch_id=batch_id, budget_s=FANOUT_BUDGET_S)
+                    batch_id=batch_id, budget_s=FANOUT_BUDGET_S, budgets=self.budgets)
         with self.sessions() as session:
             batch = lock_batch(session, batch_id=batch_id)
             if batch is None or batch.status != BatchStatus.IN_PROGRESS:

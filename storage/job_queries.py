@@ -1,4 +1,4 @@
-"""A tenant's jobs as lists and sums: the filters of `GET /v1/jobs` and the usage summary.
+"""A tenant's jobs as lists and counts: the filters of `GET /v1/jobs`.
 
 Filters combine with AND; `metadata` matches each given key's string value exactly. Every
 query starts from the tenant's rows, so one tenant never counts another's jobs.
@@ -7,10 +7,10 @@ query starts from the tenant's rows, so one tenant never counts another's jobs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import date, datetime
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, case, func, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
 from storage.jobs import MAX_LIST_LIMIT, get_job
@@ -63,42 +63,3 @@ def list_jobs_where(session: Session, *, tenant_id: str, where: JobFilter, limit
     total = session.scalar(where.apply(
         select(func.count()).select_from(Job).where(Job.tenant_id == tenant_id)))
     return jobs, has_more, int(total or 0)
-
-
-@dataclass(frozen=True, slots=True)
-class UsageRow:
-    """One model's finished jobs and tokens on one day (UTC)."""
-
-    day: date
-    model: str
-    num_jobs: int
-    num_succeeded: int
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-def usage_by_day(session: Session, *, tenant_id: str, since: datetime,
-                 until: datetime) -> list[UsageRow]:
-    """The tenant's jobs that finished in [since, until), summed per day and model, oldest
-    day first. Tokens count what was computed or served (a cached answer has 0 completion
-    tokens computed)."""
-    day = func.date(Job.finished_at)
-    query = (
-        select(day, Job.model, func.count(),
-               func.sum(case((Job.status == JobStatus.SUCCEEDED, 1), else_=0)),
-               func.coalesce(func.sum(Job.prompt_tokens), 0),
-               func.coalesce(func.sum(Job.completion_tokens), 0),
-               func.coalesce(func.sum(Job.cached_tokens), 0))
-        .where(Job.tenant_id == tenant_id, Job.finished_at >= since, Job.finished_at < until)
-        .group_by(day, Job.model)
-        .order_by(day, Job.model)
-    )
-    return [UsageRow(day=_as_date(d), model=model, num_jobs=int(n), num_succeeded=int(ok or 0),
-                     prompt_tokens=int(p), completion_tokens=int(c), cached_tokens=int(k))
-            for d, model, n, ok, p, c, k in session.execute(query)]
-
-
-def _as_date(value: Any) -> date:
-    # SQLite's date() answers text, PostgreSQL's a date.
-    return value if isinstance(value, date) else date.fromisoformat(str(value))

@@ -183,3 +183,20 @@ class WorkerHeartbeat(Base):
     model: Mapped[str | None] = mapped_column(String(200), default=None)
     tokens_per_s: Mapped[float | None] = mapped_column(Float, default=None)
     step_s: Mapped[float | None] = mapped_column(Float, default=None)
+
+
+class TenantLimit(Base):
+    """A tenant's token budgets and fair-share weight, for all its models (`model` "*")
+    or for one model. A missing budget (None) means no limit of that kind."""
+
+    __tablename__ = "tenant_limits"
+
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, default=None)
+    tokens_per_day: Mapped[int | None] = mapped_column(Integer, default=None)
+    # Share of a priority's capacity against other tenants with queued work (only the
+    # "*" row's weight is used).
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -26,11 +26,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core import metrics
 from core.messages import JobMessage
+from core.tenant_metrics import TenantLabels, count_finished
 from storage import job_batches, jobs
 from storage.cache_policy import CachePolicy
 from storage.events import publish_job_done, publish_jobs_done
 from storage.models import Job, JobStatus
 from storage.result_cache import ResultCache, result_cache_key
+from storage.tenant_limits import tenant_weights
+from storage.token_budget import TokenBudgets
 from storage.webhook_events import enqueue_job_event
 from workers.inference.semantic_lookup import SemanticLookup
 
@@ -73,6 +76,7 @@ class JobStore:
         prefix: str,
         result_cache_ttl_s: int,
         model_revision: str | None = None,
+        max_tenants: int = 50,
     ) -> None:
         self._sessions = sessions
         # The served weights' revision: results carry it, cached ones are keyed by it.
@@ -83,6 +87,9 @@ class JobStore:
         self._cache_ttl_s = result_cache_ttl_s
         # Set by the worker's wiring when semantic lookups are possible.
         self.semantic: SemanticLookup | None = None
+        # Finished jobs settle their token reservations and feed the per-tenant counters.
+        self.budgets = TokenBudgets(redis_client, prefix=prefix)
+        self.tenant_labels = TenantLabels(max_tenants)
         # A job's result-cache key is needed to look its result up before it runs and to
         # fill the cache after; the key (canonical JSON, SHA-256) cost ~18 us a job each
         # time on the worker's one thread. Job id -> key, from look-up until stored.
@@ -93,6 +100,11 @@ class JobStore:
         with self._sessions() as session:
             job = jobs.get_job(session, job_id=job_id)
             return None if job is None else JobSnapshot(job.status, job.created_at)
+
+    def tenant_weights(self) -> dict[str, float]:
+        """Tenant id -> fair-share weight, for tenants that set one."""
+        with self._sessions() as session:
+            return tenant_weights(session)
 
     def claim(self, job_id: str, *, worker_id: str) -> bool:
         """Mark the job running on this worker; False if it finished meanwhile."""
@@ -178,7 +190,28 @@ class JobStore:
             self.semantic.remember_many([(s.message, s.result) for s in filled])
         publish_jobs_done(self._redis, prefix=self._prefix,
                           statuses=dict.fromkeys(finished, JobStatus.SUCCEEDED))
+        self._account([(s.message, c) for s, c in zip(successes, completions, strict=True)
+                       if s.message.job_id in finished])
         return finished
+
+    def _account(self, done: list[tuple[JobMessage, job_batches.Completion]]) -> None:
+        """Settle the finished jobs' token reservations and count them per tenant.
+
+        A budget counts the tokens computed, prompt plus completion; an answer from the
+        result cache computed none and is charged nothing (its usage shows as cached).
+        """
+        used = []
+        for message, c in done:
+            is_cached_answer = "cached" in c.result
+            used.append((message.job_id, 0 if is_cached_answer
+                         else c.prompt_tokens + c.completion_tokens))
+            count_finished(self.tenant_labels, tenant_id=message.tenant_id,
+                           model=message.model,
+                           outcome="cached" if is_cached_answer else "succeeded",
+                           prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
+                           cached_tokens=c.prompt_tokens if is_cached_answer
+                           else c.cached_tokens)
+        self.budgets.settle(used)
 
     def fail(self, message: JobMessage, *, error: dict[str, Any]) -> bool:
         """Store the error; True only if this call finished the job (then announce)."""
@@ -192,6 +225,9 @@ class JobStore:
             publish_job_done(
                 self._redis, prefix=self._prefix, job_id=message.job_id, status=JobStatus.FAILED
             )
+            self.budgets.settle([(message.job_id, 0)])
+            count_finished(self.tenant_labels, tenant_id=message.tenant_id,
+                           model=message.model, outcome="failed")
         return finished
 
     def release(self, job_ids: list[str], *, worker_id: str) -> int:

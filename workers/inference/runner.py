@@ -193,6 +193,7 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
             prefix=settings.topic_prefix,
             result_cache_ttl_s=settings.result_cache_ttl_s,
             model_revision=card.revision,
+            max_tenants=settings.tenant_metrics_max_tenants,
         )
         store.semantic = SemanticLookup(
             semantic_cache,

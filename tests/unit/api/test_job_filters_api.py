@@ -7,9 +7,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from fastapi.testclient import TestClient
-from sqlalchemy import update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from storage.jobs import fail_job
 from storage.models import Job
 from tests.unit.api.conftest import MODEL, ClientFactory
 from tests.unit.api.test_jobs_api import finish
@@ -73,10 +74,54 @@ def test_usage_sums_finished_jobs_per_model_and_day_for_the_tenant(
     finish(sessions, _submit(client, globex))
     usage = client.get("/v1/usage", headers=acme.headers).json()
     today = datetime.now(UTC).date().isoformat()
-    assert usage["data"] == [{"date": today, "model": MODEL, "num_jobs": 2, "num_succeeded": 2,
-                              "prompt_tokens": 8, "completion_tokens": 4, "cached_tokens": 2}]
+    assert usage["data"] == [{"date": today, "model": MODEL, "tenant_id": None, "num_jobs": 2,
+                              "num_succeeded": 2, "num_errors": 0, "prompt_tokens": 8,
+                              "completion_tokens": 4, "cached_tokens": 2, "total_tokens": 12}]
+    assert usage["totals"] | {"date": None} == usage["data"][0] | {"date": None, "model": None}
     assert usage["end"] - usage["start"] == 30 * 86_400
     later = int(time.time()) + 3600
     assert client.get(f"/v1/usage?start={later}&end={later + 60}",
                       headers=acme.headers).json()["data"] == []
     assert client.get("/v1/usage?start=10&end=5", headers=acme.headers).status_code == 400
+
+
+def test_usage_groups_counts_errors_and_has_an_admin_view(
+        make_client: ClientFactory, acme: TenantKey, globex: TenantKey,
+        sessions: sessionmaker[Session]) -> None:
+    """group_by picks the keys; a failed job counts as an error; totals equal the sum of
+    the stored jobs' tokens; only an admin key sees every tenant, grouped by tenant."""
+    client = make_client(served_models=[MODEL, "other"], admin_tenants=["acme"])
+    finish(sessions, _submit(client, acme))
+    finish(sessions, _submit(client, acme, model="other"))
+    failed = _submit(client, acme)
+    with sessions() as session:
+        assert fail_job(session, job_id=failed, error={"message": "no"})
+        session.commit()
+    finish(sessions, _submit(client, globex))
+
+    by_model = client.get("/v1/usage?group_by=model", headers=acme.headers).json()
+    assert [(b["model"], b["date"], b["num_jobs"], b["num_errors"]) for b in by_model["data"]
+            ] == sorted([(MODEL, None, 2, 1), ("other", None, 1, 0)])
+    with sessions() as session:
+        stored = session.execute(
+            select(func.sum(Job.prompt_tokens), func.sum(Job.completion_tokens),
+                   func.sum(Job.cached_tokens), func.count())
+            .where(Job.tenant_id == acme.tenant_id, Job.finished_at.is_not(None))).one()
+    totals = by_model["totals"]
+    assert (totals["prompt_tokens"], totals["completion_tokens"], totals["cached_tokens"],
+            totals["num_jobs"]) == tuple(stored)
+    assert totals["total_tokens"] == stored[0] + stored[1]
+
+    service = client.get("/v1/usage?scope=service&group_by=tenant",
+                         headers=acme.headers).json()
+    assert {b["tenant_id"]: b["num_jobs"] for b in service["data"]} == {
+        acme.tenant_id: 3, globex.tenant_id: 1}
+    only = client.get("/v1/usage?scope=service&group_by=tenant&tenant=globex",
+                      headers=acme.headers).json()
+    assert [b["tenant_id"] for b in only["data"]] == [globex.tenant_id]
+    denied = client.get("/v1/usage?scope=service", headers=globex.headers)
+    assert denied.status_code == 403 and denied.json()["error"]["param"] == "scope"
+    bad = client.get("/v1/usage?group_by=week", headers=acme.headers)
+    assert bad.status_code == 400 and "cannot group usage by week" in bad.json()["error"]["message"]
+    mine = client.get("/v1/usage?group_by=tenant", headers=globex.headers)
+    assert mine.status_code == 400 and mine.json()["error"]["param"] == "group_by"

@@ -40,8 +40,10 @@ def test_a_chunk_stores_every_line_and_fails_the_refused_ones(
         BatchRequest(line=2, custom_id="b", model="emb", body={"input": ""}, error=refusal),
         BatchRequest(line=3, custom_id="c", model="emb", body={"input": ["x", "y"]}),
     ]
-    messages = _add_chunk(sessions, batch_id=batch_id, cursor=0, chunk=chunk)
-    assert messages is not None
+    added = _add_chunk(sessions, batch_id=batch_id, cursor=0, chunk=chunk)
+    assert added is not None
+    messages, num_lines = added
+    assert num_lines == 3
     with sessions() as session:
         jobs = {job.custom_id: job for job in session.scalars(select(Job))}
         assert set(jobs) == {"a", "b", "c"}
