@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api.resources import Resources
 from storage.batches import BatchStatus, batch_object, get_batch
 from storage.estimates import read_batch_tail
 from storage.events import wait_batch_done
+from storage.tenant_limits import budgets_of, limits_of_tenant
 
 
 def load_batch(resources: Resources, *, batch_id: str, tenant_id: str) -> dict[str, Any] | None:
@@ -29,10 +31,20 @@ def load_batch(resources: Resources, *, batch_id: str, tenant_id: str) -> dict[s
         view = batch_object(batch)
         if batch.status == BatchStatus.IN_PROGRESS and batch.model:
             tail = read_batch_tail(session.connection(), batch_id=batch.id)
-            at = resources.estimates.batch_completion(model=batch.model,
-                                                      priority=batch.priority, tail=tail)
+            num_unqueued = max(0, batch.num_requests - batch.num_enqueued)
+            at = resources.estimates.batch_completion(
+                model=batch.model, priority=batch.priority, tail=tail,
+                num_unqueued=num_unqueued,
+                budget_tokens_per_s=_budget_pace(session, batch.tenant_id, batch.model)
+                if num_unqueued else None)
             view["estimated_completion_at"] = None if at is None else round(at)
         return view
+
+
+def _budget_pace(session: Session, tenant_id: str, model: str) -> float | None:
+    """The tightest of the tenant's token budgets for the model, in tokens per second."""
+    budgets = budgets_of(limits_of_tenant(session, tenant_id=tenant_id), model=model)
+    return min((b.limit / b.window_s for b in budgets), default=None)
 
 
 async def wait_for_batch(

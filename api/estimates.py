@@ -67,20 +67,32 @@ class EstimateBoard:
         rank = PRIORITIES.index(priority) if priority in PRIORITIES else len(PRIORITIES) - 1
         return queue.estimate_queued(rank, queue_key(deadline, created_at), now)
 
-    def batch_completion(self, *, model: str, priority: str, tail: BatchTail) -> float | None:
-        """When a batch's last unfinished job should finish (seconds since the epoch)."""
+    def batch_completion(self, *, model: str, priority: str, tail: BatchTail,
+                         num_unqueued: int = 0,
+                         budget_tokens_per_s: float | None = None) -> float | None:
+        """When a batch's last unfinished job should finish (seconds since the epoch).
+
+        `num_unqueued` lines are not jobs yet (they wait for the fan-out's window or the
+        tenant's token budget): they come after the batch's queued jobs, at the model's
+        pace, and no faster than the tenant's budget lets them (`budget_tokens_per_s`,
+        the tightest of its budgets).
+        """
         queue = self.model(model)
         if queue is None:
             return None
         now = time.time()
+        at: float | None = None
         if tail.num_queued and tail.last_created_at is not None:
             rank = PRIORITIES.index(priority) if priority in PRIORITIES else len(PRIORITIES) - 1
             key = queue_key(tail.last_deadline, tail.last_created_at)
-            return queue.estimate_queued(rank, key, now).estimated_completion_at
-        if tail.num_running and tail.last_started_at is not None:
-            return queue.estimate_running(tail.last_started_at.timestamp(), now)\
+            at = queue.estimate_queued(rank, key, now).estimated_completion_at
+        elif tail.num_running and tail.last_started_at is not None:
+            at = queue.estimate_running(tail.last_started_at.timestamp(), now)\
                 .estimated_completion_at
-        return None
+        if not num_unqueued:
+            return at
+        return queue.finish_unqueued(at, now, num_unqueued=num_unqueued,
+                                     budget_tokens_per_s=budget_tokens_per_s)
 
     def refresh(self) -> None:
         """Read every model's load now."""

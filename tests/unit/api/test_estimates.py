@@ -106,3 +106,14 @@ def test_workers_for_deadlines_from_the_pace_per_worker() -> None:
                                                NOW), now=NOW) == 0
     assert workers_for_deadlines(ModelQueue.of(reading(tokens_per_s=None, queued=due_soon),
                                                NOW), now=NOW) == 0
+
+
+def test_lines_not_yet_enqueued_follow_at_the_models_pace_or_the_tenants_budget() -> None:
+    """100 lines of 200 tokens at 1,000 tokens/s: 20 s after the queued work; a budget of
+    6,000 tokens a minute (100/s) stretches them to 200 s from now."""
+    queue = ModelQueue.of(reading(), NOW)
+    assert queue.finish_unqueued(NOW + 5, NOW, num_unqueued=100) == pytest.approx(NOW + 25)
+    assert queue.finish_unqueued(None, NOW, num_unqueued=100,
+                                 budget_tokens_per_s=100.0) == pytest.approx(NOW + 200)
+    idle = ModelQueue.of(reading(tokens_per_s=None), NOW)
+    assert idle.finish_unqueued(None, NOW, num_unqueued=1) is None
