@@ -60,6 +60,7 @@ from workers.inference.rebalance import RebalanceListener, offsets_to_commit
 from workers.inference.remote_engine import RemoteEngine, RemoteEngineLoop
 from workers.inference.remote_requests import RemoteOutput
 from workers.inference.stall_watchdog import StallWatchdog
+from workers.inference.tenant_share import TenantWeights, record_tenant
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,10 @@ class Worker:
         self._max_inflight = max_inflight(settings, engine_loop.engine)
         topic_rank = {topic: Priority(p).rank for p, topic in settings.job_topics.items()}
         self._pauser = PriorityPauser(topic_rank)
-        self._prefetch: PrefetchBuffer[ConsumerRecord] = PrefetchBuffer(topic_rank)
+        # Within a priority, tenants share starts by weight (see prefetch).
+        self._prefetch: PrefetchBuffer[ConsumerRecord] = PrefetchBuffer(
+            topic_rank, tenant_of=record_tenant,
+            weight_of=TenantWeights(store.tenant_weights).weight_of)
         # Records a partition may hold here before it is paused: enough to refill the
         # whole in-flight bound from one partition without waiting for a fetch.
         self._prefetch_limit = self._max_inflight

@@ -1,0 +1,94 @@
+"""Fair share between tenants on the real stack: API, scheduler, one worker, broker, DB.
+
+Tenant A's 60-line batch is running when tenant B submits 4 jobs of the same priority.
+The batch's fan-out keeps at most `batch_max_queued_lines` (6) of its lines queued, and
+the worker's intake alternates tenants within a priority, so B's jobs start after at most
+those 6 queued lines plus one A start per B start, not after the whole batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from core.settings import Settings
+from storage.models import Job, JobStatus
+from tests.unit.engine.tiny_models import save_tiny_llama
+from tests.utils.api import make_tenant_key
+from tests.utils.batch_service import CHAT, TERMINAL, BatchService, batch_service, chat_line, jsonl
+
+WINDOW = 6
+NUM_B_JOBS = 4
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Llama directory."""
+    model_dir = tmp_path_factory.mktemp("tiny-llama-fair-share")
+    save_tiny_llama(model_dir)
+    return model_dir
+
+
+@pytest.fixture
+def service(settings: Callable[..., Settings], tmp_path: Path,
+            tiny_model: Path) -> Iterator[Callable[..., BatchService]]:
+    """Factory: API, scheduler and worker; stopped after the test."""
+    with ExitStack() as stack:
+        yield lambda **overrides: stack.enter_context(
+            batch_service(settings, tmp_path, tiny_model, **overrides))
+
+
+def test_another_tenants_jobs_are_not_queued_behind_a_whole_batch(
+        service: Callable[..., BatchService]) -> None:
+    svc = service(batch_max_queued_lines=WINDOW, worker_max_inflight=2,
+                  engine_max_num_seqs=2)
+    model = svc.settings.model
+    client = svc.openai()
+    lines = [chat_line(f"a-{i}", model, content=f"Batch question number {i}?")
+             for i in range(60)]
+    uploaded = client.files.create(file=("a.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
+                                  completion_window="24h", extra_body={"priority": "low"})
+    svc.wait_batch(client, batch.id, lambda b: b.request_counts is not None
+                   and b.request_counts.completed >= 4)
+    with svc.sessions() as session:  # the window holds: never more than WINDOW queued
+        num_queued = session.scalar(sa.select(sa.func.count()).select_from(Job).where(
+            Job.batch_id == batch.id, Job.status == JobStatus.QUEUED))
+    assert num_queued is not None and num_queued <= WINDOW
+
+    b = make_tenant_key(svc.sessions, "tenant-b")
+    with httpx.Client(base_url=svc.url, headers=b.headers, timeout=30) as http:
+        b_ids = []
+        for i in range(NUM_B_JOBS):
+            response = http.post("/v1/jobs", json={
+                "model": model, "priority": "low", "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "user", "content": f"Tenant B asks {i}"}]})
+            assert response.status_code == 202, response.text
+            b_ids.append(response.json()["id"])
+    done = svc.wait_batch(client, batch.id, lambda b: b.status in TERMINAL)
+    assert done.status == "completed", svc.logs()
+    deadline = time.monotonic() + 60
+    while True:
+        with svc.sessions() as session:
+            b_jobs = session.scalars(sa.select(Job).where(Job.id.in_(b_ids))).all()
+            if all(j.status == JobStatus.SUCCEEDED for j in b_jobs):
+                break
+        assert time.monotonic() < deadline, svc.logs()
+        time.sleep(0.2)
+    submitted_at = min(j.created_at for j in b_jobs)
+    last_b_start = max(j.started_at for j in b_jobs if j.started_at is not None)
+    with svc.sessions() as session:
+        num_a_between = session.scalar(sa.select(sa.func.count()).select_from(Job).where(
+            Job.batch_id == batch.id, Job.started_at > submitted_at,
+            Job.started_at < last_b_start))
+        num_a_after = session.scalar(sa.select(sa.func.count()).select_from(Job).where(
+            Job.batch_id == batch.id, Job.started_at >= last_b_start))
+    # Queued A lines ahead of B's in the topics (the window), then one A start per B start.
+    assert num_a_between is not None and num_a_between <= WINDOW + NUM_B_JOBS, svc.logs()
+    assert num_a_after is not None and num_a_after > 0  # B did not wait for the batch
