@@ -170,3 +170,19 @@ def test_a_batch_over_budget_waits_and_its_usage_settles_exactly(
     done = svc.wait_batch(client, batch.id, lambda b: b.status in TERMINAL)
     assert done.status == "completed" and done.request_counts is not None
     assert (done.request_counts.completed, done.request_counts.failed) == (12, 0)
+    # Usage: the batch's and the tenant's totals are the stored jobs' sums, exactly.
+    with svc.sessions() as session:
+        sums = session.execute(
+            sa.select(sa.func.sum(Job.prompt_tokens), sa.func.sum(Job.completion_tokens),
+                      sa.func.sum(Job.cached_tokens))
+            .where(Job.tenant_id == svc.tenant_id, Job.finished_at.is_not(None))).one()
+    prompt, completion, cached = (int(v or 0) for v in sums)
+    assert done.usage is not None
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (prompt, completion)
+    with httpx.Client(base_url=svc.url, timeout=30,
+                      headers={"Authorization": f"Bearer {svc.api_key}"}) as http:
+        usage = http.get("/v1/usage", params={"group_by": "model,day"}).json()
+    totals = usage["totals"]
+    assert (totals["num_jobs"], totals["prompt_tokens"], totals["completion_tokens"],
+            totals["cached_tokens"]) == (12, prompt, completion, cached)
+    assert sum(b["total_tokens"] for b in usage["data"]) == prompt + completion

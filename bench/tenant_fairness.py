@@ -1,0 +1,258 @@
+"""Tenants sharing one worker: fair share under a big batch, and a token budget held.
+
+Two scenarios on `batchinfer up` (embedded broker, Redis, SQLite) with one worker and the
+tiny random-weight Llama (tests.unit.engine.tiny_models) or any model given:
+
+  fairness  B's --num-b normal jobs alone (idle); A's --lines-line low-priority batch
+            alone (solo); then A's batch again with B's jobs arriving --b-after s later
+            (mixed). Reported: B's time mixed / idle (target <= 2x), and A's lines/s mixed
+            against solo (target: a loss <= 10%, beyond B's own share of the worker).
+            Then the same mixed run with A's batch and B's jobs at the same priority
+            (`--same-priority`), which fair share alone has to handle.
+  budget    tenant A limited to --tokens-per-minute runs a batch of about --work-tokens
+            tokens; every job must complete, and no UTC minute of stored usage (prompt +
+            completion by finished_at) may hold more than the budget plus one job.
+
+    .venv/bin/python -m bench.tenant_fairness                         # shortened scale
+    .venv/bin/python -m bench.tenant_fairness --lines 5000 --work-tokens 100000  # the issue's
+
+The issue's full scale is 5,000 lines and 100,000 tokens at 20,000 tokens/minute (five
+minutes for the budget scenario alone); the defaults are shortened, and say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import select
+
+from scheduler.embedded_services import free_port
+from storage.db import create_db_engine, session_factory
+from storage.models import Job
+from tests.unit.engine.tiny_models import save_tiny_llama
+from tests.utils.up_process import UpProcess, start_up
+
+CHAT = "/v1/chat/completions"
+
+
+@dataclass(slots=True)
+class Service:
+    """A running `up` and the keys of tenants A (dev) and B."""
+
+    up: UpProcess
+    data_dir: Path
+    model: str
+    a_key: str
+    b_key: str
+
+    def client(self, key: str) -> httpx.Client:
+        """An HTTP client as the tenant holding `key`."""
+        return httpx.Client(base_url=self.up.url, timeout=120,
+                            headers={"Authorization": f"Bearer {key}"})
+
+    def cli(self, *args: str) -> str:
+        """Run `batchinfer --data-dir ... <args>`; its stdout."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHINFER_")}
+        done = subprocess.run([sys.executable, "-m", "cli", "--data-dir", str(self.data_dir),
+                               *args], capture_output=True, text=True, env=env, check=True)
+        return done.stdout
+
+    def jobs(self, **where: Any) -> list[Job]:
+        """Job rows matching `where` (column=value), from the service's SQLite file."""
+        engine = create_db_engine(f"sqlite:///{self.data_dir / 'batchinfer.db'}")
+        try:
+            with session_factory(engine)() as session:
+                query = select(Job)
+                for name, value in where.items():
+                    column = getattr(Job, name)
+                    query = query.where(column.in_(value) if isinstance(value, list)
+                                        else column == value)
+                rows = list(session.scalars(query))
+                session.expunge_all()
+                return rows
+        finally:
+            engine.dispose()
+
+
+def start(root: Path, model: str, extra_env: dict[str, str]) -> Service:
+    """`batchinfer up` with one worker; tenant B created."""
+    data_dir = root / "data"
+    root.mkdir(parents=True, exist_ok=True)
+    env = {"BATCHINFER_MODEL": model, **extra_env}
+    up = start_up(data_dir, free_port(), num_workers=1, log_path=root / "up.log",
+                  extra_env=env)
+    service = Service(up, data_dir, model, up.api_key, "")
+    service.b_key = service.cli("keys", "create", "--tenant", "b").strip().splitlines()[-1]
+    return service
+
+
+def chat(model: str, content: str, max_tokens: int, priority: str | None = None
+         ) -> dict[str, Any]:
+    """A chat body; distinct contents keep the result cache out of the way."""
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True,
+                            "messages": [{"role": "user", "content": content}]}
+    if priority is not None:
+        body["priority"] = priority
+    return body
+
+
+def run_b_jobs(service: Service, tag: str, args: argparse.Namespace, priority: str) -> float:
+    """Submit B's jobs, wait for all; seconds from the first submission to the last end."""
+    with service.client(service.b_key) as client:
+        started = time.monotonic()
+        ids = []
+        for i in range(args.num_b):
+            response = client.post("/v1/jobs", json=chat(
+                service.model, f"{tag} tenant B question {i}", args.max_tokens, priority))
+            response.raise_for_status()
+            ids.append(response.json()["id"])
+        for job_id in ids:
+            while client.get(f"/v1/jobs/{job_id}", params={"wait": 30}).json()["status"] in (
+                    "queued", "running"):
+                pass
+        return time.monotonic() - started
+
+
+def start_batch(service: Service, tag: str, num_lines: int, max_tokens: int,
+                priority: str) -> str:
+    """Upload A's batch file and create the batch; its id."""
+    lines = [json.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": CHAT,
+                         "body": chat(service.model, f"{tag} tenant A line {i}", max_tokens)})
+             for i in range(num_lines)]
+    with service.client(service.a_key) as client:
+        uploaded = client.post("/v1/files", data={"purpose": "batch"},
+                               files={"file": ("a.jsonl", "\n".join(lines).encode())})
+        uploaded.raise_for_status()
+        batch = client.post("/v1/batches", json={
+            "input_file_id": uploaded.json()["id"], "endpoint": CHAT,
+            "completion_window": "24h", "priority": priority})
+        batch.raise_for_status()
+        return str(batch.json()["id"])
+
+
+def wait_batch(service: Service, batch_id: str, timeout: float) -> dict[str, Any]:
+    """Poll the batch until it ends."""
+    deadline = time.monotonic() + timeout
+    with service.client(service.a_key) as client:
+        while time.monotonic() < deadline:
+            batch = client.get(f"/v1/batches/{batch_id}").json()
+            if batch["status"] in ("completed", "failed", "expired", "cancelled"):
+                return dict(batch)
+            time.sleep(0.5)
+    raise TimeoutError(f"batch {batch_id} still running after {timeout} s")
+
+
+def batch_rate(service: Service, batch_id: str) -> tuple[float, float]:
+    """(lines per second from the first start to the last end, that span in seconds)."""
+    rows = service.jobs(batch_id=batch_id)
+    first = min(j.started_at or j.created_at for j in rows)
+    last = max(j.finished_at or j.created_at for j in rows)
+    span = (last - first).total_seconds()
+    return len(rows) / span, span
+
+
+def fairness(service: Service, args: argparse.Namespace) -> None:
+    """Idle B, solo A, then mixed (B low-vs-normal, then same priority)."""
+    run_b_jobs(service, "warm-up", argparse.Namespace(num_b=4, max_tokens=4), "normal")
+    idle_s = run_b_jobs(service, "idle", args, "normal")
+    solo = start_batch(service, "solo", args.lines, args.max_tokens, "low")
+    wait_batch(service, solo, args.timeout)
+    solo_rate, solo_span = batch_rate(service, solo)
+    print(f"idle: B's {args.num_b} jobs in {idle_s:.2f} s; "
+          f"solo: A's {args.lines} lines at {solo_rate:.1f} lines/s ({solo_span:.1f} s)")
+    for name, a_priority, b_priority in (("A low, B normal", "low", "normal"),
+                                         ("A and B low", "low", "low")):
+        tag = name.replace(" ", "-").replace(",", "")
+        batch_id = start_batch(service, tag, args.lines, args.max_tokens, a_priority)
+        time.sleep(args.b_after)
+        b_s = run_b_jobs(service, tag, args, b_priority)
+        wait_batch(service, batch_id, args.timeout)
+        rate, span = batch_rate(service, batch_id)
+        b_share = args.num_b / (args.lines + args.num_b)
+        print(f"mixed ({name}): B's jobs in {b_s:.2f} s = {b_s / idle_s:.2f}x idle; "
+              f"A at {rate:.1f} lines/s over {span:.1f} s = {1 - rate / solo_rate:.1%} below "
+              f"solo (B's own share of the work {b_share:.1%}); load {os.getloadavg()[0]:.1f}")
+
+
+def budget(service: Service, args: argparse.Namespace) -> None:
+    """A batch of about --work-tokens tokens under --tokens-per-minute."""
+    service.cli("tenants", "set-limits", "--tenant", "dev",
+                "--tokens-per-minute", str(args.tokens_per_minute))
+    time.sleep(6)  # API processes re-read limits within tenant_limits_refresh_s (5 s)
+    probe = start_batch(service, "probe", 4, args.budget_max_tokens, "normal")
+    wait_batch(service, probe, args.timeout)
+    per_job = [(j.prompt_tokens or 0) + (j.completion_tokens or 0)
+               for j in service.jobs(batch_id=probe)]
+    tokens_per_job = sum(per_job) / len(per_job)
+    num_lines = max(1, round(args.work_tokens / tokens_per_job))
+    started = time.monotonic()
+    batch_id = start_batch(service, "budget", num_lines, args.budget_max_tokens, "normal")
+    batch = wait_batch(service, batch_id, args.timeout + 4 * args.work_tokens
+                       / args.tokens_per_minute * 60)
+    took = time.monotonic() - started
+    rows = service.jobs(batch_id=batch_id)
+    by_minute: dict[str, int] = defaultdict(int)
+    for job in rows:
+        if job.finished_at is not None:
+            by_minute[job.finished_at.strftime("%H:%M")] += (job.prompt_tokens or 0) + (
+                job.completion_tokens or 0)
+    total = sum(by_minute.values())
+    print(f"budget: {len(rows)} jobs of ~{tokens_per_job:.0f} tokens ({total:,} in all) "
+          f"under {args.tokens_per_minute:,}/min: status {batch['status']}, counts "
+          f"{batch['request_counts']}, {took:.0f} s")
+    for minute, tokens in sorted(by_minute.items()):
+        over = tokens - args.tokens_per_minute
+        print(f"  {minute} UTC: {tokens:,} tokens"
+              + (f" (over by {over:,}, {over / tokens_per_job:.1f} jobs)" if over > 0 else ""))
+    usage = batch.get("usage") or {}
+    print(f"  batch usage {usage.get('total_tokens')} vs stored jobs {total:,}: "
+          f"{'equal' if usage.get('total_tokens') == total else 'DIFFER'}")
+
+
+def main() -> None:
+    """Run the scenarios asked for and print their figures."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--model", default="tiny", help="`tiny` (random-weight Llama) or a model name/dir")
+    add("--scenario", choices=["fairness", "budget", "both"], default="both")
+    add("--lines", type=int, default=1000, help="A's batch lines (the issue: 5,000)")
+    add("--num-b", type=int, default=50, help="B's jobs")
+    add("--b-after", type=float, default=3.0, help="seconds between A's batch and B's jobs")
+    add("--max-tokens", type=int, default=8, help="output tokens per job (fairness)")
+    add("--tokens-per-minute", type=int, default=20_000)
+    add("--work-tokens", type=int, default=50_000, help="the issue: 100,000")
+    add("--budget-max-tokens", type=int, default=64, help="output tokens per budget job")
+    add("--timeout", type=float, default=1800.0)
+    args = parser.parse_args()
+    print(f"load {os.getloadavg()[0]:.1f}, model {args.model}, {args.lines} lines, "
+          f"{args.num_b} B jobs, {args.work_tokens:,} tokens at {args.tokens_per_minute:,}/min")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = args.model
+        if model == "tiny":
+            model = str(root / "tiny")
+            save_tiny_llama(Path(model))
+        for scenario in ("fairness", "budget"):
+            if args.scenario not in (scenario, "both"):
+                continue
+            service = start(root / scenario, model, {"BATCHINFER_LOG_LEVEL": "WARNING"})
+            try:
+                (fairness if scenario == "fairness" else budget)(service, args)
+            finally:
+                service.up.stop(timeout=120.0)
+
+
+if __name__ == "__main__":
+    main()
