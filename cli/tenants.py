@@ -20,8 +20,9 @@ def add_tenants_parser(sub: Any) -> None:
     limits.add_argument("--tenant", required=True, help="tenant name (as in `keys create`)")
     limits.add_argument("--model", default=None,
                         help="budgets for this served model only (default: all models)")
-    limits.add_argument("--tokens-per-minute", type=int, default=None,
-                        help="prompt + completion tokens per UTC minute (0: no limit)")
+    limits.add_argument(
+        "--tokens-per-minute", type=int, default=None,
+        help="prompt + completion tokens a minute, refilled continuously (0: no limit)")
     limits.add_argument("--tokens-per-day", type=int, default=None,
                         help="prompt + completion tokens per UTC day (0: no limit)")
     limits.add_argument("--weight", type=float, default=None,

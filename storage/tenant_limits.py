@@ -30,6 +30,11 @@ class Budget:
     limit: int
 
     @property
+    def is_rate(self) -> bool:
+        """A per-minute budget: a rate, kept as a continuously refilled bucket."""
+        return self.window_s == 60
+
+    @property
     def name(self) -> str:
         """How errors and `tenants show` name it: `tokens_per_minute` (model ...)."""
         kind = "tokens_per_minute" if self.window_s == 60 else "tokens_per_day"

@@ -1,21 +1,26 @@
 """Token budgets enforced in Redis: reserve an estimate at admission, settle the real usage.
 
-Responsible for: counting a tenant's tokens per fixed window (the UTC minute, the UTC day)
-in counters every API process, scheduler and worker share; admitting a job (or the first
+Responsible for: counting a tenant's tokens against its budgets in Redis, which every API
+process, scheduler and worker shares: a per-minute budget is a bucket refilled
+continuously at limit/60 tokens a second that holds BURST_S seconds of refill (so usage
+is spread evenly and no minute holds much more than the budget, whatever the clock says),
+a per-day budget a count per UTC day; admitting a job (or the first
 jobs of a list, for a batch's lines) only while every budget it counts against has room;
 remembering each admitted job's reservation under its id, so the worker that finishes it
 replaces the estimate by what the job really used (`settle`), without knowing the budgets.
 
 Both steps are one Lua script each, so concurrent admissions cannot overshoot a budget
-and the windows follow Redis's clock, not the hosts'. A counter key is
-`<base>:<window index>` (index = floor(unix time / window)); it expires two windows later.
+and time follows Redis's clock, not the hosts'. A day's counter key is
+`<base>:<day index>` (index = floor(unix time / 86400)); it expires two days later.
 
-A job estimated above a whole budget still runs, alone in a window that has nothing else
-counted yet: refusing it forever would be worse (a batch line would wait for ever).
+A job estimated above what a budget can hold still runs: a bucket admits it when full
+(and goes into debt, refilling from below zero), a day admits it when nothing else is
+counted yet. Refusing it forever would be worse (a batch line would wait for ever).
 
-Worked example, 1,000 tokens/minute: jobs estimated at 400, 400, 400 arrive at 12:00:10;
-two are admitted (800), the third is told to retry in 50 s (the next minute). The first
-finishes having used 150: the counter goes to 550, and a job of up to 450 fits again.
+Worked example, 6,000 tokens/minute (100 a second, bucket of 100): a job estimated at 80
+is admitted (level 20); the next, of 80, is told to retry in 0.6 s (when the level is
+back to 80); a job of 300 waits until the bucket is full (0.8 s), then takes it to -200.
+A job that used 50 of its 80 gives 30 back when it is settled.
 
 Keys are built inside the scripts from the time, so this needs a single Redis (not a
 cluster), as the rest of the service's Redis use does.
@@ -38,52 +43,86 @@ logger = logging.getLogger(__name__)
 # A reservation outlives the longest window; a job not settled by then (cancelled while
 # queued, lost) simply keeps its estimate counted.
 RESERVATION_TTL_S = 2 * 86_400
+# A per-minute budget's bucket holds this many seconds of its refill: the burst a tenant
+# may take at once. Small, so that no minute of usage holds much more than the budget.
+BURST_S = 1.0
 
-# KEYS: each budget's counter base. ARGV: per budget (limit, window_s); then the
-# reservation prefix; then per job (job id, estimated tokens). Admits jobs in order while
-# all fit. Returns {num_granted, "<seconds until the blocking window ends>", blocking
-# budget's 1-based index (0: none)}.
+# KEYS: each budget's key base. ARGV: per budget (limit, window_s, kind: "b" a bucket
+# refilled continuously, "w" a fixed window); the bucket's burst in seconds of refill; the
+# reservation prefix and TTL; then per job (job id, estimated tokens). Admits jobs in
+# order while all fit. Returns {num_granted, "<seconds until the blocking budget has
+# room>", blocking budget's 1-based index (0: none)}. A reservation is stored as
+# "<estimate> b:<key> w:<key> ...", what settling needs.
 _RESERVE_LUA = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
 local n = #KEYS
-local keys, limits, used, windows = {}, {}, {}, {}
+local kinds, keys, limits, windows, level, cap, rate = {}, {}, {}, {}, {}, {}, {}
+local burst_s = tonumber(ARGV[3 * n + 1])
 for i = 1, n do
-  limits[i] = tonumber(ARGV[2 * i - 1])
-  windows[i] = tonumber(ARGV[2 * i])
-  keys[i] = KEYS[i] .. ':' .. math.floor(now / windows[i])
-  used[i] = tonumber(redis.call('GET', keys[i]) or '0')
+  limits[i] = tonumber(ARGV[3 * i - 2])
+  windows[i] = tonumber(ARGV[3 * i - 1])
+  kinds[i] = ARGV[3 * i]
+  if kinds[i] == 'b' then
+    keys[i] = KEYS[i]
+    rate[i] = limits[i] / windows[i]
+    cap[i] = math.max(1, rate[i] * burst_s)
+    local state = redis.call('HMGET', keys[i], 'level', 'ts')
+    local last = tonumber(state[1]) or cap[i]
+    local ts = tonumber(state[2]) or now
+    level[i] = math.min(cap[i], last + math.max(0, now - ts) * rate[i])
+  else
+    keys[i] = KEYS[i] .. ':' .. math.floor(now / windows[i])
+    level[i] = tonumber(redis.call('GET', keys[i]) or '0')
+  end
 end
-local reservation_prefix = ARGV[2 * n + 1]
-local reservation_ttl = tonumber(ARGV[2 * n + 2])
-local all_keys = table.concat(keys, ' ')
+local reservation_prefix = ARGV[3 * n + 2]
+local reservation_ttl = tonumber(ARGV[3 * n + 3])
+local tagged = {}
+for i = 1, n do tagged[i] = kinds[i] .. ':' .. keys[i] end
+local all_keys = table.concat(tagged, ' ')
 local granted, wait, blocking = 0, 0, 0
-local j = 2 * n + 3
+local j = 3 * n + 4
 while j <= #ARGV do
   local job_id, estimate = ARGV[j], tonumber(ARGV[j + 1])
   for i = 1, n do
-    if used[i] > 0 and used[i] + estimate > limits[i] then
-      local left = (math.floor(now / windows[i]) + 1) * windows[i] - now
-      if left > wait then wait, blocking = left, i end
+    local left = 0
+    if kinds[i] == 'b' then
+      if level[i] < estimate and level[i] < cap[i] then
+        left = (math.min(estimate, cap[i]) - level[i]) / rate[i]
+      end
+    elseif level[i] > 0 and level[i] + estimate > limits[i] then
+      left = (math.floor(now / windows[i]) + 1) * windows[i] - now
     end
+    if left > wait then wait, blocking = left, i end
   end
   if blocking > 0 then break end
   for i = 1, n do
-    used[i] = used[i] + estimate
-    redis.call('INCRBY', keys[i], estimate)
-    redis.call('EXPIRE', keys[i], 2 * windows[i])
+    if kinds[i] == 'b' then
+      level[i] = level[i] - estimate
+    else
+      level[i] = level[i] + estimate
+      redis.call('INCRBY', keys[i], estimate)
+      redis.call('EXPIRE', keys[i], 2 * windows[i])
+    end
   end
   redis.call('SET', reservation_prefix .. job_id, estimate .. ' ' .. all_keys,
              'EX', reservation_ttl)
   granted = granted + 1
   j = j + 2
 end
+for i = 1, n do
+  if kinds[i] == 'b' then
+    redis.call('HSET', keys[i], 'level', tostring(level[i]), 'ts', tostring(now))
+    redis.call('EXPIRE', keys[i], 2 * windows[i])
+  end
+end
 return {granted, tostring(wait), blocking}
 """
 
 # ARGV: the reservation prefix, then per job (job id, tokens used). Moves each reserved
-# job's counters by (used - estimate) while they live; jobs without a reservation are
-# skipped. Returns how many reservations were settled.
+# job's budgets by (used - estimate) while they live: a bucket's level down, a window's
+# count up. Jobs without a reservation are skipped. Returns how many were settled.
 _SETTLE_LUA = """
 local prefix = ARGV[1]
 local settled = 0
@@ -98,8 +137,15 @@ while j <= #ARGV do
       if estimate == nil then
         estimate = tonumber(word)
         delta = tonumber(ARGV[j + 1]) - estimate
-      elseif delta ~= 0 and redis.call('EXISTS', word) == 1 then
-        redis.call('INCRBY', word, delta)
+      elseif delta ~= 0 then
+        local kind, budget_key = string.sub(word, 1, 1), string.sub(word, 3)
+        if redis.call('EXISTS', budget_key) == 1 then
+          if kind == 'b' then
+            redis.call('HINCRBYFLOAT', budget_key, 'level', -delta)
+          else
+            redis.call('INCRBY', budget_key, delta)
+          end
+        end
       end
     end
     redis.call('DEL', key)
@@ -135,8 +181,8 @@ class TokenBudgets:
         keys = [self.counter_base(tenant_id, b) for b in budgets]
         args: list[Any] = []
         for budget in budgets:
-            args += [budget.limit, budget.window_s]
-        args += [self.reservation_prefix, RESERVATION_TTL_S]
+            args += [budget.limit, budget.window_s, "b" if budget.is_rate else "w"]
+        args += [BURST_S, self.reservation_prefix, RESERVATION_TTL_S]
         for job_id, estimate in jobs:
             args += [job_id, max(1, int(estimate))]
         return keys, args
@@ -181,7 +227,9 @@ class TokenBudgets:
             return 0
 
     def used(self, *, tenant_id: str, budget: Budget, at: float) -> int:
-        """Tokens counted now against the budget in the window holding Unix time `at`."""
+        """Tokens counted now against a fixed-window (per day) budget in the window
+        holding Unix time `at`."""
+        assert not budget.is_rate, "a per-minute budget is a bucket, not a count"
         raw = self._redis.get(
             f"{self.counter_base(tenant_id, budget)}:{math.floor(at / budget.window_s)}")
         return int(raw or 0)
