@@ -108,11 +108,13 @@ def chat(model: str, content: str, max_tokens: int, priority: str | None = None
     return body
 
 
-def run_b_jobs(service: Service, tag: str, args: argparse.Namespace, priority: str) -> float:
-    """Submit B's jobs, wait for all; seconds from the first submission to the last end."""
+def run_b_jobs(service: Service, tag: str, args: argparse.Namespace, priority: str,
+               ids: list[str] | None = None) -> float:
+    """Submit B's jobs, wait for all; seconds from the first submission to the last end.
+    Their ids go into `ids` when given."""
     with service.client(service.b_key) as client:
         started = time.monotonic()
-        ids = []
+        ids = [] if ids is None else ids
         for i in range(args.num_b):
             response = client.post("/v1/jobs", json=chat(
                 service.model, f"{tag} tenant B question {i}", args.max_tokens, priority))
@@ -177,9 +179,20 @@ def fairness(service: Service, args: argparse.Namespace) -> None:
         tag = name.replace(" ", "-").replace(",", "")
         batch_id = start_batch(service, tag, args.lines, args.max_tokens, a_priority)
         time.sleep(args.b_after)
-        b_s = run_b_jobs(service, tag, args, b_priority)
+        b_ids: list[str] = []
+        b_s = run_b_jobs(service, tag, args, b_priority, b_ids)
         wait_batch(service, batch_id, args.timeout)
         rate, span = batch_rate(service, batch_id)
+        b_jobs = service.jobs(id=b_ids)
+        submitted = min(j.created_at for j in b_jobs)
+        last_b_start = max(j.started_at or j.created_at for j in b_jobs)
+        a_jobs = service.jobs(batch_id=batch_id)
+        num_between = sum(1 for j in a_jobs if j.started_at is not None
+                          and submitted < j.started_at < last_b_start)
+        num_queued_then = sum(1 for j in a_jobs if j.created_at < submitted
+                              and (j.started_at is None or j.started_at > submitted))
+        print(f"  {num_between} of A's lines started between B's first submission and B's "
+              f"last start; {num_queued_then} of A's were queued when B submitted")
         b_share = args.num_b / (args.lines + args.num_b)
         print(f"mixed ({name}): B's jobs in {b_s:.2f} s = {b_s / idle_s:.2f}x idle; "
               f"A at {rate:.1f} lines/s over {span:.1f} s = {1 - rate / solo_rate:.1%} below "
@@ -235,6 +248,8 @@ def main() -> None:
     add("--work-tokens", type=int, default=50_000, help="the issue: 100,000")
     add("--budget-max-tokens", type=int, default=64, help="output tokens per budget job")
     add("--timeout", type=float, default=1800.0)
+    add("--window", type=int, default=None,
+        help="BATCHINFER_BATCH_MAX_QUEUED_LINES for the service (default: its own, 2000)")
     args = parser.parse_args()
     print(f"load {os.getloadavg()[0]:.1f}, model {args.model}, {args.lines} lines, "
           f"{args.num_b} B jobs, {args.work_tokens:,} tokens at {args.tokens_per_minute:,}/min")
@@ -247,7 +262,10 @@ def main() -> None:
         for scenario in ("fairness", "budget"):
             if args.scenario not in (scenario, "both"):
                 continue
-            service = start(root / scenario, model, {"BATCHINFER_LOG_LEVEL": "WARNING"})
+            env = {"BATCHINFER_LOG_LEVEL": "WARNING"}
+            if args.window is not None:
+                env["BATCHINFER_BATCH_MAX_QUEUED_LINES"] = str(args.window)
+            service = start(root / scenario, model, env)
             try:
                 (fairness if scenario == "fairness" else budget)(service, args)
             finally:
