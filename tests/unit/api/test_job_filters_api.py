@@ -110,7 +110,8 @@ def test_usage_groups_counts_errors_and_has_an_admin_view(
     totals = by_model["totals"]
     assert (totals["prompt_tokens"], totals["completion_tokens"], totals["cached_tokens"],
             totals["num_jobs"]) == tuple(stored)
-    assert totals["total_tokens"] == stored[0] + stored[1]
+    prompt_tokens, completion_tokens = int(stored[0] or 0), int(stored[1] or 0)
+    assert totals["total_tokens"] == prompt_tokens + completion_tokens
 
     service = client.get("/v1/usage?scope=service&group_by=tenant",
                          headers=acme.headers).json()
