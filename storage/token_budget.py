@@ -243,7 +243,8 @@ def _verdict(reply: Sequence[Any], budgets: Sequence[Budget]) -> Verdict:
 
 def estimate_tokens(body: dict[str, Any], *, default_completion_tokens: int) -> int:
     """Tokens a job will likely use, before it runs: its prompt at ~4 characters a token,
-    plus its `max_tokens` (or the default expected output). Settling corrects it."""
+    plus its `max_tokens` (or the default expected output) for each of its `n` choices.
+    Settling corrects it."""
     if "messages" in body:
         chars = sum(len(str(m.get("content") or "")) for m in body["messages"]
                     if isinstance(m, dict))
@@ -254,4 +255,7 @@ def estimate_tokens(body: dict[str, Any], *, default_completion_tokens: int) -> 
         or body.get("max_output_tokens")
     if not isinstance(completion, int) or completion <= 0:
         completion = default_completion_tokens
-    return math.ceil(chars / 4) + completion
+    choices = body.get("n")
+    if not isinstance(choices, int) or isinstance(choices, bool) or choices < 1:
+        choices = 1
+    return math.ceil(chars / 4) + completion * choices

@@ -74,3 +74,6 @@ def test_estimate_counts_prompt_characters_and_max_tokens() -> None:
                            default_completion_tokens=256) == 17
     assert estimate_tokens({"messages": [{"role": "user", "content": "y" * 9}]},
                            default_completion_tokens=100) == 103
+    # n choices: the prompt once, the output n times, as usage counts them.
+    assert estimate_tokens({"prompt": "x" * 40, "max_tokens": 7, "n": 3},
+                           default_completion_tokens=256) == 10 + 21
