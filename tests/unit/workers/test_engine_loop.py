@@ -32,7 +32,21 @@ def loop(engine: LLMEngine) -> Iterator[EngineLoop]:
         engine_loop.stop()
 
 
+class Sink:
+    """Collects what the loop hands its token sink, one list per call (per step)."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[StreamEntry]] = []
+
+    def __call__(self, entries: list[StreamEntry]) -> None:
+        self.calls.append(entries)
+
+    def of(self, request_id: str) -> list[StreamEntry]:
+        return [e for call in self.calls for e in call if e.job_id == request_id]
+
+
 def collect(loop: EngineLoop, n: int, timeout: float = 60.0) -> dict[str, FinishedRequest]:
+    """The first `n` finished requests, keyed by id in the order they finished."""
     finished: dict[str, FinishedRequest] = {}
     deadline = time.monotonic() + timeout
     while len(finished) < n:
@@ -41,13 +55,40 @@ def collect(loop: EngineLoop, n: int, timeout: float = 60.0) -> dict[str, Finish
     return finished
 
 
+def collect_until(loop: EngineLoop, request_id: str,
+                  timeout: float = 60.0) -> dict[str, FinishedRequest]:
+    """Everything the loop hands back up to and including `request_id` (a marker added
+    last: once it is back, whatever the loop was going to hand back before it is too)."""
+    finished: dict[str, FinishedRequest] = {}
+    deadline = time.monotonic() + timeout
+    while request_id not in finished:
+        assert time.monotonic() < deadline, f"{request_id} never finished: {list(finished)}"
+        for f in loop.take_finished(timeout=0.1):
+            assert f.request_id not in finished, f"{f.request_id} handed back twice"
+            finished[f.request_id] = f
+    return finished
+
+
+def wait_for_text(sink: Sink, request_id: str, timeout: float = 60.0) -> None:
+    """Until the sink got some of the request's text: it is past prefill, mid-decode."""
+    deadline = time.monotonic() + timeout
+    while not any(e.text for e in sink.of(request_id)):
+        assert time.monotonic() < deadline, f"{request_id} produced no text"
+        time.sleep(0.005)
+
+
 def test_requests_added_while_running_join_and_finish(loop: EngineLoop) -> None:
+    sink = Sink()
+    loop.token_sink = sink
     long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    loop.add("long", "hello world", long, priority=2)
-    time.sleep(0.2)  # the long request is mid-decode when the short one arrives
+    loop.add("long", "hello world", long, priority=2, stream=True)
+    wait_for_text(sink, "long")  # the long request is mid-decode when the short one arrives
     loop.add("short", [5, 6, 7], short, priority=0)
     finished = collect(loop, 2)
+    # The short one came in after the long one was decoding and finished first: the two
+    # were in the running batch together, not one after the other.
+    assert list(finished) == ["short", "long"]
     short_output, long_output = finished["short"].output, finished["long"].output
     assert isinstance(short_output, RequestOutput) and len(short_output.token_ids) == 3
     assert isinstance(long_output, RequestOutput) and len(long_output.token_ids) == 200
@@ -73,8 +114,10 @@ def test_abort_frees_the_request_and_reports_it_once(loop: EngineLoop) -> None:
     loop.abort("never-added")
     finished = collect(loop, 1)
     assert finished["doomed"].aborted and finished["doomed"].output is None
-    time.sleep(0.3)
-    assert loop.take_finished() == []
+    # A marker added after the abort comes back alone: the loop ran whole steps after the
+    # abort and reported nothing more of the doomed request.
+    loop.add("marker", "go", SamplingParams(max_tokens=2), priority=1)
+    assert list(collect_until(loop, "marker")) == ["marker"]
     assert not loop.engine.has_unfinished_requests()
 
 
@@ -92,19 +135,6 @@ def test_a_signal_handler_wakes_a_waiting_take_at_once(loop: EngineLoop) -> None
         signal.signal(signal.SIGALRM, previous)
     loop.add("after", "go", SamplingParams(max_tokens=2), priority=1)
     assert collect(loop, 1)["after"].output is not None
-
-
-class Sink:
-    """Collects what the loop hands its token sink, one list per call (per step)."""
-
-    def __init__(self) -> None:
-        self.calls: list[list[StreamEntry]] = []
-
-    def __call__(self, entries: list[StreamEntry]) -> None:
-        self.calls.append(entries)
-
-    def of(self, request_id: str) -> list[StreamEntry]:
-        return [e for call in self.calls for e in call if e.job_id == request_id]
 
 
 def joined(entries: list[StreamEntry]) -> str:
