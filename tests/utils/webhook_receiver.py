@@ -67,6 +67,19 @@ class WebhookReceiver:
             return list(self.requests)
 
 
+    def wait_for_header(self, name: str, value: str, timeout: float) -> list[ReceivedRequest]:
+        """Block until a request whose header `name` (lower case) is `value` arrived
+        (AssertionError after `timeout`); all requests so far."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not any(r.headers.get(name) == value for r in self.requests):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no request with {name}: {value} among "
+                                         f"{len(self.requests)}")
+                self._arrived.wait(left)
+            return list(self.requests)
+
 def _handler_for(receiver: WebhookReceiver) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
