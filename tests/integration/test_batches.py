@@ -257,8 +257,15 @@ def test_cancel_mid_run_stops_the_rest_and_keeps_partial_output(
     statuses = svc.job_statuses(batch.id)
     assert statuses.get(JobStatus.QUEUED, 0) == statuses.get(JobStatus.RUNNING, 0) == 0
     assert statuses[JobStatus.SUCCEEDED] == counts.completed
-    # Nothing ran on after the cancel.
-    time.sleep(2.0)
+    # Nothing ran on after the cancel: a marker batch submitted now completes, so the worker
+    # consumed past the cancelled batch's messages (in order, per partition: eight keys
+    # spread over both), and the cancelled batch's rows are as they were.
+    markers = [chat_line(f"m{i}", model, content=f"Marker {i}.", max_tokens=1) for i in range(8)]
+    marker_file = client.files.create(file=("marker.jsonl", jsonl(markers)), purpose="batch")
+    marker = client.batches.create(input_file_id=marker_file.id, endpoint=CHAT,
+                                   completion_window="24h")
+    marked = svc.wait_batch(client, marker.id, lambda b: b.status in TERMINAL, timeout=120)
+    assert marked.status == "completed", marked
     assert svc.job_statuses(batch.id) == statuses
 
 

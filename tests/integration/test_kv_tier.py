@@ -187,11 +187,23 @@ def _num_tier_blocks(svc: Service) -> int:
     return sum(1 for _ in client.scan_iter(match=f"{svc.settings.topic_prefix}:kv:*:b:*"))
 
 
-def _kv_counters(svc: Service) -> dict[str, int]:
+def _kv_lookups_published_after(svc: Service, worker_id: str | None, since: float,
+                                timeout: float = 30.0) -> int:
+    """The worker's tier lookups (hits + misses) in the first counters it publishes after
+    `since` (a wall-clock time, as the publisher stamps them)."""
+    assert worker_id is not None
     client = redis.Redis.from_url(svc.settings.redis_url)
-    published = read_cache_stats(client, prefix=svc.settings.topic_prefix)
-    return {w: entry["caches"]["kv"].get("hits", 0) + entry["caches"]["kv"].get("misses", 0)
-            for w, entry in published.items()}
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            entry = read_cache_stats(client, prefix=svc.settings.topic_prefix).get(worker_id)
+            if entry is not None and entry["updated_at"] > since:
+                kv = entry["caches"]["kv"]
+                return int(kv.get("hits", 0) + kv.get("misses", 0))
+            assert time.monotonic() < deadline, f"{worker_id} published nothing after the job"
+            time.sleep(0.05)
+    finally:
+        client.close()
 
 
 def test_a_job_with_cache_off_neither_reads_nor_writes_the_tier(service) -> None:
@@ -215,8 +227,8 @@ def test_a_job_with_cache_off_neither_reads_nor_writes_the_tier(service) -> None
     svc.start_worker()
     (cold_off,) = svc.run_succeeded([off])
     assert cold_off.cached_tokens == 0
-    time.sleep(1.0)  # a few publishing intervals
-    assert sum(_kv_counters(svc).values()) == 0  # no tier lookup at all
+    # No tier lookup at all, in the counters the cold worker published after its job ended.
+    assert _kv_lookups_published_after(svc, cold_off.worker_id, time.time()) == 0
     (cold_on,) = svc.run_succeeded([on])
     assert cold_on.cached_tokens >= num_blocks * BLOCK - BLOCK
     texts = {j.result["choices"][0]["text"]
