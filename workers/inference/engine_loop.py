@@ -186,6 +186,7 @@ class EngineLoop:
         try:
             while not self._stopping.is_set():
                 self._apply_commands(block=not self.engine.has_unfinished_requests())
+                finished: list[FinishedRequest] = []
                 if self.engine.has_unfinished_requests():
                     for output in self.engine.step():
                         self._note_text(output)
@@ -193,8 +194,12 @@ class EngineLoop:
                             self._note_choice(output)
                         elif output.finished:
                             self._live_ids.discard(output.request_id)
-                            self._outbox.put(FinishedRequest(output.request_id, output=output))
+                            finished.append(FinishedRequest(output.request_id, output=output))
+                # A streamed request's last text goes to the sink before the request is
+                # handed back: whoever waits on the finish has seen all of its stream.
                 self._flush_entries()
+                for done in finished:
+                    self._outbox.put(done)
                 self._refresh_gauges()
         except BaseException as e:  # reported to the poll thread, which stops the worker
             logger.exception("engine thread failed; the worker will stop")

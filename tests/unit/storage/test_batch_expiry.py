@@ -36,6 +36,14 @@ class FakeRedis:
         self.published.append((channel, payload))
         return 0
 
+    def register_script(self, script: str) -> Any:
+        """The token budgets' scripts: never run here (no tenant has a budget)."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("a token budget script ran without a budget")
+
+        return run
+
 
 def _runner(sessions: sessionmaker[Session], tmp_path: Path) -> tuple[BatchRunner, FileStore]:
     store = FileStore(tmp_path / "files")
