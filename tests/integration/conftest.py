@@ -18,6 +18,7 @@ import json
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from storage.db import create_db_engine, session_factory
 from storage.migrate import upgrade
 from storage.tenants import create_tenant
 from tests.unit.engine.tiny_models import save_tiny_llama
+from tests.utils.batch_service import BatchService, batch_service
 from tests.utils.postgres import PostgresCluster, create_database, drop_database, postgres_bin_dir
 from tests.utils.up_process import UpProcess
 from tests.utils.worker_service import Service
@@ -201,6 +203,16 @@ def service(settings, tmp_path: Path, tiny_model: Path) -> Iterator[Callable[...
         for worker in svc.workers:
             worker.kill()
         engine.dispose()
+
+
+@pytest.fixture
+def batch_services(settings: Callable[..., Settings], tmp_path: Path,
+                   tiny_model: Path) -> Iterator[Callable[..., BatchService]]:
+    """Factory: `batch_services(**setting_overrides)` starts API, scheduler and worker on
+    the tiny model; they stop after the test."""
+    with ExitStack() as stack:
+        yield lambda **overrides: stack.enter_context(
+            batch_service(settings, tmp_path, tiny_model, **overrides))
 
 
 @pytest.fixture

@@ -11,44 +11,22 @@ most partitions x 6 of A's lines plus one per B job, not after the whole batch.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
-from pathlib import Path
+from collections.abc import Callable
 
 import httpx
-import pytest
 import sqlalchemy as sa
 
-from core.settings import Settings
 from storage.models import Job, JobStatus
-from tests.unit.engine.tiny_models import save_tiny_llama
 from tests.utils.api import make_tenant_key
-from tests.utils.batch_service import CHAT, TERMINAL, BatchService, batch_service, chat_line, jsonl
+from tests.utils.batch_service import CHAT, TERMINAL, BatchService, chat_line, jsonl
 
 WINDOW = 6
 NUM_B_JOBS = 4
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-weight Llama directory."""
-    model_dir = tmp_path_factory.mktemp("tiny-llama-fair-share")
-    save_tiny_llama(model_dir)
-    return model_dir
-
-
-@pytest.fixture
-def service(settings: Callable[..., Settings], tmp_path: Path,
-            tiny_model: Path) -> Iterator[Callable[..., BatchService]]:
-    """Factory: API, scheduler and worker; stopped after the test."""
-    with ExitStack() as stack:
-        yield lambda **overrides: stack.enter_context(
-            batch_service(settings, tmp_path, tiny_model, **overrides))
-
-
 def test_another_tenants_jobs_are_not_queued_behind_a_whole_batch(
-        service: Callable[..., BatchService]) -> None:
-    svc = service(batch_max_queued_lines=WINDOW, worker_max_inflight=2,
+        batch_services: Callable[..., BatchService]) -> None:
+    svc = batch_services(batch_max_queued_lines=WINDOW, worker_max_inflight=2,
                   engine_max_num_seqs=2)
     model = svc.settings.model
     client = svc.openai()

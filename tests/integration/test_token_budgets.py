@@ -12,8 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,9 +26,8 @@ from storage.migrate import upgrade
 from storage.models import Job
 from storage.tenant_limits import ALL_MODELS, Budget, set_limits
 from storage.token_budget import TokenBudgets
-from tests.unit.engine.tiny_models import save_tiny_llama
 from tests.utils.api import count_jobs, make_tenant_key
-from tests.utils.batch_service import CHAT, TERMINAL, BatchService, batch_service, chat_line, jsonl
+from tests.utils.batch_service import CHAT, TERMINAL, BatchService, chat_line, jsonl
 from tests.utils.service import running_api
 
 MODEL = "smollm2-135m-instruct"
@@ -119,29 +116,12 @@ def test_a_submission_over_budget_is_429_naming_the_budget(
         assert client.post("/v1/jobs", json=body).status_code == 202  # its own budget: none
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-weight Llama directory."""
-    model_dir = tmp_path_factory.mktemp("tiny-llama-budgets")
-    save_tiny_llama(model_dir)
-    return model_dir
-
-
-@pytest.fixture
-def service(settings: Callable[..., Settings], tmp_path: Path,
-            tiny_model: Path) -> Iterator[Callable[..., BatchService]]:
-    """Factory: API, scheduler and worker; stopped after the test."""
-    with ExitStack() as stack:
-        yield lambda **overrides: stack.enter_context(
-            batch_service(settings, tmp_path, tiny_model, **overrides))
-
-
 def test_a_batch_over_budget_waits_and_its_usage_settles_exactly(
-        service: Callable[..., BatchService]) -> None:
+        batch_services: Callable[..., BatchService]) -> None:
     """12 lines of ~5 estimated tokens against 25 tokens/day: 5 run, the rest wait (the
     batch stays in progress, nothing fails); the day's counter then equals the stored
     jobs' prompt + completion tokens; lifting the budget lets the batch complete."""
-    svc = service()
+    svc = batch_services()
     with svc.sessions() as session:
         set_limits(session, tenant_id=svc.tenant_id, tokens_per_day=25)
         session.commit()
