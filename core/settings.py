@@ -152,6 +152,10 @@ class Settings(BaseSettings):
     # Touched with every beat (see workers/inference/liveness): its age is what the
     # supervisor and the Kubernetes probes judge a worker alive by. None: no file.
     worker_liveness_file: Path | None = None
+    # `up` forks its workers (and its model check) from a server that has imported torch,
+    # transformers and the engine once (scheduler/warm_start): a restart or scale-up starts
+    # in well under a second instead of 6-10 s of imports. False: a fresh interpreter each.
+    worker_warm_start: bool = True
     job_max_attempts: int = Field(default=3, ge=1)
     result_cache_ttl_s: int = Field(default=86_400, ge=0)
     # Semantic cache search: `auto` takes Redis vector search (HNSW) when the server has

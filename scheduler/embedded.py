@@ -358,7 +358,8 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
         stack.callback(restore_signals)
         try:
             served = [prepare_model(model, name, settings.models_dir,
-                                    engine_urls=(engine_urls or {}).get(name, []))
+                                    engine_urls=(engine_urls or {}).get(name, []),
+                                    warm=settings.worker_warm_start)
                       for model, name in models or [(settings.model, settings.served_model_name)]]
             _set_env(**served_settings(served))
             for model in served:
@@ -387,7 +388,8 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
             # reconciler hands its jobs back then.
             workers = ModelFleet(served, num_workers=num_workers,
                                  liveness_dir=data_dir / "run",
-                                 liveness_timeout_s=settings.worker_heartbeat_timeout_s)
+                                 liveness_timeout_s=settings.worker_heartbeat_timeout_s,
+                                 warm_start=settings.worker_warm_start)
             stack.callback(workers.stop)
             hurry.append(workers.hurry)
             workers.start([sys.executable, "-m", "workers.inference"])

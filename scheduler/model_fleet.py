@@ -2,7 +2,8 @@
 
 Responsible for:
 - preparing every model in a child process (`batchinfer models prepare`: known names are
-  pulled, paths taken as they are), so this process never imports torch, and keeping the
+  pulled, paths taken as they are), forked from the warm server the workers then start
+  from (scheduler/warm_start), so this process never imports torch, and keeping the
   card each prints (resolved path, kind, context length, weights revision);
 - the settings the API and the workers need: every served name, which are embedding
   models, and per worker process the model directory and the name it is served under;
@@ -15,9 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
+import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,7 @@ from scheduler.autoscaler import AutoscalePolicy, Autoscaler
 from scheduler.deadline_floor import DeadlineFloor
 from scheduler.periodic import Periodic
 from scheduler.supervisor import Supervisor
+from scheduler.warm_start import Child, start_module
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +60,9 @@ class ServedModel:
 
 
 def prepare_model(model: str, name: str, models_dir: Path,
-                  engine_urls: list[str] | None = None) -> ServedModel:
-    """Pull (known names) or check (paths) one model in a child process; its card.
+                  engine_urls: list[str] | None = None, *, warm: bool = False) -> ServedModel:
+    """Pull (known names) or check (paths) one model in a child process (forked from the
+    warm server with `warm`, which the workers then start from); its card.
 
     A model behind engine servers is neither: its workers describe it once they reach them.
     RuntimeError naming the child's reason (its last line on stderr, which is passed
@@ -68,16 +72,15 @@ def prepare_model(model: str, name: str, models_dir: Path,
         return ServedModel(model=model, name=name, path=model, kind="chat",
                            context_length=None, revision="on its engine servers",
                            engine_urls=tuple(engine_urls))
-    command = [sys.executable, "-m", "cli", "models", "prepare", model,
-               "--served-model-name", name, "--models-dir", str(models_dir)]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as child:
-        assert child.stderr is not None and child.stdout is not None
-        last_line = ""
-        for line in child.stderr:
-            sys.stderr.write(line)
-            last_line = line.strip() or last_line
-        stdout = child.stdout.read()
+    args = ["models", "prepare", model, "--served-model-name", name,
+            "--models-dir", str(models_dir)]
+    with tempfile.TemporaryDirectory(prefix="batchinfer-prepare-") as tmp:
+        card_path, errors_path = Path(tmp, "card"), Path(tmp, "stderr")
+        errors_path.touch()
+        child = start_module("cli", args, log_path=card_path, stderr_path=errors_path,
+                             new_session=False, warm=warm)
+        last_line = _relay_lines(child, errors_path)
+        stdout = card_path.read_text() if card_path.exists() else ""
     if child.returncode != 0:
         # The child says "batchinfer models prepare: <reason>"; keep only the reason.
         reason = last_line.removeprefix("batchinfer models prepare: ")
@@ -86,6 +89,26 @@ def prepare_model(model: str, name: str, models_dir: Path,
     card = json.loads(stdout.strip().splitlines()[-1])
     return ServedModel(model=model, name=name, path=card["path"], kind=card["kind"],
                        context_length=card.get("context_length"), revision=card["revision"])
+
+
+def _relay_lines(child: Child, path: Path) -> str:
+    """Copy what the child writes to `path` onto our stderr as it comes (a long pull
+    narrates its progress) until it exits; its last non-empty line."""
+    last_line, pending = "", b""
+    with path.open("rb") as lines:
+        while True:
+            ended = child.poll() is not None
+            pending += lines.read()
+            *complete, pending = pending.split(b"\n")
+            if ended and pending:
+                complete, pending = [*complete, pending], b""
+            for raw in complete:
+                line = raw.decode(errors="replace")
+                sys.stderr.write(line + "\n")
+                last_line = line.strip() or last_line
+            if ended:
+                return last_line
+            time.sleep(0.1)
 
 
 def served_settings(models: list[ServedModel]) -> dict[str, str]:
@@ -112,6 +135,7 @@ class ModelFleet:
     # frozen (see scheduler.supervisor); None: workers are replaced only when they exit.
     liveness_dir: Path | None = None
     liveness_timeout_s: float | None = None
+    warm_start: bool = False
     supervisors: dict[str, Supervisor] = field(default_factory=dict)
     _scalers: list[MainThreadScaler] = field(default_factory=list)
     _readers: list[LagReader] = field(default_factory=list)
@@ -124,7 +148,8 @@ class ModelFleet:
             name = "worker" if len(self.models) == 1 else f"worker-{model_slug(model.name)}"
             supervisor = Supervisor(argv, num_workers=self.num_workers, env=worker_env(model),
                                     name=name, liveness_dir=self.liveness_dir,
-                                    liveness_timeout_s=self.liveness_timeout_s)
+                                    liveness_timeout_s=self.liveness_timeout_s,
+                                    warm_start=self.warm_start)
             self.supervisors[model.name] = supervisor
             supervisor.start()
 

@@ -1,7 +1,8 @@
 """A local supervisor of worker processes.
 
 Responsible for:
-- starting N copies of a worker command as child processes;
+- starting N copies of a worker command as child processes (`python -m` ones forked
+  from the warm server with `warm_start`, see scheduler/warm_start);
 - restarting one that exits on its own, after an exponential backoff that resets once a
   worker has stayed up for a while (a crash loop does not spin the CPU);
 - changing the count (`scale_to`): new workers start at once, surplus ones are drained
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.liveness_file import age_s as liveness_age_s
-from scheduler.embedded_services import die_with_parent
+from scheduler.warm_start import Child, start_command, start_module
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class WorkerSlot:
     """One supervised worker: its process (None while waiting to restart) and history."""
 
     index: int
-    process: subprocess.Popen[bytes] | None = None
+    process: Child | None = None
     started_at: float = 0.0
     num_restarts: int = 0
     next_start_at: float = 0.0
@@ -72,6 +73,7 @@ class Supervisor:
         drain_timeout_s: float = 60.0,
         liveness_dir: Path | None = None,
         liveness_timeout_s: float | None = None,
+        warm_start: bool = False,
     ) -> None:
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
@@ -81,6 +83,9 @@ class Supervisor:
         self.liveness_timeout_s = liveness_timeout_s
         self.num_stall_kills = 0
         self.argv = argv
+        # `python -m MODULE` children fork from a server that has imported the engine
+        # (scheduler.warm_start): a restart or a scale-up skips seconds of imports.
+        self.warm_start = warm_start
         self.env = env
         self.log_dir = log_dir
         self.name = name
@@ -126,7 +131,8 @@ class Supervisor:
             for slot in list(self.slots):
                 if slot.process is None or slot.is_alive:
                     continue
-                code = slot.process.returncode
+                code = slot.process.poll()
+                assert code is not None  # is_alive saw it end
                 slot.exit_codes.append(code)
                 slot.process = None
                 if slot.draining:
@@ -230,25 +236,19 @@ class Supervisor:
             path.unlink(missing_ok=True)  # the previous child's: its age is not this one's
             env = {**(os.environ if env is None else env),
                    "BATCHINFER_WORKER_LIVENESS_FILE": str(path)}
-        stdout = None
+        log_path = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            stdout = (self.log_dir / f"{self.name}-{slot.index}.log").open("ab")
-        try:
-            slot.process = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=stdout,
-                stderr=subprocess.STDOUT if stdout else None,
-                env=env,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
-        finally:
-            if stdout is not None:
-                stdout.close()
+            log_path = self.log_dir / f"{self.name}-{slot.index}.log"
+        slot.process = self._start_child(env, log_path)
         slot.started_at = time.monotonic()
         logger.info("started %s-%d (pid %d)", self.name, slot.index, slot.process.pid)
+
+    def _start_child(self, env: dict[str, str] | None, log_path: Path | None) -> Child:
+        module_args = self.argv[2:] if self.argv[1:2] == ["-m"] else None
+        if self.warm_start and module_args:
+            return start_module(module_args[0], module_args[1:], env=env, log_path=log_path)
+        return start_command(self.argv, env=env, log_path=log_path)
 
     def _signal(self, slot: WorkerSlot, signum: int) -> None:
         if slot.process is not None and slot.process.poll() is None:

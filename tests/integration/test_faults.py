@@ -435,15 +435,7 @@ def test_a_frozen_worker_is_killed_and_replaced_and_its_jobs_finish_elsewhere(
 
 def _workers_of(stack: Stack) -> list[psutil.Process]:
     """The live inference worker processes under `up`."""
-    found = []
-    for proc in stack.up.descendants():
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE and any(
-                    "workers.inference" in part for part in proc.cmdline()):
-                found.append(proc)
-        except psutil.NoSuchProcess:
-            continue
-    return found
+    return stack.up.running("workers.inference")
 
 
 @pytest.fixture

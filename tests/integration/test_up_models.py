@@ -58,12 +58,10 @@ def test_up_serves_two_models_each_on_its_own_workers(up_two_models: UpProcess) 
               if (m := re.match(r"model (\S+) \((\w+), revision (\w+)\)", line))
               for name in [m.group(1)]}
     assert set(banner) == {"tiny", "emb"}, run.lines
-    workers = [p for p in run.descendants() if "workers.inference" in " ".join(p.cmdline())]
-    served = sorted(p.environ().get("BATCHINFER_SERVED_MODEL_NAME", "") for p in workers)
-    assert served == ["emb", "tiny"]
     # Each model says when a worker takes its jobs; the API then counts that worker.
     for name in ("tiny", "emb"):
         run.wait_for_line(f"model {name} ready: 1 worker(s) taking jobs", 600)
+    assert len(run.running("workers.inference")) == 2
     with run.client() as client:
         models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
         assert {name: m["kind"] for name, m in models.items()} == {"tiny": "chat",

@@ -4,28 +4,26 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from core.settings import Settings
-from scheduler.embedded_services import die_with_parent
+from scheduler.warm_start import start_module
 from tests.utils.settings_env import settings_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 class ChildProcess:
-    """`python -m ARGV...` on the given settings; dies with the test process."""
+    """`python -m ARGV...` on the given settings; dies with the test process. `warm`
+    forks it from the warm server, as `up` starts its workers (scheduler/warm_start)."""
 
-    def __init__(self, argv: list[str], settings: Settings, log_path: Path) -> None:
+    def __init__(self, argv: list[str], settings: Settings, log_path: Path, *,
+                 warm: bool = False) -> None:
         self.log_path = log_path
         env = settings_env(settings)
         env["PYTHONUNBUFFERED"] = "1"
-        with log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", *argv], stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                preexec_fn=die_with_parent)
+        self.process = start_module(argv[0], argv[1:], env=env, log_path=log_path, cwd=ROOT,
+                                    new_session=False, warm=warm)
 
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGTERM (a worker drains), then SIGKILL after `timeout`; the exit code."""

@@ -44,7 +44,8 @@ class WorkerProcess(ChildProcess):
     """`python -m workers.inference` as a child process on the given settings."""
 
     def __init__(self, settings: Settings, log_path: Path) -> None:
-        super().__init__(["workers.inference"], settings, log_path)
+        super().__init__(["workers.inference"], settings, log_path,
+                         warm=settings.worker_warm_start)
 
     @property
     def pid(self) -> int:

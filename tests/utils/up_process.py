@@ -67,16 +67,25 @@ class UpProcess:
         except psutil.NoSuchProcess:
             return []
 
-    def child(self, name: str) -> psutil.Process:
-        """The one live descendant whose command line mentions name (a binary or module)."""
+    def running(self, name: str) -> list[psutil.Process]:
+        """Live descendants running name: a binary (tansu, redis-server) or a `python -m`
+        module. The warm start server (its command line lists the modules it imports) and
+        a module's submodules do not count. Words, not arguments: a retitled process (Redis,
+        a warm-started worker) shows its whole command line as one argument."""
         found = []
         for proc in self.descendants():
             try:
+                words = " ".join(proc.cmdline()).split()
                 if proc.status() != psutil.STATUS_ZOMBIE and any(
-                        name in part for part in proc.cmdline()):
+                        word == name or word.endswith("/" + name) for word in words):
                     found.append(proc)
             except psutil.NoSuchProcess:
                 continue
+        return found
+
+    def child(self, name: str) -> psutil.Process:
+        """The one live descendant running name (see running)."""
+        found = self.running(name)
         if len(found) != 1:
             raise AssertionError(f"expected one {name!r} process under `batchinfer up`, found "
                                  f"{[p.pid for p in found]}")
