@@ -84,7 +84,7 @@ async def _events(resources: Resources, chunks: ChunkMaker, *, job_id: str,
             # the database call too.
             with anyio.CancelScope(shield=True):
                 logger.info("stream of job %s ended before the job; cancelling it", job_id)
-                await run_in_threadpool(_cancel, resources, job_id=job_id,
+                await run_in_threadpool(cancel_abandoned, resources, job_id=job_id,
                                         tenant_id=tenant_id)
 
 
@@ -108,19 +108,24 @@ def _ending(chunks: ChunkMaker, view: JobPublic, limit_s: float) -> list[bytes]:
             parts.append(sse(chunks.usage(result["usage"])))
         parts.append(DONE)
         return parts
+    return [error_event(stream_error(view, limit_s))]
+
+
+def stream_error(view: JobPublic, limit_s: float) -> dict[str, Any]:
+    """The error that ends the stream of a job that did not succeed: it was cancelled, it
+    failed, or it is still unfinished when the stream's `limit_s` ran out."""
     if view.status is JobStatus.CANCELLED:
-        error = {"message": f"Job '{view.id}' was cancelled before it finished.",
-                 "type": "invalid_request_error", "code": "job_cancelled"}
-    elif not view.status.is_terminal:
-        error = {"message": f"The request did not finish within {limit_s:g} s and was "
-                 f"cancelled (job '{view.id}'); for long requests use POST /v1/jobs.",
-                 "type": "timeout", "code": "timeout"}
-    else:
-        error = view.error or {"message": f"Job '{view.id}' failed."}
-    return [error_event(error)]
+        return {"message": f"Job '{view.id}' was cancelled before it finished.",
+                "type": "invalid_request_error", "code": "job_cancelled"}
+    if not view.status.is_terminal:
+        return {"message": f"The request did not finish within {limit_s:g} s and was "
+                f"cancelled (job '{view.id}'); for long requests use POST /v1/jobs.",
+                "type": "timeout", "code": "timeout"}
+    return view.error or {"message": f"Job '{view.id}' failed."}
 
 
-def _cancel(resources: Resources, *, job_id: str, tenant_id: str) -> None:
+def cancel_abandoned(resources: Resources, *, job_id: str, tenant_id: str) -> None:
+    """Cancel the job of a stream that ended before it did (run in a thread)."""
     with resources.sessions() as session:
         cancel_and_announce(session, resources.redis, prefix=resources.settings.topic_prefix,
                             job_id=job_id, tenant_id=tenant_id)

@@ -17,6 +17,8 @@ from typing import Any
 
 import orjson
 
+from core.responses_api import response_text
+
 DONE = b"data: [DONE]\n\n"
 # An SSE comment: keeps proxies and clients from timing out a stream that waits in a queue.
 KEEPALIVE = b": keepalive\n\n"
@@ -96,7 +98,10 @@ class ChunkMaker:
 
 
 def result_text(result: dict[str, Any], index: int = 0) -> str:
-    """The text of choice `index` of a stored `chat.completion` or `text_completion` result."""
+    """The text of choice `index` of a stored `chat.completion` or `text_completion` result
+    (of a `response`, its output text)."""
+    if result.get("object") == "response":
+        return response_text(result)
     choices = result.get("choices") or [{}]
     choice = choices[index] if index < len(choices) else {}
     if "message" in choice:

@@ -17,6 +17,9 @@ Every request is distinct and sets `cache: {"mode": "off"}` (no result or prefix
 answers it), so each runs its prompt's prefill in full. The figure the issue sets is
 TTFC / TTFT <= 1.2; the difference is what the service adds in front of the engine
 (HTTP, validation, the database insert, Kafka in and out, the claim, Redis both ways).
+As the two phases run at different moments, each streamed job's own claim-to-first-token
+time (from its row) is printed too, and what the service adds to each request beside it:
+figures that a shared machine's changing load does not skew.
 
     .venv/bin/python -m bench.stream_latency [--model DIR_OR_NAME] [--trials 20] \
         [--prompt-words 100] [--max-tokens 16]
@@ -29,9 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sqlite3
 import statistics
 import tempfile
 import time
+from contextlib import closing
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -76,10 +82,10 @@ def engine_ttft(model: str, texts: list[str], max_tokens: int) -> list[float]:
 
 
 def service_ttfc(url: str, headers: dict[str, str], model: str, texts: list[str],
-                 max_tokens: int) -> tuple[list[float], list[float], list[float]]:
+                 max_tokens: int) -> tuple[list[float], list[float], list[float], list[str]]:
     """Per prompt: seconds to the first chunk with text, to `[DONE]`, and of the same
-    prompt's 1-token request without `stream`."""
-    firsts, totals, one_tokens = [], [], []
+    prompt's 1-token request without `stream`; and the streamed jobs' ids."""
+    firsts, totals, one_tokens, job_ids = [], [], [], []
     with httpx.Client(base_url=url, headers=headers, timeout=300) as client:
         for i, text in enumerate(["warm up " + texts[0], *texts]):
             body = {"model": model, "prompt": text, "max_tokens": max_tokens,
@@ -89,6 +95,7 @@ def service_ttfc(url: str, headers: dict[str, str], model: str, texts: list[str]
             first: float | None = None
             with client.stream("POST", "/v1/completions", json=body) as response:
                 response.raise_for_status()
+                job_id = response.headers["x-job-id"]
                 for line in response.iter_lines():
                     if line == "data: [DONE]":
                         break
@@ -105,7 +112,21 @@ def service_ttfc(url: str, headers: dict[str, str], model: str, texts: list[str]
                 firsts.append(first)
                 totals.append(total)
                 one_tokens.append(time.perf_counter() - begun)
-    return firsts, totals, one_tokens
+                job_ids.append(job_id)
+    return firsts, totals, one_tokens, job_ids
+
+
+def engine_in_service(database: Path, job_ids: list[str]) -> list[float]:
+    """Per job, in order: seconds from its claim to its first token, as the worker stored
+    them (`started_at`, `first_token_at`): the engine's time to first token inside the
+    service, measured in the same moments as the chunk (the two phases above run at
+    different moments, and on a shared machine under different loads)."""
+    with closing(sqlite3.connect(database)) as db:
+        rows = {job_id: (started, first) for job_id, started, first in db.execute(
+            "SELECT id, started_at, first_token_at FROM jobs WHERE id IN "
+            f"({','.join('?' * len(job_ids))})", job_ids)}
+    return [(datetime.fromisoformat(rows[job_id][1]) - datetime.fromisoformat(rows[job_id][0])
+             ).total_seconds() for job_id in job_ids]
 
 
 def summary(name: str, seconds: list[float]) -> str:
@@ -135,16 +156,22 @@ def main() -> None:
         print(summary("engine TTFT", ttft))
         up = started(root, "service", Path(model), num_workers=1)
         try:
-            ttfc, totals, one_tokens = service_ttfc(up.url, up.headers, model, texts,
-                                                    args.max_tokens)
+            ttfc, totals, one_tokens, job_ids = service_ttfc(up.url, up.headers, model, texts,
+                                                             args.max_tokens)
         finally:
             stop_service(up)
+        inside = engine_in_service(root / "service" / "batchinfer.db", job_ids)
     print(summary("service TTFC (first chunk with text)", ttfc))
     print(summary(f"service time to [DONE] ({args.max_tokens} tokens)", totals))
     print(summary("service 1-token request without stream", one_tokens))
     ratio = statistics.median(ttfc) / statistics.median(ttft)
     print(f"TTFC / TTFT (medians): {ratio:.2f} (target <= 1.20); the service adds "
           f"{1e3 * (statistics.median(ttfc) - statistics.median(ttft)):.1f} ms")
+    print(summary("engine TTFT inside the service (claim to first token, job rows)", inside))
+    added = [first - engine for first, engine in zip(ttfc, inside, strict=True)]
+    print(summary("what the service adds per request (TTFC - claim to first token)", added))
+    print(f"TTFC / TTFT inside the service (medians): "
+          f"{statistics.median(ttfc) / statistics.median(inside):.2f}")
     print(f"TTFC / 1-token request without stream (medians): "
           f"{statistics.median(ttfc) / statistics.median(one_tokens):.2f}")
     print(f"load after: {os.getloadavg()}")

@@ -125,34 +125,21 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def response_object(chat_result: dict[str, Any], *, job_id: str, body: dict[str, Any]
-                    ) -> dict[str, Any]:
-    """A finished chat.completion result reshaped as the Responses API's `response`."""
-    choice = chat_result["choices"][0]
-    text = choice["message"].get("content") or ""
-    usage = chat_result.get("usage") or {}
-    is_cut = choice.get("finish_reason") == "length"
+def response_shell(*, job_id: str, model: str | None, created_at: int | None,
+                   body: dict[str, Any]) -> dict[str, Any]:
+    """The `response` of job `job_id` before it has output: in progress, no usage yet.
+
+    Streams open with it (`response.created`); `response_object` fills it in."""
     return {
         "id": f"resp_{job_id}",
         "object": "response",
-        "created_at": chat_result.get("created"),
-        "status": "incomplete" if is_cut else "completed",
-        "incomplete_details": {"reason": "max_output_tokens"} if is_cut else None,
+        "created_at": created_at,
+        "status": "in_progress",
+        "incomplete_details": None,
         "error": None,
-        "model": chat_result.get("model"),
-        "output": [{
-            "type": "message", "id": f"msg_{job_id}", "status": "incomplete" if is_cut
-            else "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}],
-        }],
-        "usage": {
-            "input_tokens": usage.get("prompt_tokens", 0),
-            "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {})
-                                     .get("cached_tokens", 0)},
-            "output_tokens": usage.get("completion_tokens", 0),
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.get("total_tokens", 0),
-        },
+        "model": model,
+        "output": [],
+        "usage": None,
         "max_output_tokens": body.get("max_completion_tokens") or body.get("max_tokens"),
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
@@ -161,3 +148,41 @@ def response_object(chat_result: dict[str, Any], *, job_id: str, body: dict[str,
         "tool_choice": "none",
         "tools": [],
     }
+
+
+def response_object(chat_result: dict[str, Any], *, job_id: str, body: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """A finished chat.completion result reshaped as the Responses API's `response`."""
+    choice = chat_result["choices"][0]
+    text = choice["message"].get("content") or ""
+    usage = chat_result.get("usage") or {}
+    is_cut = choice.get("finish_reason") == "length"
+    response = response_shell(job_id=job_id, model=chat_result.get("model"),
+                              created_at=chat_result.get("created"), body=body)
+    response.update({
+        "status": "incomplete" if is_cut else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if is_cut else None,
+        "output": [{
+            "type": "message", "id": f"msg_{job_id}", "status": "incomplete" if is_cut
+            else "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }],
+        "usage": {
+            "input_tokens": usage.get("prompt_tokens", 0),
+            "input_tokens_details": {
+                "cached_tokens": (usage.get("prompt_tokens_details") or {})
+                .get("cached_tokens", 0),
+                "cache_write_tokens": 0},
+            "output_tokens": usage.get("completion_tokens", 0),
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.get("total_tokens", 0),
+        },
+    })
+    return response
+
+
+def response_text(response: dict[str, Any]) -> str:
+    """The output text of a stored `response` object (its message's text parts, joined)."""
+    return "".join(part.get("text") or "" for item in response.get("output") or []
+                   if item.get("type") == "message" for part in item.get("content") or []
+                   if part.get("type") == "output_text")

@@ -6,6 +6,8 @@ it (`core.responses_api`). The request runs as a chat completion job of kind `re
 (queued at high priority, cached, recorded like any other) and is answered with the
 `response` object the worker stored. With `background: true` it is not awaited: the
 answer is the job (202), followed with GET /v1/jobs/{id}, whose result is the same object.
+With `stream: true` the answer is the Responses API's typed events as the text comes
+(`api.response_stream`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pydantic import ValidationError
 
 from api.deps import IdempotencyKeyDep, ProducerDep, ResourcesDep, TenantDep
 from api.errors import InvalidRequest
+from api.response_stream import stream_response
 from api.routes.completions import run_synchronously
 from api.schemas import ChatCompletionRequest, JobPublic, job_path, model_response
 from api.submission import submit
@@ -28,7 +31,7 @@ from core.topics import Priority
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 # Responses fields that only steer this route; the rest go to `core.responses_api`.
-_ROUTE_FIELDS = ("background", "stream")
+_ROUTE_FIELDS = ("background", "stream", "stream_options")
 
 
 class ResponseJobRequest(ChatCompletionRequest):
@@ -49,16 +52,19 @@ async def create_response(
     body: dict[str, Any] = Body(...),  # noqa: B008
     idempotency_key: IdempotencyKeyDep = None,
 ) -> Response:
-    """Run a Responses request now and return its `response`, or with `background`, queue
-    it and return its job."""
-    if body.get("stream"):
-        raise InvalidRequest("stream is not supported on /v1/responses; stream a chat "
-                             "completion instead (POST /v1/chat/completions).", param="stream",
-                             code="unsupported_parameter")
-    background = body.get("background")
-    if background is not None and not isinstance(background, bool):
-        raise InvalidRequest("background must be true or false.", param="background")
-    job_request = _as_job(body)
+    """Run a Responses request now and return its `response` (with `stream`, its events as
+    they come), or with `background`, queue it and return its job."""
+    stream = _route_flag(body, "stream")
+    background = _route_flag(body, "background")
+    _check_stream_options(body.get("stream_options"), stream=stream)
+    if stream and background:
+        raise InvalidRequest("background cannot be streamed; queue it with background and "
+                             "follow it with GET /v1/jobs/{id}/events, or stream it without "
+                             "background.", param="background", code="unsupported_parameter")
+    job_request = _as_job(body, stream=stream)
+    if stream:
+        return await stream_response(job_request, tenant, resources, producer,
+                                     idempotency_key)
     if not background:
         return await run_synchronously(job_request, request, tenant, resources, producer,
                                        idempotency_key)
@@ -72,10 +78,39 @@ async def create_response(
                           status_code=200 if submission.is_replay else 202, headers=headers)
 
 
-def _as_job(body: dict[str, Any]) -> ResponseJobRequest:
+def _route_flag(body: dict[str, Any], name: str) -> bool:
+    """A true/false field of this route (absent or null: false); 400 for anything else."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be true or false.", param=name)
+    return value is True
+
+
+def _check_stream_options(options: Any, *, stream: bool) -> None:
+    """`stream_options` goes only with `stream`; its one field, `include_obfuscation`,
+    is accepted and has no effect (no event is padded)."""
+    if options is None:
+        return
+    if not stream:
+        raise InvalidRequest("stream_options is only allowed with stream: true.",
+                             param="stream_options")
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options must be an object.", param="stream_options")
+    for key, value in options.items():
+        if key != "include_obfuscation":
+            raise InvalidRequest(f"stream_options.{key} is not supported.",
+                                 param=f"stream_options.{key}", code="unsupported_parameter")
+        if not isinstance(value, bool):
+            raise InvalidRequest("stream_options.include_obfuscation must be true or false.",
+                                 param="stream_options.include_obfuscation")
+
+
+def _as_job(body: dict[str, Any], *, stream: bool) -> ResponseJobRequest:
     """The chat request of a Responses body; 400/422 naming the field it got wrong."""
     try:
         chat = to_chat_body({k: v for k, v in body.items() if k not in _ROUTE_FIELDS})
+        if stream:
+            chat["stream"] = True  # the worker publishes its text as it comes
         return ResponseJobRequest.model_validate(chat)
     except RequestRefused as e:
         raise InvalidRequest(e.message, param=e.param, code=e.code,

@@ -146,6 +146,12 @@ def test_a_worker_with_nothing_to_do_for_a_while_fetches_twice_a_second(consumer
     assert wait.current_ms == LONG_FETCH_MAX_WAIT_MS
     wait.on_poll({}, is_idle=False, now=300.1)
     assert wait.current_ms == 100
+    # The moment the work runs out, the next record is as likely soon as while records
+    # flow (a client sending requests one after another): the short wait, for a window.
     wait.on_poll({}, is_idle=True, now=300.2)
+    assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
+    wait.on_poll({}, is_idle=True, now=300.9)
+    assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
+    wait.on_poll({}, is_idle=True, now=301.3)
     assert wait.current_ms == 100
     assert consumer._fetcher.config["fetch_max_wait_ms"] == 100

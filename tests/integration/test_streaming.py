@@ -3,8 +3,10 @@ broker, Redis and PostgreSQL; requests from the official `openai` client and htt
 
 What is checked: a streamed completion's chunks join to the text of the same request
 without `stream`, in OpenAI's chunk shapes; `include_usage` ends with the usage; a cached
-answer streams; a client that leaves cancels its job; `GET /v1/jobs/{id}/events`
-follows a job from queued to finished.
+answer streams; a streamed `/v1/responses` call's typed events join to the text of the
+same call without `stream` (also through the client's accumulating `responses.stream`);
+a client that leaves cancels its job; `GET /v1/jobs/{id}/events` follows a job from
+queued to finished.
 """
 
 from __future__ import annotations
@@ -20,12 +22,16 @@ import openai
 import pytest
 from openai import Stream
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
+from openai.types.responses import Response, ResponseStreamEvent
 
 from tests.utils.api import TenantKey, make_tenant_key
 from tests.utils.service import running_api
 from tests.utils.worker_service import Service
 
 OFF = {"cache": {"mode": "off"}}  # each request runs in the engine
+# A structured output the random model must finish (one of two words, then EOS).
+PICK: dict[str, Any] = {"type": "object", "properties": {"pick": {"enum": ["yes", "no"]}},
+                        "required": ["pick"], "additionalProperties": False}
 
 
 @dataclass
@@ -196,17 +202,73 @@ def _check_responses(api: Api, client: openai.OpenAI) -> None:
         time.sleep(0.1)
     assert view["result"]["object"] == "response" and view["result"]["output"]
 
-    with pytest.raises(openai.BadRequestError) as streamed:
-        client.responses.create(model=api.model, input="Hi", stream=True)
-    assert streamed.value.param == "stream"
     with pytest.raises(openai.BadRequestError) as image:
         image_part: Any = {"role": "user", "content": [
             {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "auto"}]}
         client.responses.create(model=api.model, input=[image_part])
     assert image.value.param == "input[0].content[0].type"
+    _check_responses_streamed(api, client, response)
+
+
+def _check_responses_streamed(api: Api, client: openai.OpenAI, whole: Response) -> None:
+    """The same Responses call streamed: typed events whose deltas join to its text; the
+    stream helper's final response; a cached answer; fields refused as 400s."""
+    asked: dict[str, Any] = {"model": api.model, "instructions": "Be brief.", "input": "Hi",
+                             "max_output_tokens": 8, "temperature": 0}
+    with client.responses.create(**asked, extra_body=OFF, stream=True) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    last = "response.incomplete" if whole.status == "incomplete" else "response.completed"
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", last]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1, "the text came in one piece, not as the engine produced it"
+    assert "".join(deltas) == whole.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1]
+    assert final.type == last
+    assert final.response.output_text == whole.output_text
+    assert final.response.usage == whole.usage
+    assert final.response.id == events[0].response.id  # type: ignore[union-attr]
+
+    # The helper that accumulates events into a response; a schema whose language is
+    # finite, so that even the random model completes (no max_output_tokens cut).
+    text: Any = {"format": {"type": "json_schema", "name": "pick", "strict": True,
+                            "schema": PICK}}
+    formatted = client.responses.create(model=api.model, input="Pick.", text=text,
+                                        temperature=0, max_output_tokens=40, extra_body=OFF)
+    assert formatted.status == "completed", formatted
+    with client.responses.stream(model=api.model, input="Pick.", text=text, temperature=0,
+                                 max_output_tokens=40, extra_body=OFF) as helper:
+        snapshots = [e.snapshot for e in helper if e.type == "response.output_text.delta"]
+        accumulated = helper.get_final_response()
+    assert accumulated.output_text == formatted.output_text == snapshots[-1]
+    assert json.loads(accumulated.output_text)["pick"] in PICK["properties"]["pick"]["enum"]
+
+    # Cached: the call above, asked again with the cache on, streams from the cache.
+    client.responses.create(**asked)
+    raw = client.responses.with_raw_response.create(**asked, stream=True)
+    cached = list(cast(Stream[ResponseStreamEvent], raw.parse()))
+    assert "".join(e.delta for e in cached if e.type == "response.output_text.delta") \
+        == whole.output_text
+    assert api.job(raw.headers["x-job-id"])["cached"] == "exact"
+
+    # Refused before anything is queued: unsupported fields 400, malformed ones 422.
+    for extra, status, param in (({"background": True}, 400, "background"),
+                                 ({"stream_options": {"include_usage": True}}, 400,
+                                  "stream_options.include_usage"),
+                                 ({"max_output_tokens": 0}, 422, "max_output_tokens")):
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.post("/responses", cast_to=object,
+                        body={"model": api.model, "input": "Hi", "stream": True, **extra})
+        assert (refused.value.status_code, refused.value.param) == (status, param)
 
 
 def test_a_client_that_leaves_cancels_its_job(api: Api) -> None:
+    """A streamed completion, then a streamed response: each hung up on mid-text."""
     _started(api)
     body = {"model": api.model, "prompt": "Go on and on", "max_tokens": 900,
             "ignore_eos": True, "temperature": 0, "stream": True, **OFF}
@@ -216,11 +278,29 @@ def test_a_client_that_leaves_cancels_its_job(api: Api) -> None:
         for line in response.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                 break  # text is flowing: hang up
+    assert _ended(api, job_id)["status"] == "cancelled"
+
+    # Responses have no ignore_eos: greedy on this prompt runs long without EOS (were it
+    # to stop before the hang-up lands, the job would show here as succeeded).
+    body = {"model": api.model, "input": "Go on and on", "max_output_tokens": 900,
+            "temperature": 0, "stream": True, **OFF}
+    with api.http() as client, client.stream("POST", "/v1/responses", json=body) as response:
+        assert response.status_code == 200, response.read()
+        job_id = response.headers["x-job-id"]
+        for line in response.iter_lines():
+            if line == "event: response.output_text.delta":
+                break
+    job = _ended(api, job_id)
+    assert job["status"] == "cancelled", job
+
+
+def _ended(api: Api, job_id: str) -> dict[str, Any]:
+    """The job once it is over."""
     deadline = time.monotonic() + 60
     while (job := api.job(job_id))["status"] not in ("cancelled", "succeeded", "failed"):
         assert time.monotonic() < deadline, job
         time.sleep(0.1)
-    assert job["status"] == "cancelled"
+    return job
 
 
 def _events(response: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:

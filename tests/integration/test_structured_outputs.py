@@ -17,7 +17,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.unit.engine.tiny_models import save_tiny_llama
+from core.structured_outputs import TOOL_CALL_TRIGGER
+from tests.unit.engine.tiny_models import byte_level_tokenizer, save_tiny_llama
 from tests.utils.batch_service import TERMINAL, BatchService, batch_service, jsonl, parse_jsonl
 
 SCHEMA: dict[str, Any] = {
@@ -46,10 +47,23 @@ MESSAGES: Any = [{"role": "user", "content": "hello world"}]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-weight Llama directory."""
+    """A random-weight Llama directory whose tokenizer has `<tool_call>` as one token, as
+    tool-trained models' tokenizers do (Qwen's, Hermes'): a logit bias on it makes the
+    model open a call, so `tool_choice: auto` can be tested on random weights."""
     model_dir = tmp_path_factory.mktemp("tiny-llama-structured")
-    save_tiny_llama(model_dir)
+    tokenizer = byte_level_tokenizer()
+    tokenizer.add_tokens([TOOL_CALL_TRIGGER])
+    save_tiny_llama(model_dir, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(model_dir)  # over the one without the trigger
     return model_dir
+
+
+def trigger_bias(model_dir: Path) -> dict[str, int]:
+    """A logit_bias that makes the model write `<tool_call>` whenever it may."""
+    from transformers import AutoTokenizer
+
+    token_id = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids(TOOL_CALL_TRIGGER)
+    return {str(token_id): 100}
 
 
 @pytest.fixture
@@ -75,8 +89,8 @@ def assert_forced_call(message: Any, name: str | None = None) -> None:
         assert_valid_json(call.function.arguments, tool["function"]["parameters"])
 
 
-def test_sync_calls_honour_every_new_field(svc: BatchService) -> None:
-    """Chat and text completions with a schema; tools required and named; penalties."""
+def test_sync_calls_honour_every_new_field(svc: BatchService, tiny_model: Path) -> None:
+    """Chat and text completions with a schema; tools required, named and auto; penalties."""
     client = svc.openai()
     model = svc.settings.model
     chat = client.chat.completions.create(model=model, messages=MESSAGES,
@@ -105,6 +119,20 @@ def test_sync_calls_honour_every_new_field(svc: BatchService) -> None:
         max_tokens=60, temperature=0)
     assert named.choices[0].finish_reason == "tool_calls"
     assert_forced_call(named.choices[0].message, "get_weather")
+
+    # auto: the text is the model's own, until it opens a call (here the trigger token is
+    # forced by a bias, which the grammar then overrules: the random model must write one
+    # whole call of one of the tools, arguments its schema accepts, and stop).
+    auto = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=TOOLS, tool_choice="auto",
+        parallel_tool_calls=False, logit_bias=trigger_bias(tiny_model), max_tokens=200,
+        temperature=0)
+    assert auto.choices[0].finish_reason == "tool_calls", (auto, svc.logs())
+    assert len(auto.choices[0].message.tool_calls or []) == 1
+    assert_forced_call(auto.choices[0].message)
+    free = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS,
+                                          max_tokens=16, temperature=0)
+    assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
 
     # A bias of -100 on every token the unbiased answer used keeps greedy off all of them.
     plain = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6,
@@ -139,7 +167,7 @@ def test_logit_bias_bans_the_greedy_token(svc: BatchService, tiny_model: Path) -
     assert forced.choices[0].text == tokenizer.decode([forced_id])
 
 
-def test_jobs_and_batch_lines_carry_the_fields(svc: BatchService) -> None:
+def test_jobs_and_batch_lines_carry_the_fields(svc: BatchService, tiny_model: Path) -> None:
     """A job and batch lines with response_format and tools; a bad schema is a 400."""
     client = svc.openai()
     model = svc.settings.model
@@ -166,6 +194,10 @@ def test_jobs_and_batch_lines_carry_the_fields(svc: BatchService) -> None:
          "body": {"model": model, "messages": MESSAGES, "tools": TOOLS,
                   "tool_choice": "required", "parallel_tool_calls": False,
                   "max_tokens": 60, "temperature": 0}},
+        {"custom_id": "auto", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": model, "messages": MESSAGES, "tools": TOOLS,
+                  "parallel_tool_calls": False, "logit_bias": trigger_bias(tiny_model),
+                  "max_tokens": 200, "temperature": 0}},
         {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
          "body": {"model": model, "messages": MESSAGES, "tools": TOOLS,
                   "tool_choice": {"type": "function", "function": {"name": "missing"}}}},
@@ -184,6 +216,11 @@ def test_jobs_and_batch_lines_carry_the_fields(svc: BatchService) -> None:
     assert tools_choice["finish_reason"] == "tool_calls"
     for call in tools_choice["message"]["tool_calls"]:
         json.loads(call["function"]["arguments"])
+    auto_choice = output["auto"]["response"]["body"]["choices"][0]
+    assert auto_choice["finish_reason"] == "tool_calls"
+    [auto_call] = auto_choice["message"]["tool_calls"]
+    auto_tool = next(t for t in TOOLS if t["function"]["name"] == auto_call["function"]["name"])
+    assert_valid_json(auto_call["function"]["arguments"], auto_tool["function"]["parameters"])
     assert finished.error_file_id
     [error] = parse_jsonl(client.files.content(finished.error_file_id).content)
     assert error["custom_id"] == "bad"

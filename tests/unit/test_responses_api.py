@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+from openai.types.responses import Response
 
 from core.request_checks import RequestRefused
 from core.responses_api import response_object, to_chat_body
@@ -80,7 +81,9 @@ def test_a_finished_job_is_answered_as_a_response_object() -> None:
     assert result["output"][0]["content"][0] == {"type": "output_text", "text": '{"a": 1}',
                                                  "annotations": []}
     assert result["usage"]["input_tokens"] == 5 and result["usage"]["output_tokens"] == 3
-    assert result["usage"]["input_tokens_details"] == {"cached_tokens": 2}
+    assert result["usage"]["input_tokens_details"] == {"cached_tokens": 2,
+                                                       "cache_write_tokens": 0}
+    Response.model_validate(result)  # the official client's type, field for field
     completion.finish_reason = "length"
     cut = response_object(build_result("chat.completion", job_id="j", model="m",
                                        completion=completion, created=9),

@@ -7,24 +7,31 @@ broker is checked against a real one in tests/integration/test_api.py.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from core.settings import Settings
 from scheduler.embedded_services import free_port, redis_service
 from storage.db import create_db_engine, session_factory
-from storage.models import Base
+from storage.events import publish_job_done
+from storage.jobs import complete_job, fail_job
+from storage.models import Base, Job, JobStatus
 from tests.utils.api import RecordingProducer, TenantKey, make_tenant_key
 
 MODEL = "test-model"
 ClientFactory = Callable[..., TestClient]
+# How a stand-in for the worker ends a job: ("succeeded", result) or ("failed", error).
+Finisher = Callable[[Job], tuple[str, dict[str, Any]]]
 
 
 @pytest.fixture(scope="session")
@@ -112,3 +119,41 @@ def acme(sessions: sessionmaker[Session]) -> TenantKey:
 def globex(sessions: sessionmaker[Session]) -> TenantKey:
     """A second tenant, for isolation checks."""
     return make_tenant_key(sessions, "globex")
+
+
+@pytest.fixture
+def fake_worker(
+    sessions: sessionmaker[Session], redis_url: str
+) -> Iterator[Callable[[str, Finisher], None]]:
+    """Start a thread that finishes every queued job the way `finisher` says."""
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def start(prefix: str, finisher: Finisher) -> None:
+        publisher = redis.Redis.from_url(redis_url)
+
+        def run() -> None:
+            while not stop.wait(0.05):
+                with sessions() as session:
+                    jobs = session.scalars(
+                        select(Job).where(Job.status == JobStatus.QUEUED)).all()
+                    for job in jobs:
+                        outcome, payload = finisher(job)
+                        if outcome == "succeeded":
+                            complete_job(session, job_id=job.id, result=payload,
+                                         prompt_tokens=3, completion_tokens=2,
+                                         cached_tokens=0, first_token_at=None)
+                        else:
+                            fail_job(session, job_id=job.id, error=payload)
+                        session.commit()
+                        publish_job_done(publisher, prefix=prefix, job_id=job.id, status=outcome)
+            publisher.close()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        threads.append(thread)
+
+    yield start
+    stop.set()
+    for thread in threads:
+        thread.join()

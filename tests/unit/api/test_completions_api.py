@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
 from typing import Any
 
-import pytest
-import redis
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from storage.events import publish_job_done
-from storage.jobs import complete_job, fail_job
 from storage.models import Job, JobStatus
 from tests.unit.api.conftest import MODEL, ClientFactory
 from tests.utils.api import CHAT_BODY, TenantKey
-
-Finisher = Callable[[Job], tuple[str, dict[str, Any]]]
 
 
 def result_for(job: Job) -> dict[str, Any]:
@@ -34,44 +26,6 @@ def result_for(job: Job) -> dict[str, Any]:
             "choices": [{"index": 0, "text": " upon a time", "finish_reason": "length",
                          "logprobs": None}],
             "usage": {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5}}
-
-
-@pytest.fixture
-def fake_worker(
-    sessions: sessionmaker[Session], redis_url: str
-) -> Iterator[Callable[[str, Finisher], None]]:
-    """Start a thread that finishes every queued job the way `finisher` says."""
-    stop = threading.Event()
-    threads: list[threading.Thread] = []
-
-    def start(prefix: str, finisher: Finisher) -> None:
-        publisher = redis.Redis.from_url(redis_url)
-
-        def run() -> None:
-            while not stop.wait(0.05):
-                with sessions() as session:
-                    jobs = session.scalars(
-                        select(Job).where(Job.status == JobStatus.QUEUED)).all()
-                    for job in jobs:
-                        outcome, payload = finisher(job)
-                        if outcome == "succeeded":
-                            complete_job(session, job_id=job.id, result=payload,
-                                         prompt_tokens=3, completion_tokens=2,
-                                         cached_tokens=0, first_token_at=None)
-                        else:
-                            fail_job(session, job_id=job.id, error=payload)
-                        session.commit()
-                        publish_job_done(publisher, prefix=prefix, job_id=job.id, status=outcome)
-            publisher.close()
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        threads.append(thread)
-
-    yield start
-    stop.set()
-    for thread in threads:
-        thread.join()
 
 
 def prefix_of(client: TestClient) -> str:

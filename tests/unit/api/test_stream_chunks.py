@@ -70,6 +70,9 @@ def test_result_text_reads_chat_and_text_results() -> None:
     assert result_text({"choices": [{"message": {"content": "hi"}}]}) == "hi"
     assert result_text({"choices": [{"text": "yo"}]}) == "yo"
     assert result_text({"choices": []}) == ""
+    response = {"object": "response", "output": [{"type": "message", "content": [
+        {"type": "output_text", "text": "a"}, {"type": "output_text", "text": "b"}]}]}
+    assert result_text(response) == "ab"
 
 
 def entry(offset: int, text: str) -> StreamEntry:

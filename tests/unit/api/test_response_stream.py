@@ -1,0 +1,120 @@
+"""`stream: true` on /v1/responses through the app: the Responses API's typed events, each
+checked against the official client's event types, and the fields refused before a job
+is queued. (Streams from a real worker: tests/integration/test_streaming.py.)"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, get_args
+
+import pytest
+from fastapi.testclient import TestClient
+from openai.types.responses import ResponseStreamEvent
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.responses_api import response_object
+from storage.models import Job, JobStatus
+from tests.unit.api.conftest import MODEL, ClientFactory
+from tests.unit.api.test_completions_api import prefix_of
+from tests.utils.api import TenantKey
+
+# The official client's event class of each type (its union does not say which failed).
+TYPE_TO_EVENT = {get_args(cls.model_fields["type"].annotation)[0]: cls
+                 for cls in get_args(get_args(ResponseStreamEvent)[0])}
+STREAMED = {"model": MODEL, "input": "Hi", "stream": True}
+
+
+def _events(client: TestClient, acme: TenantKey, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stream's events' data, each checked: its `event:` name is its type, it parses
+    as the official client's event, and sequence numbers count up from 0."""
+    response = client.post("/v1/responses", json=body, headers=acme.headers)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert "[DONE]" not in response.text  # Responses streams end with their last event
+    events = []
+    for block in response.text.strip().split("\n\n"):
+        lines = block.split("\n")
+        if lines[0].startswith(":"):
+            continue  # a keep-alive
+        name, data = lines[0].removeprefix("event: "), json.loads(lines[1][6:])
+        assert data["type"] == name
+        TYPE_TO_EVENT[name].model_validate(data)
+        events.append(data)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def test_a_finished_response_streams_in_openai_order(client: TestClient, acme: TenantKey,
+                                                     fake_worker: Any) -> None:
+    """With no token stream to read (as for a cached answer) the text comes whole from
+    the stored response, between the item's opening and closing events."""
+    def finish(job: Job) -> tuple[str, dict[str, Any]]:
+        chat = {"created": 7, "model": MODEL, "usage": {"prompt_tokens": 3,
+                "completion_tokens": 2, "total_tokens": 5},
+                "choices": [{"index": 0, "finish_reason": "length",
+                             "message": {"role": "assistant", "content": "Hi there"}}]}
+        return "succeeded", response_object(chat, job_id=job.id, body=job.request)
+
+    fake_worker(prefix_of(client), finish)
+    events = _events(client, acme, {**STREAMED, "max_output_tokens": 2})
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.incomplete"]
+    created, last = events[0]["response"], events[-1]["response"]
+    assert created["status"] == "in_progress" and created["output"] == []
+    assert created["id"] == last["id"] and created["max_output_tokens"] == 2
+    assert events[4]["delta"] == events[5]["text"] == "Hi there"
+    assert last["output"][0]["content"][0]["text"] == "Hi there"
+    assert last["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert events[7]["item"] == last["output"][0]
+
+
+def test_a_failed_job_ends_with_response_failed(client: TestClient, acme: TenantKey,
+                                                fake_worker: Any) -> None:
+    error = {"message": "the engine broke", "type": "server_error", "code": "engine_error"}
+    fake_worker(prefix_of(client), lambda job: ("failed", error))
+    events = _events(client, acme, STREAMED)
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress",
+                                           "response.failed"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed"
+    assert failed["error"] == {"code": "server_error",
+                               "message": "the engine broke (engine_error)"}
+
+
+def test_a_stream_out_of_time_ends_with_an_error_and_cancels_its_job(
+    make_client: ClientFactory, acme: TenantKey, sessions: sessionmaker[Session]
+) -> None:
+    """No worker: after sync_request_timeout_s the stream ends with an `error` event and
+    the job is cancelled."""
+    events = _events(make_client(sync_request_timeout_s=0.5), acme, STREAMED)
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress",
+                                           "error"]
+    assert events[-1]["code"] == "timeout"
+    with sessions() as session:
+        assert session.scalars(select(Job.status)).all() == [JobStatus.CANCELLED]
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"stream": "yes"}, "stream"),
+    ({"stream": True, "background": True}, "background"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
+    ({"stream": True, "stream_options": {"include_obfuscation": 1}},
+     "stream_options.include_obfuscation"),
+    ({"stream": True, "stream_options": []}, "stream_options"),
+    ({"stream": True, "tools": []}, "tools"),
+])
+def test_stream_fields_refused_before_anything_is_queued(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
+    extra: dict[str, Any], param: str
+) -> None:
+    response = client.post("/v1/responses", json={"model": MODEL, "input": "Hi", **extra},
+                           headers=acme.headers)
+    assert response.status_code in (400, 422), response.text
+    assert response.json()["error"]["param"] == param
+    with sessions() as session:
+        assert session.scalars(select(Job)).all() == []
