@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api.resources import Resources
-from storage.batches import BatchStatus, batch_object, get_batch
+from storage.batches import Batch, BatchStatus, batch_object, get_batch
 from storage.estimates import read_batch_tail
 from storage.events import wait_batch_done
 from storage.tenant_limits import budgets_of, limits_of_tenant
@@ -28,17 +28,22 @@ def load_batch(resources: Resources, *, batch_id: str, tenant_id: str) -> dict[s
         batch = get_batch(session, batch_id=batch_id, tenant_id=tenant_id)
         if batch is None:
             return None
-        view = batch_object(batch)
-        if batch.status == BatchStatus.IN_PROGRESS and batch.model:
-            tail = read_batch_tail(session.connection(), batch_id=batch.id)
-            num_unqueued = max(0, batch.num_requests - batch.num_enqueued)
-            at = resources.estimates.batch_completion(
-                model=batch.model, priority=batch.priority, tail=tail,
-                num_unqueued=num_unqueued,
-                budget_tokens_per_s=_budget_pace(session, batch.tenant_id, batch.model)
-                if num_unqueued else None)
-            view["estimated_completion_at"] = None if at is None else round(at)
-        return view
+        return batch_view(resources, session, batch)
+
+
+def batch_view(resources: Resources, session: Session, batch: Batch) -> dict[str, Any]:
+    """The batch object, with `estimated_completion_at` while it is in progress."""
+    view = batch_object(batch)
+    if batch.status == BatchStatus.IN_PROGRESS and batch.model:
+        tail = read_batch_tail(session.connection(), batch_id=batch.id)
+        num_unqueued = max(0, batch.num_requests - batch.num_enqueued)
+        at = resources.estimates.batch_completion(
+            model=batch.model, priority=batch.priority, tail=tail,
+            num_unqueued=num_unqueued,
+            budget_tokens_per_s=_budget_pace(session, batch.tenant_id, batch.model)
+            if num_unqueued else None)
+        view["estimated_completion_at"] = None if at is None else round(at)
+    return view
 
 
 def _budget_pace(session: Session, tenant_id: str, model: str) -> float | None:

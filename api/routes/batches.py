@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.batch_state import wait_for_batch
+from api.batch_state import batch_view, wait_for_batch
 from api.capabilities import check_model
 from api.deadlines import check_attainable
 from api.deps import (
@@ -174,15 +174,16 @@ async def retrieve(
 
 @router.get("/v1/batches")
 def list_tenant_batches(
-    session: SessionDep, tenant: TenantDep, after: str | None = None,
+    session: SessionDep, tenant: TenantDep, resources: ResourcesDep, after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = 20,
 ) -> dict[str, Any]:
-    """The tenant's batches, newest first, with cursor pagination."""
+    """The tenant's batches, newest first, with cursor pagination; those in progress carry
+    their `estimated_completion_at` (the batch CLI's ETA column)."""
     try:
         rows, has_more = list_batches(session, tenant_id=tenant.id, limit=limit, after=after)
     except ValueError as e:
         raise invalid_cursor(e) from e
-    return list_page([batch_object(row) for row in rows], has_more=has_more)
+    return list_page([batch_view(resources, session, row) for row in rows], has_more=has_more)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")

@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any
 
+import pytest
 import redis
 from fastapi.testclient import TestClient
 from openai.types import Batch, FileObject
@@ -15,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.settings import Settings
 from storage.batches import BatchStatus, get_batch
 from storage.events import publish_batch_done
+from storage.workers import record_heartbeat
 from tests.unit.api.conftest import MODEL, ClientFactory
 from tests.utils.api import TenantKey
 
@@ -238,3 +240,29 @@ def test_a_batch_long_poll_answers_when_the_batch_ends(
     assert time.monotonic() - started < 2
     refused = client.get(f"/v1/batches/{batch_id}?wait=-1", headers=acme.headers)
     assert refused.status_code == 422
+
+
+def test_batches_in_progress_are_listed_with_their_estimate(
+        make_client: ClientFactory, acme: TenantKey, sessions: sessionmaker[Session]) -> None:
+    """The list carries the same `estimated_completion_at` as the batch itself (the batch
+    CLI's ETA column); a batch not in progress has none."""
+    client = make_client(estimate_refresh_s=0.01)
+    running = create(client, acme, upload(client, acme).json()["id"]).json()["id"]
+    waiting = create(client, acme, upload(client, acme).json()["id"]).json()["id"]
+    with sessions() as session:
+        stored = get_batch(session, batch_id=running)
+        assert stored is not None
+        stored.model, stored.num_requests = MODEL, 100
+        stored.move_to(BatchStatus.IN_PROGRESS)
+        record_heartbeat(session, worker_id="w1", model=MODEL, tokens_per_s=1000.0,
+                         step_s=0.01)
+        session.commit()
+    time.sleep(0.05)  # past estimate_refresh_s
+    listed = {b["id"]: b for b in client.get("/v1/batches", headers=acme.headers)
+              .json()["data"]}
+    one = client.get(f"/v1/batches/{running}", headers=acme.headers).json()
+    # 100 lines of 64 + 128 tokens (nothing finished yet) at 1,000 tokens/s: 19.2 s.
+    assert one["estimated_completion_at"] - time.time() == pytest.approx(19.2, abs=2)
+    assert listed[running]["estimated_completion_at"] == pytest.approx(
+        one["estimated_completion_at"], abs=1)
+    assert listed[waiting].get("estimated_completion_at") is None
