@@ -39,15 +39,17 @@ class DeadlineUnattainable(Conflict):
 
 
 def estimated_completion(
-    board: EstimateBoard, *, model: str, priority: str, deadline: datetime, num_jobs: int = 1
+    board: EstimateBoard, *, model: str, priority: str, deadline: datetime, num_jobs: int = 1,
+    max_tokens: int | None = None,
 ) -> float | None:
-    """When `num_jobs` new jobs with this deadline would be done (unix time), or None."""
+    """When `num_jobs` new jobs with this deadline would be done (unix time), or None;
+    `max_tokens` is a single job's own."""
     queue = board.model(model)
     if queue is None:
         return None
     now = time.time()
     rank = PRIORITIES.index(priority) if priority in PRIORITIES else len(PRIORITIES) - 1
-    first = queue.estimate_queued(rank, (deadline.timestamp(), now), now)
+    first = queue.estimate_queued(rank, (deadline.timestamp(), now), now, max_tokens)
     if first.estimated_completion_at is None or not queue.tokens_per_s:
         return None
     rest = (num_jobs - 1) * queue.work_per_job / queue.tokens_per_s
@@ -61,6 +63,7 @@ def check_attainable(
     priority: str,
     deadline: datetime,
     num_jobs: int = 1,
+    max_tokens: int | None = None,
     on_unattainable: str | None,
     what: str = "deadline",
 ) -> None:
@@ -68,7 +71,7 @@ def check_attainable(
     if on_unattainable == "accept":
         return
     at = estimated_completion(board, model=model, priority=priority, deadline=deadline,
-                              num_jobs=num_jobs)
+                              num_jobs=num_jobs, max_tokens=max_tokens)
     if at is None or at <= deadline.timestamp():
         return
     estimate = datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -54,6 +54,7 @@ class EstimateBoard:
         created_at: datetime,
         deadline: datetime | None = None,
         started_at: datetime | None = None,
+        max_tokens: int | None = None,
     ) -> Estimate | None:
         """A queued or running job's estimate (None for any other status, or no data)."""
         if status not in ("queued", "running"):
@@ -63,9 +64,10 @@ class EstimateBoard:
             return None
         now = time.time()
         if status == "running":
-            return queue.estimate_running((started_at or created_at).timestamp(), now)
+            return queue.estimate_running((started_at or created_at).timestamp(), now,
+                                          max_tokens)
         rank = PRIORITIES.index(priority) if priority in PRIORITIES else len(PRIORITIES) - 1
-        return queue.estimate_queued(rank, queue_key(deadline, created_at), now)
+        return queue.estimate_queued(rank, queue_key(deadline, created_at), now, max_tokens)
 
     def batch_completion(self, *, model: str, priority: str, tail: BatchTail,
                          num_unqueued: int = 0,
@@ -87,8 +89,8 @@ class EstimateBoard:
             key = queue_key(tail.last_deadline, tail.last_created_at)
             at = queue.estimate_queued(rank, key, now).estimated_completion_at
         elif tail.num_running and tail.last_started_at is not None:
-            at = queue.estimate_running(tail.last_started_at.timestamp(), now)\
-                .estimated_completion_at
+            at = queue.estimate_running(tail.last_started_at.timestamp(), now,
+                                        is_last=True).estimated_completion_at
         if not num_unqueued:
             return at
         return queue.finish_unqueued(at, now, num_unqueued=num_unqueued,

@@ -54,7 +54,7 @@ def load_job(resources: Resources, *, job_id: str, tenant_id: str) -> JobPublic 
     if not row.status.is_terminal:  # from the last reading of the load: no query here
         view.with_estimate(resources.estimates.estimate(
             model=row.model, priority=row.priority, status=row.status, created_at=row.created_at,
-            deadline=row.deadline, started_at=row.started_at))
+            deadline=row.deadline, started_at=row.started_at, max_tokens=row.max_tokens))
     return view
 
 

@@ -36,6 +36,8 @@ class LoadReading:
     running_started: list[datetime] = field(default_factory=list)
     mean_prompt_tokens: float | None = None  # the part the engine computed (not cached)
     mean_completion_tokens: float | None = None
+    # Output tokens over the job's max_tokens, averaged over those that had one.
+    mean_output_fill: float | None = None
     cache_hit_fraction: float = 0.0
 
 
@@ -77,7 +79,8 @@ def _read_work(connection: Connection, model: str, load: LoadReading) -> None:
     """Means over the model's last RECENT_JOBS succeeded jobs; a cache answer was never
     claimed (`attempts` 0)."""
     recent = (
-        select(Job.prompt_tokens, Job.cached_tokens, Job.completion_tokens, Job.attempts)
+        select(Job.prompt_tokens, Job.cached_tokens, Job.completion_tokens, Job.attempts,
+               Job.request["max_tokens"].as_integer().label("max_tokens"))
         .where(Job.model == model, Job.status == JobStatus.SUCCEEDED,
                Job.finished_at.is_not(None))
         .order_by(Job.finished_at.desc())
@@ -92,14 +95,17 @@ def _read_work(connection: Connection, model: str, load: LoadReading) -> None:
             func.avg(func.coalesce(recent.c.prompt_tokens, 0)
                      - func.coalesce(recent.c.cached_tokens, 0)).filter(ran),
             func.avg(recent.c.completion_tokens).filter(ran),
+            func.avg(recent.c.completion_tokens * 1.0 / recent.c.max_tokens)
+            .filter(ran, recent.c.max_tokens > 0),
         )
     ).one()  # fmt: skip
-    num_finished, num_ran, mean_prompt, mean_completion = row
+    num_finished, num_ran, mean_prompt, mean_completion, mean_fill = row
     if not num_finished:
         return
     load.cache_hit_fraction = 1 - num_ran / num_finished
     load.mean_prompt_tokens = None if mean_prompt is None else float(mean_prompt)
     load.mean_completion_tokens = None if mean_completion is None else float(mean_completion)
+    load.mean_output_fill = None if mean_fill is None else float(mean_fill)
 
 
 @dataclass(frozen=True, slots=True)

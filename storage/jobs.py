@@ -166,15 +166,18 @@ def get_job(session: Session, *, job_id: str, tenant_id: str | None = None) -> J
 
 
 # What a reader of a job's state sees (`api.schemas.JobPublic`): every column but the
-# request, which can be the largest part of the row and which no such reader needs. Built
-# once from the table's columns: a long-poll reads it at least once per job, and building
-# the statement (or labelling an ORM attribute) costs more than running it.
+# request (bar its max_tokens), which can be the largest part of the row and which no
+# such reader needs. Built once from the table's columns: a long-poll reads it at least
+# once per job, and building the statement (or labelling an ORM attribute) costs more
+# than running it.
 _jobs = Job.__table__.c
 _VIEW_COLUMNS = (
     _jobs.id, _jobs.status, _jobs.priority, _jobs.model, _jobs.created_at, _jobs.started_at,
     _jobs.finished_at, _jobs.result, _jobs.error, _jobs.prompt_tokens,
     _jobs.completion_tokens, _jobs.cached_tokens, _jobs.metadata.label("metadata_"),
     _jobs.deadline,
+    # The one field of the request the estimates need (its expected output).
+    _jobs.request["max_tokens"].as_integer().label("max_tokens"),
 )
 JOB_VIEW = select(*_VIEW_COLUMNS).where(
     _jobs.id == bindparam("job_id"), _jobs.tenant_id == bindparam("tenant_id"))

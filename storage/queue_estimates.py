@@ -1,17 +1,21 @@
 """Estimate arithmetic over one model's load reading: queue order, work ahead, times.
 
 Pure (no I/O): the API's estimate board and the autoscaler's deadline floor both use it.
-A queued job's work ahead is the jobs before it in the order workers take them (priority,
-then deadline, earliest first and none last, then creation) plus half of the running
-ones' (on average half done), each worth the model's expected work (prompt tokens the
-engine computes plus output tokens, learned from finished jobs; a share answered from
-caches costs nothing). It finishes once that work and its own are done at the model's
-measured rate (tokens/s summed over its live workers), and not before its own output has
-been decoded one step at a time; it starts that long before.
+A job's work ahead is the queued jobs before it in the order workers take them (priority,
+then deadline, earliest first and none last, then creation) and the running ones, each
+worth the model's expected work (prompt tokens the engine computes plus output tokens,
+learned from finished jobs; a share answered from caches costs nothing). A running job
+counts whole: a worker holds up to twice as many jobs as its engine decodes at once, so
+most "running" jobs have not started decoding, and of those that have, the half done on
+average is what the batch loses again as it drains narrower at the end of the queue.
+It finishes once that work and its own are done at the model's measured rate (tokens/s
+summed over its live workers), and not before its own output has been decoded one step
+at a time; it starts that long before. Its own output is its `max_tokens` times the share
+of `max_tokens` finished jobs used, where both are known.
 
 Worked example: rate 1,000 tokens/s, expected work 200 tokens (150 out), step 20 ms,
-2 running, job 9th in line: ahead = (8 + 2/2) x 200 = 1,800 tokens; completion = now +
-(1,800 + 200) / 1,000 = now + 2.0 s (>= its own 150 x 0.02 = 3.0 s, so now + 3.0 s);
+2 running, job 9th in line: ahead = (8 + 2) x 200 = 2,000 tokens; completion = now +
+(2,000 + 200) / 1,000 = now + 2.2 s (< its own 150 x 0.02 = 3.0 s, so now + 3.0 s);
 start = completion - 3.0 s = now.
 """
 
@@ -49,11 +53,15 @@ class ModelQueue:
     num_workers: int
     tokens_per_s: float | None
     step_s: float | None
-    num_running: int
     work_per_job: float  # expected engine tokens of one queued job
     completion_tokens: float
+    prompt_tokens: float = DEFAULT_PROMPT_TOKENS  # engine-computed prompt tokens of a job
+    cost_share: float = 1.0  # the share of jobs the engine runs (the rest: cache answers)
+    output_fill: float | None = None  # output tokens / max_tokens of finished jobs
     # Per priority rank: queued jobs' keys, sorted.
     queued: list[list[QueueKey]] = field(default_factory=list)
+    # Running jobs' started_at (seconds since the epoch), sorted.
+    running: list[float] = field(default_factory=list)
 
     @classmethod
     def of(cls, reading: LoadReading, at: float) -> ModelQueue:
@@ -68,42 +76,75 @@ class ModelQueue:
             queued[rank].append(queue_key(deadline, created_at))
         for keys in queued:
             keys.sort()
+        cost_share = 1 - reading.cache_hit_fraction
         return cls(
             at=at,
             num_workers=reading.num_workers,
             tokens_per_s=reading.tokens_per_s,
             step_s=reading.step_s,
-            num_running=len(reading.running_started),
-            work_per_job=(prompt + completion) * (1 - reading.cache_hit_fraction),
+            work_per_job=(prompt + completion) * cost_share,
             completion_tokens=completion,
+            prompt_tokens=prompt,
+            cost_share=cost_share,
+            output_fill=reading.mean_output_fill,
             queued=queued,
+            running=sorted(t.timestamp() for t in reading.running_started),
         )
+
+    @property
+    def num_running(self) -> int:
+        """Jobs claimed by workers and not finished."""
+        return len(self.running)
 
     def jobs_ahead(self, rank: int, key: QueueKey) -> int:
         """Queued jobs a job of this rank and key comes after."""
         more_urgent = sum(len(keys) for keys in self.queued[:rank])
         return more_urgent + bisect.bisect_left(self.queued[rank], key)
 
-    @property
-    def own_seconds(self) -> float:
-        """How long one job runs once started: its output, one step per token."""
-        return self.completion_tokens * (self.step_s or 0.0)
+    def expected_output(self, max_tokens: int | None = None) -> float:
+        """Output tokens a job should produce: its `max_tokens` times the share of it that
+        finished jobs used, or the mean output when either is unknown (never above
+        `max_tokens`)."""
+        if max_tokens is None:
+            return self.completion_tokens
+        if self.output_fill is not None:
+            return max_tokens * self.output_fill
+        return min(float(max_tokens), self.completion_tokens)
 
-    def estimate_queued(self, rank: int, key: QueueKey, now: float) -> Estimate:
+    def own_seconds(self, max_tokens: int | None = None) -> float:
+        """How long one job runs once started: its output, one step per token."""
+        return self.expected_output(max_tokens) * (self.step_s or 0.0)
+
+    def own_work(self, max_tokens: int | None = None) -> float:
+        """Engine tokens of one job with this `max_tokens` (its prompt and its output)."""
+        return (self.prompt_tokens + self.expected_output(max_tokens)) * self.cost_share
+
+    def estimate_queued(self, rank: int, key: QueueKey, now: float,
+                        max_tokens: int | None = None) -> Estimate:
         """A queued job's (or a new one's) position and times."""
         ahead = self.jobs_ahead(rank, key)
         if not self.tokens_per_s:
             return Estimate(ahead, None, None)
-        work = (ahead + self.num_running / 2 + 1) * self.work_per_job
-        completion = max(now + work / self.tokens_per_s, now + self.own_seconds)
-        start = max(now, completion - self.own_seconds)
+        own_s = self.own_seconds(max_tokens)
+        work = (ahead + self.num_running) * self.work_per_job + self.own_work(max_tokens)
+        completion = max(now + work / self.tokens_per_s, now + own_s)
+        start = max(now, completion - own_s)
         return Estimate(ahead, start, completion)
 
-    def estimate_running(self, started_at: float, now: float) -> Estimate:
-        """A running job's times: done its own run after it started (or a step from now)."""
+    def estimate_running(self, started_at: float, now: float,
+                         max_tokens: int | None = None, *, is_last: bool = False) -> Estimate:
+        """A running job's times: the running jobs claimed before it (those claimed in the
+        same instant: half of them, or all when `is_last`) and its own work at the
+        model's pace; no sooner than its own run after it started, nor than a step away."""
         if not self.tokens_per_s:
             return Estimate(0, started_at, None)
-        completion = max(started_at + self.own_seconds, now + (self.step_s or 0.0))
+        earlier = bisect.bisect_left(self.running, started_at)
+        same = bisect.bisect_right(self.running, started_at) - earlier
+        # The job itself is among the `same` when it is counted in the reading.
+        before = earlier + (max(0, same - 1) if is_last else max(0, same - 1) / 2)
+        work = before * self.work_per_job + self.own_work(max_tokens)
+        completion = max(now + work / self.tokens_per_s,
+                         started_at + self.own_seconds(max_tokens), now + (self.step_s or 0.0))
         return Estimate(0, started_at, completion)
 
     def finish_unqueued(self, after: float | None, now: float, *, num_unqueued: int,
@@ -128,8 +169,7 @@ class ModelQueue:
         if not self.tokens_per_s:
             return None
         num_queued = sum(len(keys) for keys in self.queued)
-        return (num_queued + self.num_running / 2) * self.work_per_job / self.tokens_per_s
-
+        return (num_queued + self.num_running) * self.work_per_job / self.tokens_per_s
 
     def tokens_per_s_for_deadlines(self, now: float) -> float:
         """The pace (tokens/s) at which every queued job with a deadline would meet it:
@@ -137,13 +177,14 @@ class ModelQueue:
         time left to its deadline (0.0 when none has one; past deadlines are left to
         expiry)."""
         needed = 0.0
-        num_before = self.num_running / 2
+        num_before = float(self.num_running)
         for keys in self.queued:
             for deadline, _ in keys:
                 num_before += 1
                 if math.isfinite(deadline) and deadline > now:
                     needed = max(needed, num_before * self.work_per_job / (deadline - now))
         return needed
+
 
 def queue_key(deadline: datetime | None, created_at: datetime) -> QueueKey:
     """How workers order queued jobs within a priority: deadline, then creation."""

@@ -84,7 +84,7 @@ async def accept_job(raw: dict[str, Any], *, tenant: CurrentTenant,
         await run_in_threadpool(
             check_attainable, resources.estimates, model=body.model,
             priority=body.priority.value, deadline=deadline,
-            on_unattainable=body.on_unattainable)
+            max_tokens=body.num_max_tokens, on_unattainable=body.on_unattainable)
     submission = await submit(request=body, priority=body.priority, tenant=tenant,
                               idempotency_key=idempotency_key, resources=resources,
                               producer=producer, deadline=deadline)

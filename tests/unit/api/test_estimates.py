@@ -29,7 +29,7 @@ def test_the_docstring_example() -> None:
     queue = ModelQueue.of(reading(queued=queued, running_started=[at(0), at(1)]), NOW)
     estimate = queue.estimate_queued(1, queue_key(None, at(8)), NOW)
     assert estimate.queue_position == 8
-    # (8 + 1 + 1) x 200 / 1,000 = 2.0 s, below the job's own 150 x 0.02 = 3.0 s.
+    # (8 + 2 + 1) x 200 / 1,000 = 2.2 s, below the job's own 150 x 0.02 = 3.0 s.
     assert estimate.estimated_completion_at == pytest.approx(NOW + 3.0)
     assert estimate.estimated_start_at == pytest.approx(NOW)
 
@@ -83,8 +83,9 @@ def test_a_running_job_finishes_its_own_run_after_it_started() -> None:
     estimate = queue.estimate_running(NOW - 1.0, NOW)
     assert estimate.queue_position == 0
     assert estimate.estimated_completion_at == pytest.approx(NOW - 1.0 + 3.0)
+    # Past its own run: its own 200 tokens at 1,000 tokens/s from now.
     overdue = queue.estimate_running(NOW - 10.0, NOW)
-    assert overdue.estimated_completion_at == pytest.approx(NOW + 0.02)
+    assert overdue.estimated_completion_at == pytest.approx(NOW + 0.2)
 
 
 def test_defaults_before_anything_finished() -> None:
@@ -117,3 +118,53 @@ def test_lines_not_yet_enqueued_follow_at_the_models_pace_or_the_tenants_budget(
                                  budget_tokens_per_s=100.0) == pytest.approx(NOW + 200)
     idle = ModelQueue.of(reading(tokens_per_s=None), NOW)
     assert idle.finish_unqueued(None, NOW, num_unqueued=1) is None
+
+
+def test_running_jobs_count_whole_before_a_queued_one() -> None:
+    """A worker holds twice the jobs its engine decodes: 100 running and 10 queued jobs of
+    200 tokens at 1,000 tokens/s leave the last queued one (110 x 200) / 1,000 = 22 s."""
+    queued = [("normal", None, at(i)) for i in range(10)]
+    running = [at(-60 + i * 0.1) for i in range(100)]
+    queue = ModelQueue.of(reading(queued=queued, running_started=running), NOW)
+    last = queue.estimate_queued(1, queue_key(None, at(9)), NOW)
+    assert last.estimated_completion_at == pytest.approx(NOW + 22.0)
+    assert queue.seconds_to_drain() == pytest.approx(22.0)
+
+
+def test_a_running_job_waits_for_those_claimed_before_it() -> None:
+    """Of 100 running jobs claimed one after another, the last finishes after the 99 before
+    it and its own work: 100 x 200 / 1,000 = 20 s; the first, its own run from its start."""
+    running = [at(-60 + i * 0.1) for i in range(100)]
+    queue = ModelQueue.of(reading(running_started=running), NOW)
+    last = queue.estimate_running(running[-1].timestamp(), NOW)
+    assert last.estimated_completion_at == pytest.approx(NOW + 20.0)
+    first = queue.estimate_running(running[0].timestamp(), NOW)
+    assert first.estimated_completion_at == pytest.approx(NOW + 0.2)
+
+
+def test_jobs_claimed_in_one_instant_stand_half_way_unless_last() -> None:
+    """100 jobs claimed by one poll: any one of them is, on average, behind 49.5 of the
+    others ((49.5 + 1) x 0.2 = 10.1 s); a batch's last is behind all 99 (20 s)."""
+    running = [at(-1)] * 100
+    queue = ModelQueue.of(reading(running_started=running), NOW)
+    started = running[0].timestamp()
+    some = queue.estimate_running(started, NOW)
+    assert some.estimated_completion_at == pytest.approx(NOW + 10.1)
+    last = queue.estimate_running(started, NOW, is_last=True)
+    assert last.estimated_completion_at == pytest.approx(NOW + 20.0)
+
+
+def test_a_jobs_own_output_follows_its_max_tokens() -> None:
+    """Finished jobs used half their max_tokens: a job allowed 1,000 tokens should write
+    500, 500 steps of 20 ms = 10 s on an idle worker; one allowed 100, 50 (below the
+    3.0 s of the mean job). Without the share, max_tokens only caps the mean."""
+    queue = ModelQueue.of(reading(mean_output_fill=0.5), NOW)
+    key = queue_key(None, at(0))
+    assert queue.estimate_queued(1, key, NOW, max_tokens=1000).estimated_completion_at \
+        == pytest.approx(NOW + 10.0)
+    assert queue.estimate_queued(1, key, NOW, max_tokens=100).estimated_completion_at \
+        == pytest.approx(NOW + 1.0)
+    assert queue.own_work(100) == pytest.approx(50 + 50)
+    unknown = ModelQueue.of(reading(), NOW)
+    assert unknown.expected_output(1000) == 150 and unknown.expected_output(16) == 16
+    assert unknown.expected_output(None) == 150
