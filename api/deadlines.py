@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from api.errors import Conflict, error_body
 from api.estimates import EstimateBoard
 from core.topics import PRIORITIES
+from storage.queue_estimates import queue_key
 
 
 class DeadlineUnattainable(Conflict):
@@ -49,7 +50,8 @@ def estimated_completion(
         return None
     now = time.time()
     rank = PRIORITIES.index(priority) if priority in PRIORITIES else len(PRIORITIES) - 1
-    first = queue.estimate_queued(rank, (deadline.timestamp(), now), now, max_tokens)
+    first = queue.estimate_queued(rank, queue_key(deadline, datetime.fromtimestamp(now, UTC)),
+                                  now, max_tokens)
     if first.estimated_completion_at is None or not queue.tokens_per_s:
         return None
     rest = (num_jobs - 1) * queue.work_per_job / queue.tokens_per_s

@@ -2,7 +2,8 @@
 
 Pure (no I/O): the API's estimate board and the autoscaler's deadline floor both use it.
 A job's work ahead is the queued jobs before it in the order workers take them (priority,
-then deadline, earliest first and none last, then creation) and the running ones, each
+then deadline, earliest first, a job without one as due an hour after its creation, then
+creation) and the running ones, each
 worth the model's expected work (prompt tokens the engine computes plus output tokens,
 learned from finished jobs; a share answered from caches costs nothing). A running job
 counts whole: a worker holds up to twice as many jobs as its engine decodes at once, so
@@ -26,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from core.deadlines import DEFAULT_DUE_S
 from core.topics import PRIORITIES
 from storage.estimates import LoadReading
 
@@ -33,7 +35,10 @@ from storage.estimates import LoadReading
 DEFAULT_PROMPT_TOKENS = 64.0
 DEFAULT_COMPLETION_TOKENS = 128.0
 
-QueueKey = tuple[float, float]  # (deadline or inf, created_at), seconds since the epoch
+# (the deadline it is ordered by, created_at, its own deadline or inf), seconds since the
+# epoch: a job without a deadline is ordered as due DEFAULT_DUE_S after its creation, as
+# the engine orders it.
+QueueKey = tuple[float, float, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +184,7 @@ class ModelQueue:
         needed = 0.0
         num_before = float(self.num_running)
         for keys in self.queued:
-            for deadline, _ in keys:
+            for _, _, deadline in keys:
                 num_before += 1
                 if math.isfinite(deadline) and deadline > now:
                     needed = max(needed, num_before * self.work_per_job / (deadline - now))
@@ -187,8 +192,12 @@ class ModelQueue:
 
 
 def queue_key(deadline: datetime | None, created_at: datetime) -> QueueKey:
-    """How workers order queued jobs within a priority: deadline, then creation."""
-    return (deadline.timestamp() if deadline is not None else math.inf, created_at.timestamp())
+    """How workers order queued jobs within a priority: deadline (or creation plus
+    DEFAULT_DUE_S without one), then creation."""
+    created = created_at.timestamp()
+    if deadline is None:
+        return (created + DEFAULT_DUE_S, created, math.inf)
+    return (deadline.timestamp(), created, deadline.timestamp())
 
 
 def workers_for_deadlines(queue: ModelQueue, *, now: float) -> int:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from core import metrics
+from core.deadlines import DEFAULT_DUE_S
 from core.messages import JobMessage
 from storage.token_streams import STARTED, StreamEntry
 from workers.engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
@@ -34,13 +35,21 @@ logger = logging.getLogger(__name__)
 
 # How often the engine gauges are refreshed.
 STATS_INTERVAL_S = 1.0
-# A job's deadline orders it in the engine only once it is this near, seconds. Further
-# off, a deadline says nothing about the next minutes, and ordering by it put every line
-# of a 24 h batch before any other tenant's job of the same priority.
-DEADLINE_HORIZON_S = 3600.0
+# A job without a deadline is ordered as due this long after it reaches the engine.
+DEADLINE_HORIZON_S = DEFAULT_DUE_S
 # How long the idle engine thread waits for a request before refreshing the gauges (`stop`
 # wakes it at once): waking twenty times a second cost an idle worker ~4 ms of CPU a second.
 IDLE_WAIT_S = STATS_INTERVAL_S
+
+
+def engine_deadline(deadline: float | None, now: float) -> float:
+    """The deadline a job is ordered by within its priority in the engine: its own, or
+    `DEADLINE_HORIZON_S` from `now` without one (seconds since the epoch).
+
+    Example at now = 0: a 30-minute deadline (1,800) runs before a job without one
+    (3,600), which runs before a 2 h window's line (7,200), before a 24 h one's (86,400).
+    """
+    return deadline if deadline is not None else now + DEADLINE_HORIZON_S
 
 
 @dataclass(slots=True)
@@ -146,11 +155,7 @@ class EngineLoop:
         an engine server, which sends the job's own fields; this engine takes its deadline,
         which orders it within its priority.) `tools` are rendered into a chat prompt. With
         `n` > 1 its FinishedRequest carries every choice (`choices`)."""
-        deadline = job.deadline if job is not None else None
-        if deadline is not None and deadline - time.time() > DEADLINE_HORIZON_S:
-            # Far off (a batch's 24 h window): arrival order, which the intake's fair share
-            # between tenants decided, rather than before every job without a deadline.
-            deadline = None
+        deadline = None if job is None else engine_deadline(job.deadline, time.time())
         self._inbox.put(_Add(request_id, prompt, params, priority, stream and n == 1,
                              deadline, tools, n))
 
