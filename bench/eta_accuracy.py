@@ -227,9 +227,9 @@ def deadlines_phase(service: Service, args: argparse.Namespace) -> None:
           f"({'deadline order' if order == ['30m', '2h', '24h'] else 'NOT deadline order'}); "
           f"load {os.getloadavg()[0]:.1f}")
     first = min(ends.values())
-    print("  last line at +" + ", +".join(f"{ends[w] - first:.1f} s ({w})" for w in order)
-          + f", backlog's at +{backlog_end - first:.1f} s; batches completed at "
-          + ", ".join(f"+{completed[w] - first:.0f} s ({w})" for w in order))
+    print("  last line at " + ", ".join(f"{ends[w] - first:+.1f} s ({w})" for w in order)
+          + f", the backlog's at {backlog_end - first:+.1f} s; batches completed at "
+          + ", ".join(f"{completed[w] - first:+.0f} s ({w})" for w in order))
     body = refused.json()
     if refused.status_code == 409:
         estimate = body["error"].get("estimated_completion_at")
