@@ -1,0 +1,66 @@
+"""A worker's pace for the estimates: smoothed over engine steps, not over heartbeats."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from workers.engine.outputs import EngineStats
+from workers.inference.service_rate import SMOOTHING_STEPS, ServiceRate
+
+
+class Totals:
+    """Engine totals that the test advances as steps would."""
+
+    def __init__(self) -> None:
+        self.stats = EngineStats(num_running=0, num_waiting=0, num_kv_blocks_used=0,
+                                 num_kv_blocks_free=0, num_prefix_cache_hit_tokens=0,
+                                 num_preemptions=0, num_computed_tokens=0,
+                                 num_generated_tokens=0, busy_seconds=0.0, num_steps=0)
+
+    def run(self, *, num_steps: int, tokens: int, seconds: float) -> None:
+        self.stats.num_steps += num_steps
+        self.stats.num_computed_tokens += tokens
+        self.stats.busy_seconds += seconds
+
+    def __call__(self) -> EngineStats:
+        return EngineStats(**{f: getattr(self.stats, f) for f in EngineStats.__slots__})
+
+
+def test_a_beat_of_one_slow_step_moves_the_pace_little() -> None:
+    """A 3 s decode step of 256 tokens after a long measured pace of 1,000 tokens/s moves
+    it by 1/64th of the way (1 - e^(-1/64)), not by a fixed share of it."""
+    totals = Totals()
+    rate = ServiceRate(totals)
+    rate.sample()
+    totals.run(num_steps=500, tokens=5000, seconds=5.0)
+    assert rate.sample().tokens_per_s == pytest.approx(1000.0)
+    totals.run(num_steps=1, tokens=256, seconds=3.0)
+    weight = 1 - math.exp(-1 / SMOOTHING_STEPS)
+    pace = rate.sample()
+    assert pace.tokens_per_s == pytest.approx(1000 * (1 - weight) + 256 / 3 * weight)
+    assert pace.tokens_per_s is not None and pace.tokens_per_s > 980
+
+
+def test_a_beat_of_many_steps_sets_the_pace() -> None:
+    """Hundreds of steps in one beat: the pace follows them almost whole."""
+    totals = Totals()
+    rate = ServiceRate(totals)
+    rate.sample()
+    totals.run(num_steps=100, tokens=1000, seconds=1.0)
+    rate.sample()
+    totals.run(num_steps=640, tokens=12_800, seconds=6.4)
+    pace = rate.sample()
+    assert pace.tokens_per_s == pytest.approx(2000.0, rel=1e-3)
+    assert pace.step_s == pytest.approx(0.01, rel=1e-3)
+
+
+def test_too_little_busy_time_waits_for_more() -> None:
+    totals = Totals()
+    rate = ServiceRate(totals)
+    rate.sample()
+    totals.run(num_steps=2, tokens=100, seconds=0.05)
+    assert rate.sample().tokens_per_s is None
+    totals.run(num_steps=20, tokens=900, seconds=0.45)
+    assert rate.sample().tokens_per_s == pytest.approx(2000.0)
