@@ -5,7 +5,7 @@ Responsible for:
   `estimate_refresh_s`, whatever the number of readers: the long-poll path is hot, so a
   job's estimate is a few bisections in the last reading, never a query of its own;
 - ordering each model's queued jobs as workers take them: priority, then deadline
-  (earliest first; none counts as due an hour after creation), then creation;
+  (earliest first, none last), then creation;
 - the arithmetic, in `storage.queue_estimates` (shared with the autoscaler).
 """
 

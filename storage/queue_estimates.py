@@ -2,8 +2,7 @@
 
 Pure (no I/O): the API's estimate board and the autoscaler's deadline floor both use it.
 A job's work ahead is the queued jobs before it in the order workers take them (priority,
-then deadline, earliest first, a job without one as due an hour after its creation, then
-creation) and the running ones, each
+then deadline, earliest first and none last, then creation) and the running ones, each
 worth the model's expected work (prompt tokens the engine computes plus output tokens,
 learned from finished jobs; a share answered from caches costs nothing). A running job
 counts whole: a worker holds up to twice as many jobs as its engine decodes at once, so
@@ -27,7 +26,6 @@ import math
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from core.deadlines import DEFAULT_DUE_S
 from core.topics import PRIORITIES
 from storage.estimates import LoadReading
 
@@ -36,8 +34,7 @@ DEFAULT_PROMPT_TOKENS = 64.0
 DEFAULT_COMPLETION_TOKENS = 128.0
 
 # (the deadline it is ordered by, created_at, its own deadline or inf), seconds since the
-# epoch: a job without a deadline is ordered as due DEFAULT_DUE_S after its creation, as
-# the engine orders it.
+# epoch.
 QueueKey = tuple[float, float, float]
 
 
@@ -192,11 +189,17 @@ class ModelQueue:
 
 
 def queue_key(deadline: datetime | None, created_at: datetime) -> QueueKey:
-    """How workers order queued jobs within a priority: deadline (or creation plus
-    DEFAULT_DUE_S without one), then creation."""
+    """How queued jobs are ordered within a priority: deadline (none last), then creation.
+
+    Not the engine's order for a job without a deadline (due DEFAULT_DUE_S after it
+    arrives there): the engine orders only the jobs a worker holds, and a job queued
+    behind a batch's lines in the priority's topic reaches a worker after them
+    (bench/eta_accuracy.py: ordering such jobs before far-off batch lines put their ETAs
+    44-77% early).
+    """
     created = created_at.timestamp()
     if deadline is None:
-        return (created + DEFAULT_DUE_S, created, math.inf)
+        return (math.inf, created, math.inf)
     return (deadline.timestamp(), created, deadline.timestamp())
 
 
