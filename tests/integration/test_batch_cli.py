@@ -144,7 +144,7 @@ def test_a_150_mib_file_streams_through_the_api_in_flat_memory(
         warm = tmp_path / "warm.jsonl"
         warm.write_text(line)
         client.download(client.upload(warm)["id"], tmp_path / "warm.out")
-        baseline = svc.api.rss_bytes
+        baseline = svc.api_rss_settled()
         samples: list[int] = []
         started = time.monotonic()
         uploaded: dict[str, Any] = _while_sampling(svc, samples, lambda: client.upload(big))

@@ -369,7 +369,7 @@ def test_ten_thousand_lines_complete_once_each_with_flat_api_memory(
     # Warm the API's code paths first, so the baseline is the steady state.
     warm = client.files.create(file=("warm.jsonl", jsonl(lines[:10])), purpose="batch")
     client.files.content(warm.id).read()
-    baseline = svc.api.rss_bytes
+    baseline = svc.api_rss_settled()
     started = time.monotonic()
 
     file = client.files.create(file=("ten-thousand.jsonl", jsonl(lines)), purpose="batch")

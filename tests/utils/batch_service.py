@@ -60,6 +60,18 @@ class BatchService:
         _wait_worker_assigned(self.worker)
         return self.worker
 
+    def api_rss_settled(self, timeout: float = 300.0) -> int:
+        """The API's resident bytes once its start-up work is done: it loads each served
+        model's tokenizer (and transformers) on a thread after it answers, ~100 MiB that
+        a baseline taken before would count as growth."""
+        deadline = time.monotonic() + timeout
+        while "core.model_context" not in self.api.log_tail(200_000):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the API loaded no model context in {timeout}s\n"
+                                     f"{self.logs()}")
+            time.sleep(0.1)
+        return self.api.rss_bytes
+
     def openai(self) -> OpenAI:
         """The official client, pointed at this service."""
         return OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0)
