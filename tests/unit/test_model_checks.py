@@ -53,9 +53,12 @@ def test_up_refuses_gpt2_before_starting_anything(gpt2_dir: Path, tmp_path: Path
     """`up --model <gpt2>` exits 2 naming the model and the reason; no broker, Redis or
     database was started (the data directory holds no database)."""
     data_dir = tmp_path / "data"
-    # `up` publishes its settings in the environment; monkeypatch restores these after.
+    # `up` publishes its settings in the environment; monkeypatch restores these after
+    # (set first: a delenv of an unset name records nothing to restore, and the database
+    # URL `up` sets would then point every later test of this process at this one's).
     for name in ("API_PORT", "DATABASE_URL", "API_HOST", "API_REUSE_PORT", "API_PROCESSES"):
-        monkeypatch.delenv(f"BATCHINFER_{name}", raising=False)
+        monkeypatch.setenv(f"BATCHINFER_{name}", "")
+        monkeypatch.delenv(f"BATCHINFER_{name}")
     monkeypatch.setenv("BATCHINFER_DATA_DIR", str(data_dir))
     monkeypatch.setenv("BATCHINFER_MODELS_DIR", str(tmp_path / "models"))
     code = main(["up", "--model", str(gpt2_dir), "--served-model-name", "g",
