@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import anyio
@@ -57,24 +57,27 @@ async def stream_completion(
                              headers={**SSE_HEADERS, "X-Job-Id": job.id})
 
 
-async def _events(resources: Resources, chunks: ChunkMaker, *, job_id: str,
-                  tenant_id: str) -> AsyncIterator[bytes]:
-    """The SSE body; cancels the job when it ends before the job did (a client gone)."""
+async def relay_job(resources: Resources, *, job_id: str, tenant_id: str,
+                    opening: Iterable[bytes], text: Callable[[str], Iterable[bytes]],
+                    ending: Callable[[JobPublic, float], list[bytes]]) -> AsyncIterator[bytes]:
+    """An SSE body over the job's published text, in the caller's format (`opening`,
+    `text` per delta, `ending` once the job is over); cancels the job when the body ends
+    before the job did. Shared by the completion and the Responses streams."""
     is_over = False
     try:
-        first = chunks.first()
-        if first is not None:
-            yield sse(first)
+        for part in opening:
+            yield part
         limit_s = resources.settings.sync_request_timeout_s
         async for event in follow_job(resources, job_id=job_id, tenant_id=tenant_id,
                                       timeout_s=limit_s):
             if isinstance(event, TextDelta):
-                yield sse(chunks.text(event.text))
+                for part in text(event.text):
+                    yield part
             elif isinstance(event, Idle):
                 yield KEEPALIVE
             elif isinstance(event, Finished):
                 is_over = event.view.status.is_terminal
-                for part in _ending(chunks, event.view, limit_s):
+                for part in ending(event.view, limit_s):
                     yield part
                 return
     finally:
@@ -86,6 +89,16 @@ async def _events(resources: Resources, chunks: ChunkMaker, *, job_id: str,
                 logger.info("stream of job %s ended before the job; cancelling it", job_id)
                 await run_in_threadpool(cancel_abandoned, resources, job_id=job_id,
                                         tenant_id=tenant_id)
+
+
+def _events(resources: Resources, chunks: ChunkMaker, *, job_id: str,
+            tenant_id: str) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed completion: OpenAI's chunks and [DONE]."""
+    first = chunks.first()
+    return relay_job(resources, job_id=job_id, tenant_id=tenant_id,
+                     opening=[] if first is None else [sse(first)],
+                     text=lambda delta: [sse(chunks.text(delta))],
+                     ending=lambda view, limit_s: _ending(chunks, view, limit_s))
 
 
 def _ending(chunks: ChunkMaker, view: JobPublic, limit_s: float) -> list[bytes]:

@@ -14,18 +14,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-import anyio
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from api.auth import CurrentTenant
-from api.completion_stream import SSE_HEADERS, cancel_abandoned, stream_error
+from api.completion_stream import SSE_HEADERS, relay_job, stream_error
 from api.resources import LazyProducer, Resources
 from api.response_events import ResponseEvents
 from api.schemas import ChatCompletionRequest, JobPublic
-from api.stream_chunks import KEEPALIVE
 from api.submission import submit
-from api.token_relay import Finished, Idle, TextDelta, follow_job
 from core.responses_api import response_shell
 from core.topics import Priority
 from storage.models import JobStatus
@@ -54,35 +50,12 @@ async def stream_response(
                              headers={**SSE_HEADERS, "X-Job-Id": job_id})
 
 
-async def _events(resources: Resources, events: ResponseEvents, *, job_id: str,
-                  tenant_id: str) -> AsyncIterator[bytes]:
-    """The SSE body; cancels the job when it ends before the job did (a client gone)."""
-    is_over = False
-    try:
-        for part in events.opening():
-            yield part
-        limit_s = resources.settings.sync_request_timeout_s
-        async for event in follow_job(resources, job_id=job_id, tenant_id=tenant_id,
-                                      timeout_s=limit_s):
-            if isinstance(event, TextDelta):
-                for part in events.text(event.text):
-                    yield part
-            elif isinstance(event, Idle):
-                yield KEEPALIVE
-            elif isinstance(event, Finished):
-                is_over = event.view.status.is_terminal
-                for part in _ending(events, event.view, limit_s):
-                    yield part
-                return
-    finally:
-        if not is_over:
-            # As in api.completion_stream: shielded, or the cancelled scope would cancel
-            # the database call too.
-            with anyio.CancelScope(shield=True):
-                logger.info("stream of response job %s ended before the job; cancelling it",
-                            job_id)
-                await run_in_threadpool(cancel_abandoned, resources, job_id=job_id,
-                                        tenant_id=tenant_id)
+def _events(resources: Resources, events: ResponseEvents, *, job_id: str,
+            tenant_id: str) -> AsyncIterator[bytes]:
+    """The SSE body: the Responses API's typed events."""
+    return relay_job(resources, job_id=job_id, tenant_id=tenant_id, opening=events.opening(),
+                     text=events.text,
+                     ending=lambda view, limit_s: _ending(events, view, limit_s))
 
 
 def _ending(events: ResponseEvents, view: JobPublic, limit_s: float) -> list[bytes]:

@@ -20,6 +20,7 @@ import io
 import multiprocessing
 import os
 import runpy
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -78,11 +79,11 @@ class WarmProcess:
 
     def terminate(self) -> None:
         """SIGTERM."""
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         """SIGKILL."""
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
 
 Child = WarmProcess | subprocess.Popen[bytes]
