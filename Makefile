@@ -48,7 +48,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy .
 	$(BIN)/python -m pytest tests/unit tests/integration -ra --durations=25 \
-		-n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
