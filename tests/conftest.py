@@ -1,11 +1,13 @@
 """Suite-wide markers: `integration` for tests/integration, `gpu` tests skip without CUDA;
-the order files run in."""
+the order files run in; each test's waits end before its timeout (`tests.utils.budget`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+from tests.utils.budget import begin_test
 
 _INTEGRATION_DIR = Path(__file__).parent / "integration"
 
@@ -61,3 +63,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if not has_cuda:
                 item.add_marker(skip_gpu)
     _longest_files_first(items)
+
+
+def _timeout_s(item: pytest.Item) -> float | None:
+    """The item's pytest-timeout limit (marker, else option, environment or ini)."""
+    try:
+        from pytest_timeout import _get_item_settings
+    except ImportError:  # the plugin is not installed: no limit to keep within
+        return None
+    timeout = _get_item_settings(item).timeout
+    return float(timeout) if timeout else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Start the test's clock for `tests.utils.budget.within_budget`."""
+    begin_test(_timeout_s(item))

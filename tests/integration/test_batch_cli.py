@@ -27,6 +27,7 @@ from cli.batch_client import BatchClient
 from core.settings import Settings
 from tests.unit.engine.tiny_models import save_tiny_llama
 from tests.utils.batch_service import BatchService, batch_service, chat_line, jsonl, parse_jsonl
+from tests.utils.budget import within_budget
 
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +109,10 @@ def test_run_interrupted_then_reattached_writes_every_result(
     assert f"reattached to {batch_id} (in_progress)" in attached_line, attached_line
     try:
         svc.start_worker()
-        _, stderr = reattached.communicate(timeout=600)
+        try:
+            _, stderr = reattached.communicate(timeout=within_budget(600))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"`batch run` never finished: {attached_line}{svc.logs()}")
     finally:
         reattached.kill()
     assert reattached.returncode == 0, attached_line + stderr + svc.logs()

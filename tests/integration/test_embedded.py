@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from scheduler.embedded_services import free_port
+from tests.utils.budget import within_budget
 from tests.utils.up_process import UpProcess, start_up, wait_for_status
 
 # Each test runs `batchinfer up` or a real model, several minutes on a loaded machine; its
@@ -90,7 +91,7 @@ def _api_processes(run: UpProcess) -> list[psutil.Process]:
 
 
 def _listeners_become(run: UpProcess, count: int, timeout: float = 120.0) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within_budget(timeout)
     while len(found := _api_processes(run)) != count:
         assert time.monotonic() < deadline, f"{len(found)} API listeners, not {count}"
         time.sleep(0.2)

@@ -18,6 +18,7 @@ from core.settings import Settings
 from storage.db import create_db_engine, session_factory
 from storage.migrate import upgrade
 from tests.utils.api import make_tenant_key
+from tests.utils.budget import within_budget
 from tests.utils.service import WorkerProcess, running_api
 
 # Each test runs `batchinfer up` or a real model, several minutes on a loaded machine; its
@@ -78,7 +79,7 @@ def service(settings, tmp_path: Path, smollm2_dir: Path):
 def _wait_all(client: httpx.Client, job_ids: list[str], worker: WorkerProcess,
               timeout: float) -> dict[str, dict[str, Any]]:
     """Poll the job list until every job has finished; then each job as read by id."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within_budget(timeout)
     while True:
         page = client.get("/v1/jobs", params={"limit": 100}).json()["data"]
         active = [j["id"] for j in page if j["status"] in ("queued", "running")]

@@ -21,6 +21,7 @@ from redis.retry import Retry
 
 from storage.events import (
     CancelSubscription,
+    batch_done_channel,
     job_done_channel,
     jobs_done_channel,
     publish_batch_done,
@@ -84,16 +85,16 @@ def test_wait_returns_as_soon_as_the_job_is_done(
         try:
             publisher = publish_later(client, prefix, "job_a", delay_s=0.3)
             start = time.monotonic()
-            done = await wait_job_done(aredis, prefix=prefix, job_id="job_a", timeout=10)
+            done = await wait_job_done(aredis, prefix=prefix, job_id="job_a", timeout=30)
             elapsed = time.monotonic() - start
-            publisher.join(10)
+            await asyncio.to_thread(publisher.join, 30)
             return done, elapsed
         finally:
             await aredis.aclose()
 
     done, elapsed = asyncio.run(scenario())
     assert done
-    assert 0.2 < elapsed < 5
+    assert 0.3 <= elapsed < 10  # woken by the completion, far before the timeout
 
 
 def test_wait_times_out_and_ignores_other_jobs(
@@ -203,49 +204,49 @@ def test_a_batch_wait_ends_on_its_own_batch_event_only(
         checks.append(time.monotonic())
         return False
 
-    def publish(batch_id: str, delay_s: float) -> threading.Thread:
-        def run() -> None:
-            time.sleep(delay_s)
-            publish_batch_done(client, prefix=prefix, batch_id=batch_id, status="completed")
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        return thread
+    def publish() -> None:
+        # Both after the wait subscribed: the other batch's end is heard and ignored, and
+        # the own one cannot fall before the subscription (it would be missed by design).
+        wait_for_subscriber(client, batch_done_channel(prefix, "batch_a"))
+        publish_batch_done(client, prefix=prefix, batch_id="batch_other", status="completed")
+        time.sleep(0.5)
+        publish_batch_done(client, prefix=prefix, batch_id="batch_a", status="completed")
 
     async def scenario() -> tuple[bool, float]:
         aredis = aioredis.Redis.from_url(redis_url)
         try:
-            publishers = [publish("batch_other", 0.1), publish("batch_a", 0.6)]
+            publisher = threading.Thread(target=publish, daemon=True)
+            publisher.start()
             start = time.monotonic()
             done = await wait_batch_done(aredis, prefix=prefix, batch_id="batch_a",
-                                         timeout=10, is_done=still_running)
+                                         timeout=30, is_done=still_running)
             elapsed = time.monotonic() - start
-            for thread in publishers:
-                thread.join(10)
+            await asyncio.to_thread(publisher.join, 30)
             return done, elapsed
         finally:
             await aredis.aclose()
 
     done, elapsed = asyncio.run(scenario())
-    assert done and 0.5 < elapsed < 5
+    assert done and 0.5 <= elapsed < 30
     assert len(checks) == 1
 
 
 def test_a_batch_wait_times_out_or_ends_on_the_check(redis_url: str, prefix: str) -> None:
-    async def scenario(is_done: bool) -> tuple[bool, float]:
+    async def scenario(is_done: bool, timeout: float) -> tuple[bool, float]:
         aredis = aioredis.Redis.from_url(redis_url)
         try:
             start = time.monotonic()
             done = await wait_batch_done(aredis, prefix=prefix, batch_id="batch_a",
-                                         timeout=0.6, is_done=lambda: is_done)
+                                         timeout=timeout, is_done=lambda: is_done)
             return done, time.monotonic() - start
         finally:
             await aredis.aclose()
 
-    done, elapsed = asyncio.run(scenario(False))
+    done, elapsed = asyncio.run(scenario(False, timeout=0.6))
     assert not done and 0.5 < elapsed < 3
-    done, elapsed = asyncio.run(scenario(True))
-    assert done and elapsed < 0.5
+    # A long timeout: a check that says done ends the wait at once, not at the timeout.
+    done, elapsed = asyncio.run(scenario(True, timeout=30))
+    assert done and elapsed < 10
 
 
 def test_publishing_to_an_unreachable_redis_does_not_raise(prefix: str) -> None:
@@ -253,6 +254,17 @@ def test_publishing_to_an_unreachable_redis_does_not_raise(prefix: str) -> None:
     publish_job_done(dead, prefix=prefix, job_id="job_a", status=JobStatus.FAILED)
     publish_cancel(dead, prefix=prefix, job_id="job_a")
     publish_batch_done(dead, prefix=prefix, batch_id="batch_a", status="completed")
+
+
+def poll_until(subscription: CancelSubscription, job_id: str,
+               timeout: float = 30.0) -> list[str]:
+    """Every cancelled job id polled, up to and including `job_id`."""
+    heard: list[str] = []
+    deadline = time.monotonic() + timeout
+    while job_id not in heard:
+        assert time.monotonic() < deadline, f"{job_id} never heard; heard {heard}"
+        heard += subscription.poll(timeout=0.1)
+    return heard
 
 
 def test_workers_hear_every_cancel(client: redis.Redis, redis_url: str, prefix: str) -> None:
@@ -267,9 +279,12 @@ def test_workers_hear_every_cancel(client: redis.Redis, redis_url: str, prefix: 
             publish_cancel(client, prefix=prefix, job_id="job_b")
             client.publish(f"{prefix}:jobs:cancel", "not json")
             publish_cancel(client, prefix=f"{prefix}x", job_id="job_elsewhere")
-            time.sleep(0.2)
-            assert first.poll(timeout=1) == ["job_a", "job_b"]
-            assert second.poll(timeout=1) == ["job_a", "job_b"]
+            # A marker last: once it is heard, the junk and the other prefix's cancel
+            # before it were heard too, and gave nothing.
+            publish_cancel(client, prefix=prefix, job_id="job_marker")
+            expected = ["job_a", "job_b", "job_marker"]
+            assert poll_until(first, "job_marker") == expected
+            assert poll_until(second, "job_marker") == expected
             assert first.poll(timeout=0.05) == []
     finally:
         other.close()
@@ -365,14 +380,14 @@ def test_a_lone_wait_hears_a_grouped_announcement_of_its_job_only(
         try:
             thread = threading.Thread(target=announce, daemon=True)
             thread.start()
-            heard = await wait_job_done(aredis, prefix=prefix, job_id="job_a", timeout=5)
-            await asyncio.to_thread(thread.join)
+            heard = await wait_job_done(aredis, prefix=prefix, job_id="job_a", timeout=30)
+            await asyncio.to_thread(thread.join, 30)
             return heard, time.monotonic() - started
         finally:
             await aredis.aclose()
 
     heard, seconds = asyncio.run(scenario())
-    assert heard and 0.5 < seconds < 3
+    assert heard and seconds > 0.5  # not woken by the first message, without its job
 
 
 def test_an_announcement_wakes_its_waiters_with_views_read_in_one_call(

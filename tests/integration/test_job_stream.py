@@ -17,6 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from storage.models import Job, JobStatus
+from tests.utils.budget import within_budget
 from tests.utils.worker_service import job_bodies
 
 # Each test runs `batchinfer up` or a real model, several minutes on a loaded machine; its
@@ -43,7 +44,7 @@ def test_five_thousand_short_jobs_of_mixed_priority_all_succeed_exactly_once(ser
 
     producer = threading.Thread(target=produce, name="test-producer")
     producer.start()
-    producer.join(200)
+    producer.join(within_budget(200))
     assert len(job_ids) == NUM_JOBS
     done = svc.wait_terminal(job_ids, timeout=500)
     statuses = Counter(job.status for job in done.values())

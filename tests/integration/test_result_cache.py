@@ -89,27 +89,31 @@ def test_the_ledger_counts_bytes_held_and_each_expired_entry_once(cache: ResultC
     size = len(json.dumps(RESULT, separators=(",", ":")))
     stored, loaded = _counted("batchinfer_cache_bytes_total", direction="stored"), \
         _counted("batchinfer_cache_bytes_total", direction="loaded")
-    short, long = result_cache_key("m", BODY), result_cache_key("m", {**BODY, "seed": 3,
-                                                                       "temperature": 1})
-    # Three seconds: the checks before the expiry must not race it on a loaded machine.
-    cache.put_many([(short, RESULT, 3), (long, RESULT, 60)])
+    first, second = result_cache_key("m", BODY), result_cache_key("m", {**BODY, "seed": 3,
+                                                                         "temperature": 1})
+    brief = result_cache_key("m", {**BODY, "seed": 4, "temperature": 1})
+    # A minute: nothing here may expire however slow the machine (the expiry is below).
+    cache.put_many([(first, RESULT, 60), (second, RESULT, 60)])
     assert cache.ledger.sweep() == LedgerReport(2 * size, 0)
     bigger = {**RESULT, "usage": {"completion_tokens": 1}}
-    cache.put(long, bigger, ttl=60)  # replaced, not evicted
+    cache.put(second, bigger, ttl=60)  # replaced, not evicted
     big = len(json.dumps(bigger, separators=(",", ":")))
     assert cache.ledger.sweep() == LedgerReport(size + big, 0)
-    assert cache.get(long) == bigger
+    assert cache.get(second) == bigger
     assert _counted("batchinfer_cache_bytes_total", direction="stored") - stored == \
         2 * size + big
     assert _counted("batchinfer_cache_bytes_total", direction="loaded") - loaded == big
-    deadline = time.monotonic() + 30
-    while cache.get(short) is not None:  # gone with its TTL
-        assert time.monotonic() < deadline, "the short entry never expired"
-        time.sleep(0.1)
-    assert cache.ledger.sweep() == LedgerReport(big, 1)
-    assert cache.ledger.sweep() == LedgerReport(big, 0)
-    cache.put(short, RESULT, ttl=60)  # back again: a new entry, not a replacement
-    assert cache.ledger.sweep() == LedgerReport(big + size, 0)
+    # The expiry, on an entry of its own: gone with its one-second TTL, it is evicted by
+    # the first sweep after it, once.
+    cache.put(brief, RESULT, ttl=1)
+    deadline = time.monotonic() + 60
+    while cache.get(brief) is not None:
+        assert time.monotonic() < deadline, "the brief entry never expired"
+        time.sleep(0.05)
+    assert cache.ledger.sweep() == LedgerReport(size + big, 1)
+    assert cache.ledger.sweep() == LedgerReport(size + big, 0)
+    cache.put(brief, RESULT, ttl=60)  # back again: a new entry, not a replacement
+    assert cache.ledger.sweep() == LedgerReport(2 * size + big, 0)
 
 
 def test_unreachable_redis_reads_as_a_miss() -> None:

@@ -14,7 +14,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from storage.cache_ledger import LedgerReport
-from storage.semantic_cache import SemanticEntry
+from storage.semantic_cache import SemanticEntry, SemanticMatch
 from storage.semantic_exact import ExactSemanticCache
 
 DIMS = 16
@@ -111,6 +111,26 @@ def test_expired_entries_miss_at_once_and_leave_the_head_in_whole_chunks(
     assert cache.nearest(scope, vectors[8]).job_id == "j8"  # type: ignore[union-attr]
 
 
+def add_found_before_expiry(client: redis.Redis, cache: ExactSemanticCache, scope: str,
+                            vectors: np.ndarray) -> SemanticMatch:
+    """Add the vectors with a short TTL and find the last one before it runs out: 1 s,
+    doubled (in a fresh incarnation) while this machine was slower than the TTL, so no
+    speed of the machine fails the check, and a quick one waits for a short expiry."""
+    for ttl_s in (1, 2, 4, 8, 16):
+        cache.add_many(entries(scope, vectors, ttl_s=ttl_s))
+        found = cache.nearest(scope, vectors[-1])
+        if found is not None:
+            return found
+        # Not found: fine only if the scope's keys were (about to be) gone by then.
+        left_ms = client.pttl(cache.scope_keys(scope, DIMS)[0])
+        assert left_ms < 500, f"not found with {left_ms} ms of its TTL left"
+        deadline = time.monotonic() + 60
+        while client.exists(*cache.scope_keys(scope, DIMS)):
+            assert time.monotonic() < deadline, "the scope never expired"
+            time.sleep(0.05)
+    raise AssertionError("the scope expired before its first read at every TTL up to 16 s")
+
+
 def test_an_expired_scope_is_evicted_once_and_starts_over(client: redis.Redis) -> None:
     """Its keys expire together; the first sweep after counts its entries, the second
     nothing; a scope written again is a new incarnation, never mixed with the old mirror."""
@@ -118,10 +138,9 @@ def test_an_expired_scope_is_evicted_once_and_starts_over(client: redis.Redis) -
     cache = make_cache(client, prefix, per_chunk=4, max_entries=128)
     other = make_cache(client, prefix, per_chunk=4, max_entries=128)
     old = units(6, 6)
-    # Three seconds: the check before the expiry must not race it on a loaded machine.
-    cache.add_many(entries(scope, old, ttl_s=3))
-    assert cache.nearest(scope, old[5]).job_id == "j5"  # type: ignore[union-attr]
-    deadline = time.monotonic() + 30
+    found = add_found_before_expiry(client, cache, scope, old)
+    assert found.job_id == "j5"
+    deadline = time.monotonic() + 60
     while client.exists(*cache.scope_keys(scope, DIMS)):  # gone together with their TTL
         assert time.monotonic() < deadline, "the scope never expired"
         time.sleep(0.1)

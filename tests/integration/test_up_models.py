@@ -20,6 +20,7 @@ import pytest
 from core.settings import Settings
 from scheduler.embedded_services import free_port
 from tests.unit.engine.tiny_models import save_tiny_llama, tiny_llama_config
+from tests.utils.budget import within_budget
 from tests.utils.up_process import UpProcess, start_up
 
 # Each test runs `batchinfer up` or a real model, several minutes on a loaded machine; its
@@ -43,7 +44,7 @@ def up_two_models(tmp_path: Path) -> Iterator[UpProcess]:
 
 
 def _wait(client: httpx.Client, job_id: str, timeout: float = 600) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within_budget(timeout)
     while time.monotonic() < deadline:
         job: dict[str, Any] = client.get(f"/v1/jobs/{job_id}", params={"wait": 10}).json()
         if job["status"] not in ("queued", "running"):

@@ -31,6 +31,7 @@ from storage.deliveries import list_deliveries
 from storage.migrate import upgrade
 from storage.models import Job, JobStatus
 from tests.utils.api import make_tenant_key
+from tests.utils.budget import within_budget
 from tests.utils.cli_process import CliProcess
 from tests.utils.service import WorkerProcess
 
@@ -64,7 +65,7 @@ class BatchService:
         """The API's resident bytes once its start-up work is done: it loads each served
         model's tokenizer (and transformers) on a thread after it answers, ~100 MiB that
         a baseline taken before would count as growth."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within_budget(timeout)
         while "core.model_context" not in self.api.log_tail(200_000):
             if time.monotonic() > deadline:
                 raise AssertionError(f"the API loaded no model context in {timeout}s\n"
@@ -85,7 +86,7 @@ class BatchService:
     def wait_batch(self, client: OpenAI, batch_id: str, until: Callable[[Batch], bool],
                    timeout: float = 300.0) -> Batch:
         """Poll the batch until `until(batch)`; fail with the logs after `timeout`."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within_budget(timeout)
         while True:
             batch = client.batches.retrieve(batch_id)
             if until(batch):
@@ -111,7 +112,7 @@ class BatchService:
     def wait_jobs(self, batch_id: str, until: Callable[[dict[JobStatus, int]], bool],
                   timeout: float = 120.0) -> dict[JobStatus, int]:
         """Poll job_statuses(batch_id) until `until(statuses)`; fail with the logs."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within_budget(timeout)
         while not until(statuses := self.job_statuses(batch_id)):
             if time.monotonic() > deadline:
                 raise AssertionError(f"batch {batch_id}: jobs still {statuses} after "
@@ -171,7 +172,7 @@ def batch_service(make_settings: Callable[..., Settings], tmp_path: Path, model_
 
 def _wait_worker_assigned(worker: WorkerProcess, timeout: float = 180.0) -> None:
     """Wait until the worker's consumer holds partitions (its log says so)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within_budget(timeout)
     while "partitions assigned: ['" not in worker.log_tail(200_000):
         if worker.process.poll() is not None or time.monotonic() > deadline:
             raise AssertionError(f"worker not consuming:\n{worker.log_tail()}")

@@ -9,6 +9,7 @@ import httpx
 import psutil
 
 from core.settings import Settings
+from tests.utils.budget import within_budget
 from tests.utils.child_process import ChildProcess
 
 
@@ -25,7 +26,7 @@ class CliProcess(ChildProcess):
 
     def wait_http(self, url: str, timeout: float = 120.0) -> None:
         """Wait until `url` answers 200; fail with the log if the process dies first."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within_budget(timeout)
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise AssertionError(f"{self.log_path.name} exited:\n{self.log_tail()}")

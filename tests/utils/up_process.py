@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from tests.utils.budget import within_budget
+
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY_PREFIX = "API key: "
 
@@ -45,7 +47,7 @@ class UpProcess:
         for line in self.lines:
             if line.startswith(prefix):
                 return line
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within_budget(timeout)
         while time.monotonic() < deadline:
             try:
                 item = self._queue.get(timeout=0.2)
@@ -170,7 +172,7 @@ def start_up(data_dir: Path, port: int, *, num_workers: int, log_path: Path,
 
 def wait_for_status(client: httpx.Client, job_id: str, status: str, timeout: float) -> dict:
     """Long-poll a job until it reaches `status`; fail on another final status or timeout."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within_budget(timeout)
     job: dict = {}
     while time.monotonic() < deadline:
         response = client.get(f"/v1/jobs/{job_id}", params={"wait": 10})

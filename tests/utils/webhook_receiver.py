@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from tests.utils.budget import within_budget
+
 
 @dataclass(frozen=True)
 class Reply:
@@ -55,7 +57,7 @@ class WebhookReceiver:
 
     def wait_for(self, num_requests: int, timeout: float) -> list[ReceivedRequest]:
         """Block until `num_requests` arrived (AssertionError after `timeout`); all of them."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within_budget(timeout)
         with self._lock:
             while len(self.requests) < num_requests:
                 left = deadline - time.monotonic()
@@ -70,7 +72,7 @@ class WebhookReceiver:
     def wait_for_header(self, name: str, value: str, timeout: float) -> list[ReceivedRequest]:
         """Block until a request whose header `name` (lower case) is `value` arrived
         (AssertionError after `timeout`); all requests so far."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within_budget(timeout)
         with self._lock:
             while not any(r.headers.get(name) == value for r in self.requests):
                 left = deadline - time.monotonic()

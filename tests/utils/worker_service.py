@@ -21,6 +21,7 @@ from core.messages import JobMessage
 from core.settings import Settings
 from storage import jobs
 from storage.models import Job, JobStatus
+from tests.utils.budget import within_budget
 from tests.utils.service import WorkerProcess
 
 
@@ -110,7 +111,7 @@ class Service:
 
     def wait_for(self, what: str, check: Callable[[], bool], timeout: float = 120.0) -> None:
         """Poll `check` until true; fail with the workers' logs after `timeout`."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within_budget(timeout)
         while not check():
             if time.monotonic() > deadline:
                 logs = "\n".join(f"--- {w.log_path.name}\n{w.log_tail()}" for w in self.workers)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils.budget import within_budget
 from workers.engine import cpu_kernels
 
 REPO = Path(__file__).resolve().parents[3]
@@ -104,7 +105,7 @@ def test_the_other_vector_width_matches_dense_attention(tmp_path: Path) -> None:
 
     child = subprocess.run(
         [sys.executable, "-c", CHILD, str(lanes), str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        cwd=REPO, capture_output=True, text=True, timeout=within_budget(900),
     )
 
     assert child.returncode == 0, child.stderr[-4000:]

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from tests.utils.budget import within_budget
+
 triton = pytest.importorskip("triton")
 pytest.importorskip("numpy")  # the interpreter computes with numpy
 
@@ -41,7 +43,7 @@ def test_triton_kernels_pass_under_the_interpreter() -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=within_budget(600),
     )
     report = result.stdout[-6000:] + result.stderr[-2000:]
     assert result.returncode == 0, report

@@ -107,8 +107,11 @@ def test_a_refused_request_comes_back_with_its_error(loop: EngineLoop) -> None:
 
 
 def test_abort_frees_the_request_and_reports_it_once(loop: EngineLoop) -> None:
-    loop.add("doomed", "go", SamplingParams(max_tokens=900, ignore_eos=True), priority=1)
-    time.sleep(0.1)
+    sink = Sink()
+    loop.token_sink = sink
+    loop.add("doomed", "go", SamplingParams(max_tokens=900, ignore_eos=True), priority=1,
+             stream=True)
+    wait_for_text(sink, "doomed")  # aborted mid-decode, with its blocks held
     loop.abort("doomed")
     loop.abort("doomed")  # a second abort of the same id is a no-op
     loop.abort("never-added")
@@ -171,12 +174,17 @@ def test_a_request_watched_late_gets_its_text_so_far_first(loop: EngineLoop) -> 
     loop.token_sink = sink
     loop.add("late", "go", SamplingParams(max_tokens=300, temperature=0, ignore_eos=True),
              priority=0)
-    time.sleep(0.3)  # well into its decode
-    loop.watch("late")
+    deadline = time.monotonic() + 60
+    while not (num_chars_before := loop._num_emitted_chars.get("late", 0)):
+        assert time.monotonic() < deadline, "late produced no text"
+        time.sleep(0.005)
+    loop.watch("late")  # into its decode: it has handed out text unwatched
     loop.watch("unknown")  # not live: nothing
     output = collect(loop, 1)["late"].output
     assert isinstance(output, RequestOutput)
     entries = sink.of("late")
     assert entries[0].event == "started"
     assert joined(entries) == output.text
+    first_text = next(e for e in entries if e.text)
+    assert first_text.offset == 0 and len(first_text.text) >= num_chars_before
     assert sink.of("unknown") == []
