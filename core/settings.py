@@ -131,6 +131,11 @@ class Settings(BaseSettings):
     engine_step_target_high_ms: float | None = Field(default=40.0, gt=0)
     engine_step_target_normal_ms: float | None = Field(default=250.0, gt=0)
     engine_step_target_low_ms: float | None = Field(default=None, gt=0)
+    # The longest the prefill work of one step may add to it (priced by the same cost model).
+    # A job arriving mid-step waits for that step, whatever its priority: on a 2-core CPU
+    # a 2,048-token step of SmolLM2 prefill took ~25 s under load. None: the token budget
+    # alone sizes the step. Decodes are never held back for it.
+    engine_max_prefill_step_ms: float | None = Field(default=2000.0, gt=0)
     # API: how often the load behind queue positions and ETAs is read again (once per
     # process, whatever the number of readers).
     estimate_refresh_s: float = Field(default=1.0, gt=0)

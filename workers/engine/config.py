@@ -53,6 +53,10 @@ class EngineConfig:
     # sequences of that priority (less urgent ones sit steps out to keep it); a priority
     # not listed has no target. Empty: every step runs as wide as the budget allows.
     step_time_targets: dict[int, float] = field(default_factory=dict)
+    # Seconds the prefill chunks of one step may add to it (the cost model prices them): a
+    # request arriving mid-step waits for the step, so this bounds how long wide prefill
+    # of less urgent work keeps it out. None: the token budget alone sizes a step.
+    max_prefill_step_time: float | None = None
     # A quantized checkpoint's projections: "auto" keeps them quantized on CUDA (Triton
     # dequantize-in-GEMM kernels) and dequantizes them at load on the CPU; "packed" or
     # "dequantize" forces one (loader.keeps_packed).
@@ -85,6 +89,9 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.max_prefill_step_time is not None and not self.max_prefill_step_time > 0:
+            raise ValueError("max_prefill_step_time must be > 0 seconds, got "
+                             f"{self.max_prefill_step_time}")
         for priority, seconds in self.step_time_targets.items():
             if not seconds > 0:
                 raise ValueError(

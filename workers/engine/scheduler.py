@@ -12,6 +12,12 @@ Responsibilities:
   step stays within that target; the rest sit the step out keeping their KV blocks
   (a prefill chunk shrinks to fit first). With no urgent work in a step nothing is held
   back, so low priorities never starve for want of a target of their own;
+- bound the prefill work of every step (`max_prefill_step_time`): a request that arrives
+  while a step runs waits for that step to end, so a step of low-priority prefill
+  chunks sized only by the token budget (2,048 tokens: ~25 s of SmolLM2 on a loaded
+  2-core CPU) held a `normal` job back that long before its own first step. Prefill
+  beyond the bound waits for the next step (the step's decodes are never held back for
+  it, and an empty step still takes at least one block of prefill, so work progresses);
 - chunk long prefills (or, with chunked prefill off, schedule each prefill whole);
 - when KV blocks run out, preempt by recompute the least urgent, newest running sequence;
 - let a strictly more urgent waiting sequence displace the least urgent running one when
@@ -97,9 +103,12 @@ class Scheduler:
         step_time_targets: Mapping[int, float] | None = None,
         cost_model: StepCostModel | None = None,
         kv_window: int | None = None,
+        max_prefill_step_time: float | None = None,
     ) -> None:
         """kv_window: the widest sliding window when every layer has one (blocks before it
-        are given back as sequences advance), None when any layer attends to everything."""
+        are given back as sequences advance), None when any layer attends to everything.
+        max_prefill_step_time: seconds the prefill work of one step may add to it, priced
+        by the cost model (None: the token budget alone sizes it)."""
         self.block_manager = block_manager
         self.kv_window = kv_window
         self.max_num_seqs = max_num_seqs
@@ -114,6 +123,9 @@ class Scheduler:
         for priority, seconds in self.step_time_targets.items():
             if not seconds > 0:
                 raise ValueError(f"step time target of priority {priority} must be > 0")
+        if max_prefill_step_time is not None and not max_prefill_step_time > 0:
+            raise ValueError(f"max_prefill_step_time must be > 0, got {max_prefill_step_time}")
+        self.max_prefill_step_time = max_prefill_step_time
         self.cost_model = cost_model if cost_model is not None else StepCostModel()
         self.num_held_back_steps = 0  # sequence-steps sat out for a latency class
         self.waiting: list[Sequence] = []  # sorted by urgency
@@ -210,6 +222,24 @@ class Scheduler:
         fits = self.cost_model.max_new_tokens_within(step.shape, num_context_tokens, step.cap)
         return min(num_new, fits)
 
+    def _num_prefill_within_bound(self, step: _Step, num_context_tokens: int,
+                                  num_new: int) -> int:
+        """How many of a prefill's `num_new` tokens fit `max_prefill_step_time`, priced at
+        what the step's prefill adds to it (the step's fixed cost is paid anyway: counted
+        here, it shrank SmolLM2's chunks to ~50 tokens on a loaded CPU, and the fixed cost
+        of the many steps that followed cut a batch's throughput); at least a block (or
+        all of them without chunking) while the step holds no prefill yet."""
+        if self.max_prefill_step_time is None or not self.cost_model.is_fitted:
+            return num_new
+        seconds_per_step = self.cost_model.coefficients()[0]
+        fits = self.cost_model.max_new_tokens_within(
+            step.prefill_shape, num_context_tokens,
+            seconds_per_step + self.max_prefill_step_time)
+        if step.prefill_shape.num_seqs == 0:
+            floor = self.block_manager.block_size if self.enable_chunked_prefill else num_new
+            fits = max(fits, floor)
+        return min(num_new, fits)
+
     def postprocess(self, out: SchedulerOutput, sampled: Seq[Sampled | None]) -> list[Sequence]:
         """Advance progress, append sampled tokens, apply stop conditions.
 
@@ -304,6 +334,9 @@ class Scheduler:
         if num_new < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
             return
         num_fitting = self._num_within_cap(step, seq.num_computed_tokens, num_new)
+        if seq.num_uncomputed_tokens > 1:  # a prefill chunk, not a decode
+            num_fitting = self._num_prefill_within_bound(step, seq.num_computed_tokens,
+                                                         num_fitting)
         if num_fitting < num_new and (num_fitting == 0 or not self.enable_chunked_prefill):
             step.num_held_back += 1  # sits out, its blocks kept for the next step
             return
@@ -316,7 +349,8 @@ class Scheduler:
             self._preempt(victim, step)
             if victim is seq:
                 return
-        step.add(seq, num_new, self.block_manager.hashes_completed_by(seq, num_new))
+        step.add(seq, num_new, self.block_manager.hashes_completed_by(seq, num_new),
+                 is_prefill=seq.num_uncomputed_tokens > 1)
 
     def _admit_waiting(self, step: _Step, *, max_priority: int) -> None:
         bm = self.block_manager
@@ -341,6 +375,7 @@ class Scheduler:
             if num_new < num_uncached and not self.enable_chunked_prefill:
                 break
             num_new = self._num_within_cap(step, len(cached) * bm.block_size, num_new)
+            num_new = self._num_prefill_within_bound(step, len(cached) * bm.block_size, num_new)
             if num_new == 0 or (num_new < num_uncached and not self.enable_chunked_prefill):
                 break  # a more urgent class holds this step; admit it at a later one
             reserve = self.num_watermark_blocks if self.running else 0
@@ -354,7 +389,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
-            step.add(seq, num_new, bm.hashes_completed_by(seq, num_new))
+            step.add(seq, num_new, bm.hashes_completed_by(seq, num_new), is_prefill=True)
 
     def _displace_for(self, seq: Sequence, step: _Step, *, num_blocks_needed: int) -> bool:
         """Preempt the least urgent running sequence if strictly less urgent than `seq`.
@@ -399,14 +434,22 @@ class _Step:
     levels_scheduled: set[int] = field(default_factory=set)
     cap: float | None = None
     num_held_back: int = 0
+    # The prefill chunks of this step alone, priced against `max_prefill_step_time`
+    # (a chunk of a sequence preempted later in the step stays counted: the bound errs
+    # on the short side).
+    prefill_shape: StepShape = EMPTY_STEP
 
-    def add(self, seq: Sequence, num_new_tokens: int, completed: list[bytes]) -> None:
+    def add(self, seq: Sequence, num_new_tokens: int, completed: list[bytes], *,
+            is_prefill: bool = False) -> None:
         """Schedule `num_new_tokens` of `seq`."""
         self.scheduled[seq] = num_new_tokens
         self.budget -= num_new_tokens
         self.completing_hashes.update(completed)
         # Attention reads every position up to the last new one.
-        self.shape = self.shape.plus(num_new_tokens, seq.num_computed_tokens + num_new_tokens)
+        kv = seq.num_computed_tokens + num_new_tokens
+        self.shape = self.shape.plus(num_new_tokens, kv)
+        if is_prefill:
+            self.prefill_shape = self.prefill_shape.plus(num_new_tokens, kv)
 
     def remove(self, seq: Sequence) -> None:
         """Take back a sequence scheduled earlier in this step (it was preempted)."""

@@ -72,6 +72,8 @@ def build_engine(settings: Settings) -> LLMEngine:
         max_num_batched_tokens=settings.engine_max_num_batched_tokens,
         kv_cache_memory_bytes=settings.engine_kv_cache_memory_bytes,
         step_time_targets=step_time_targets(settings),
+        max_prefill_step_time=(None if settings.engine_max_prefill_step_ms is None
+                               else settings.engine_max_prefill_step_ms / 1000),
         quantized_weights=settings.engine_quantized_weights,
     )
     if settings.engine_max_num_seqs is not None:

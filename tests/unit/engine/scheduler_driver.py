@@ -124,6 +124,7 @@ def make_scheduler(
     watermark: float = 0.0,
     step_time_targets: dict[int, float] | None = None,
     cost_model: StepCostModel | None = None,
+    max_prefill_step_time: float | None = None,
 ) -> Scheduler:
     """A scheduler over a fresh block manager."""
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
@@ -137,6 +138,7 @@ def make_scheduler(
         watermark=watermark,
         step_time_targets=step_time_targets,
         cost_model=cost_model,
+        max_prefill_step_time=max_prefill_step_time,
     )
 
 
