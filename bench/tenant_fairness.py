@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -111,20 +112,55 @@ def chat(model: str, content: str, max_tokens: int, priority: str | None = None
 def run_b_jobs(service: Service, tag: str, args: argparse.Namespace, priority: str,
                ids: list[str] | None = None) -> float:
     """Submit B's jobs, wait for all; seconds from the first submission to the last end.
-    Their ids go into `ids` when given."""
+    Their ids go into `ids` when given; the stages of their way are printed."""
     with service.client(service.b_key) as client:
         started = time.monotonic()
         ids = [] if ids is None else ids
+        post_s: list[float] = []
         for i in range(args.num_b):
+            posted = time.monotonic()
             response = client.post("/v1/jobs", json=chat(
                 service.model, f"{tag} tenant B question {i}", args.max_tokens, priority))
             response.raise_for_status()
+            post_s.append(time.monotonic() - posted)
             ids.append(response.json()["id"])
+        submitted_s = time.monotonic() - started
         for job_id in ids:
             while client.get(f"/v1/jobs/{job_id}", params={"wait": 30}).json()["status"] in (
                     "queued", "running"):
                 pass
-        return time.monotonic() - started
+        took = time.monotonic() - started
+    print_timeline(service, tag, ids, post_s, submitted_s, took)
+    return took
+
+
+def _quantiles(values: list[float]) -> str:
+    """"median/p90/max" in milliseconds."""
+    ordered = sorted(values)
+    if not ordered:
+        return "-"
+    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    return f"{statistics.median(ordered) * 1000:.0f}/{p90 * 1000:.0f}/{ordered[-1] * 1000:.0f}"
+
+
+def print_timeline(service: Service, tag: str, ids: list[str], post_s: list[float],
+                   submitted_s: float, took: float) -> None:
+    """Where B's jobs spent their time (median/p90/max ms per stage, from the job rows):
+    the client's POST, accepted -> claimed by the worker, claimed -> first token, first
+    token -> finished; and the span of all of them."""
+    rows = service.jobs(id=ids)
+    waits = [(j.started_at - j.created_at).total_seconds() for j in rows if j.started_at]
+    firsts = [(j.first_token_at - j.started_at).total_seconds() for j in rows
+              if j.first_token_at and j.started_at]
+    decodes = [(j.finished_at - j.first_token_at).total_seconds() for j in rows
+               if j.finished_at and j.first_token_at]
+    first = min(j.created_at for j in rows)
+    last = max(j.finished_at or j.created_at for j in rows)
+    print(f"  B timeline [{tag}] ms median/p90/max: POST {_quantiles(post_s)}; accepted->claimed "
+          f"{_quantiles(waits)}; claimed->first token {_quantiles(firsts)}; first token->"
+          f"finished {_quantiles(decodes)}; all POSTs answered after {submitted_s:.2f} s, "
+          f"first accepted to last finished {(last - first).total_seconds():.2f} s, "
+          f"client saw all done after {took:.2f} s")
 
 
 def start_batch(service: Service, tag: str, num_lines: int, max_tokens: int,
