@@ -332,7 +332,6 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
     from core.settings import get_settings
     from scheduler.model_fleet import ModelFleet, prepare_model, served_settings
     from scheduler.supervisor import Supervisor
-    from scheduler.warm_start import warm_up
     from storage.migrate import upgrade
 
     if num_workers < 0:
@@ -358,21 +357,6 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
     with ExitStack() as stack:
         stack.callback(restore_signals)
         try:
-            if settings.worker_warm_start:
-                # Its imports (seconds) overlap starting the broker, Redis and the database;
-                # the model check below is its first child.
-                warm_up()
-            broker_port, redis_port = free_port(), free_port()
-            broker = stack.enter_context(tansu_service(port=broker_port,
-                                                       log_dir=data_dir / "logs"))
-            redis = stack.enter_context(redis_service(port=redis_port,
-                                                      data_dir=data_dir / "redis"))
-            _set_env(kafka_bootstrap_servers=f"127.0.0.1:{broker_port}",
-                     redis_url=f"redis://127.0.0.1:{redis_port}/0")
-            settings = get_settings()
-            upgrade(settings.database_url)
-            api_key = dev_api_key(data_dir, settings.database_url)
-            webhook_secret = dev_webhook_secret(settings.database_url)
             served = [prepare_model(model, name, settings.models_dir,
                                     engine_urls=(engine_urls or {}).get(name, []),
                                     warm=settings.worker_warm_start)
@@ -381,8 +365,18 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
             for model in served:
                 print(f"model {model.name} ({model.kind}, revision {model.revision}): "
                       f"{model.path}", flush=True)
+            broker_port, redis_port = free_port(), free_port()
+            broker = stack.enter_context(tansu_service(port=broker_port,
+                                                       log_dir=data_dir / "logs"))
+            redis = stack.enter_context(redis_service(port=redis_port,
+                                                      data_dir=data_dir / "redis"))
+            _set_env(kafka_bootstrap_servers=f"127.0.0.1:{broker_port}",
+                     redis_url=f"redis://127.0.0.1:{redis_port}/0")
             settings = get_settings()
             watch = _watch_models(settings, served, stack)
+            upgrade(settings.database_url)
+            api_key = dev_api_key(data_dir, settings.database_url)
+            webhook_secret = dev_webhook_secret(settings.database_url)
             role, num_republished = _start_scheduler(stop, stack)
             refuse_new_work, api_processes = _start_api(host, settings.api_port, stack, on_stop)
             _refuse_on_stop(stop, refuse_new_work)

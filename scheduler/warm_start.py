@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import multiprocessing
-import multiprocessing.forkserver
 import os
 import runpy
 import signal
@@ -93,15 +92,6 @@ Child = WarmProcess | subprocess.Popen[bytes]
 def warm_start_available() -> bool:
     """True where multiprocessing can fork from a server (POSIX with fd passing)."""
     return "forkserver" in multiprocessing.get_all_start_methods()
-
-
-def warm_up() -> None:
-    """Start the fork server now (it imports in the background); the first warm child
-    waits for those imports, so a caller with other work to do starts it early."""
-    if warm_start_available():
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(list(PRELOAD))
-        multiprocessing.forkserver.ensure_running()
 
 
 def start_module(
