@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
@@ -215,6 +218,25 @@ def test_gone_gets_exactly_one_attempt(
     with sessions() as session:
         again = get_delivery(session, delivery_id=delivery.id)
         assert again is not None and again.num_attempts == 1
+
+
+def test_the_embedded_beat_exits_when_its_worker_is_killed(hook_settings: MakeSettings,
+                                                          tmp_path: Path) -> None:
+    """SIGKILL to the Celery worker alone: its beat, a forked child, leaves too rather than
+    dispatching forever into a Redis that may be gone."""
+    worker = CallbacksWorker(hook_settings(), tmp_path / "worker.log").start()
+    try:
+        main = psutil.Process(worker.pid)
+        deadline = time.monotonic() + 60
+        while not (beats := [child for child in main.children()
+                             if "celery beat" in " ".join(child.cmdline())]):
+            assert time.monotonic() < deadline, f"no beat process: {worker.log()}"
+            time.sleep(0.2)
+        os.kill(main.pid, signal.SIGKILL)
+        _, alive = psutil.wait_procs(beats, timeout=30)
+        assert not alive, f"the beat outlived its worker: {worker.log()[-3000:]}"
+    finally:
+        worker.stop()
 
 
 @pytest.mark.parametrize("receiver", [[Reply(sleep_s=8.0)]], indirect=True)

@@ -42,6 +42,12 @@ class CallbacksWorker:
             )
         return self
 
+    @property
+    def pid(self) -> int:
+        """The Celery worker's pid (its embedded beat is a child of it)."""
+        assert self._process is not None, "not running"
+        return self._process.pid
+
     def kill(self) -> None:
         """SIGKILL the whole tree: no warm shutdown, no acks, nothing flushed."""
         if self._process is None:

@@ -18,11 +18,12 @@ import logging
 import os
 import socket
 
-from celery import Celery
+from celery import Celery, signals
 from prometheus_client import start_http_server
 
 from core.gc_policy import settle_heap
 from core.settings import Settings
+from scheduler.embedded_services import die_with_parent
 from workers.callbacks.runner import DeliveryRunner
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,22 @@ def create_celery_app(settings: Settings, runner: DeliveryRunner | None = None) 
     return app
 
 
+# The process running the Celery worker; its embedded beat, forked from it, checks that it
+# is still its parent.
+_worker_pid: int | None = None
+
+
+@signals.beat_embedded_init.connect
+def _beat_dies_with_its_worker(**_: object) -> None:
+    """In the embedded beat, a forked child Celery stops only on a warm shutdown: a worker
+    killed, or stopped while still starting, left it running for good, dispatching into a
+    Redis that was gone. The kernel now sends it SIGTERM when the worker dies; a worker
+    gone before this ran leaves it nothing to wait for."""
+    die_with_parent()
+    if _worker_pid is not None and os.getppid() != _worker_pid:
+        os._exit(0)
+
+
 def worker_argv(settings: Settings) -> list[str]:
     """`celery worker` arguments: threads (deliveries wait on I/O), beat embedded."""
     return [
@@ -112,6 +129,8 @@ def run_callbacks(settings: Settings) -> None:
         logger.info("callbacks metrics on :%d/metrics", settings.webhook_metrics_port)
     logger.info("callbacks worker on %s, queue %s", settings.redis_url, queue_name(settings))
     settle_heap()
+    global _worker_pid
+    _worker_pid = os.getpid()
     try:
         app.worker_main(worker_argv(settings))
     finally:
