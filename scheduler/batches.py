@@ -41,6 +41,7 @@ import redis.exceptions
 import sqlalchemy.exc
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.error_log import ErrorLog
@@ -126,13 +127,15 @@ class BatchRunner:
         """
         with self.sessions() as session:
             batch_ids = active_batch_ids(session, limit=1000)
+            validating = set(session.scalars(
+                select(Batch.id).where(Batch.status == BatchStatus.VALIDATING)))
         # Batches another scheduler finished: what was kept about them goes.
         active = set(batch_ids)
         self._usage_summed_at = {b: t for b, t in self._usage_summed_at.items() if b in active}
         self._last_count = {b: c for b, c in self._last_count.items() if b in active}
         self._num_unexpected = {b: n for b, n in self._num_unexpected.items() if b in active}
-        failed = {b for b in batch_ids
-                  if self._attempt(b, self._validate_if_due, is_whole_step=False) is None}
+        failed = {b for b in batch_ids if b in validating
+                  and self._attempt(b, self._validate_if_due, is_whole_step=False) is None}
         try:
             plans = self._plan_rooms()
         except TRANSIENT_ERRORS as e:
