@@ -70,14 +70,15 @@ class EstimateBoard:
         return queue.estimate_queued(rank, queue_key(deadline, created_at), now, max_tokens)
 
     def batch_completion(self, *, model: str, priority: str, tail: BatchTail,
-                         num_unqueued: int = 0,
+                         num_unqueued: int = 0, num_unqueued_ahead: int = 0,
                          budget_tokens_per_s: float | None = None) -> float | None:
         """When a batch's last unfinished job should finish (seconds since the epoch).
 
         `num_unqueued` lines are not jobs yet (they wait for the fan-out's window or the
-        tenant's token budget): they come after the batch's queued jobs, at the model's
-        pace, and no faster than the tenant's budget lets them (`budget_tokens_per_s`,
-        the tightest of its budgets).
+        tenant's token budget): they come after the batch's queued jobs and the
+        `num_unqueued_ahead` lines of nearer deadlines the window serves first, at the
+        model's pace, and no faster than the tenant's budget lets them
+        (`budget_tokens_per_s`, the tightest of its budgets).
         """
         queue = self.model(model)
         if queue is None:
@@ -94,6 +95,7 @@ class EstimateBoard:
         if not num_unqueued:
             return at
         return queue.finish_unqueued(at, now, num_unqueued=num_unqueued,
+                                     num_ahead=num_unqueued_ahead,
                                      budget_tokens_per_s=budget_tokens_per_s)
 
     def refresh(self) -> None:

@@ -225,10 +225,12 @@ class Settings(BaseSettings):
     # Longest wait between batch passes (validate, fan out, count, finalize); announced
     # batches and batches about to finish bring a pass sooner.
     batch_poll_interval_s: float = Field(default=1.0, gt=0)
-    # A batch's lines queued in the topics at once (0: no window). Lines past it wait in
-    # the input file, so another tenant's jobs of the same priority are never queued behind
-    # more than this many of the batch's (fair share, docs/tenants.md). Keep it above what
-    # the fleet runs at once (workers x worker_max_inflight), or one batch cannot use it all.
+    # Batch lines queued in the topics at once per model and priority, all batches together
+    # (0: no window). Lines past it wait in their input files, shared by tenant weight and
+    # then by deadline (scheduler.fanout_plan), so another tenant's jobs of the same
+    # priority are never queued behind more than this many batch lines (fair share,
+    # docs/tenants.md). Keep it above what the fleet runs at once (workers x
+    # worker_max_inflight), or the batches cannot use it all.
     batch_max_queued_lines: int = Field(default=2000, ge=0)
 
     # Webhook callbacks (`batchinfer callbacks`, a Celery worker on redis_url).

@@ -6,10 +6,13 @@ checking it is still `in_progress` and its cursor is where this pass left it, ad
 jobs and advancing the cursor; then producing the jobs to their priority topic and
 stamping them published. Memory holds one chunk.
 
-Fair share: at most `batch_max_queued_lines` of a batch's jobs are queued at once; the
-rest wait in the file for the next pass. A huge batch therefore never puts more than that
-many records ahead of another tenant's jobs in a priority's topic, and the workers' intake
-shares what it fetches between tenants (`workers.inference.prefetch`).
+Window: a pass enqueues at most the `room` it is given. The batch loop plans the rooms
+(scheduler.fanout_plan): at most `batch_max_queued_lines` batch jobs of one model and
+priority are queued at once, shared by tenant weight and then by deadline; the rest wait
+in their files for the next pass. A huge batch therefore never puts more than that many
+records ahead of another tenant's jobs in a priority's topic, a nearer deadline's lines
+go in first, and the workers' intake shares what it fetches between tenants
+(`workers.inference.prefetch`).
 
 Token budgets: a line counts against its tenant's budgets (`storage.token_budget`) when it
 is enqueued. Lines that do not fit wait in the input file; the next pass (the scheduler
@@ -30,7 +33,7 @@ from itertools import islice
 from typing import Any
 
 from kafka import KafkaProducer
-from sqlalchemy import func, insert, select
+from sqlalchemy import insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import metrics
@@ -55,10 +58,13 @@ PUBLISH_TIMEOUT_S = 30.0
 
 def fan_out(
     settings: Settings, sessions: sessionmaker[Session], producer: KafkaProducer,
-    store: FileStore, *, batch_id: str, budget_s: float, budgets: TokenBudgets | None = None,
+    store: FileStore, *, batch_id: str, budget_s: float, room: int,
+    budgets: TokenBudgets | None = None,
 ) -> int:
-    """Enqueue the batch's remaining lines for up to about `budget_s`, as far as the
-    tenant's token budgets allow (with `budgets`); returns jobs added."""
+    """Enqueue up to `room` of the batch's remaining lines for up to about `budget_s`, as
+    far as the tenant's token budgets allow (with `budgets`); returns lines taken."""
+    if room <= 0:
+        return 0
     with sessions() as session:
         batch = lock_batch(session, batch_id=batch_id)
         if batch is None or batch.status != BatchStatus.IN_PROGRESS:
@@ -67,9 +73,6 @@ def fan_out(
         endpoint, model_override = batch.endpoint, batch.model_override
     deadline = time.monotonic() + budget_s
     num_added = 0
-    room = _queue_room(settings, sessions, batch_id=batch_id)
-    if room <= 0:
-        return 0
     with store.open(input_file_id) as handle:
         requests = iter_requests(handle, endpoint=endpoint, model_override=model_override,
                                  max_line_bytes=settings.max_request_bytes, skip=cursor,
@@ -95,19 +98,6 @@ def fan_out(
     if num_added:
         logger.info("batch %s: enqueued %d job(s), %d so far", batch_id, num_added, cursor)
     return num_added
-
-
-def _queue_room(settings: Settings, sessions: sessionmaker[Session], *, batch_id: str
-                ) -> int:
-    """Lines the batch may still put in the topics now (`batch_max_queued_lines` less its
-    queued jobs; ix_jobs_batch answers the count)."""
-    window = settings.batch_max_queued_lines
-    if not window:
-        return CHUNK_SIZE * 1_000_000  # no window: the time budget alone bounds a pass
-    with sessions() as session:
-        num_queued = session.scalar(select(func.count()).select_from(Job).where(
-            Job.batch_id == batch_id, Job.status == JobStatus.QUEUED)) or 0
-    return window - num_queued
 
 
 def _add_chunk(

@@ -32,12 +32,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
 
 import redis
 import redis.exceptions
 import sqlalchemy.exc
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.error_log import ErrorLog
@@ -45,6 +49,7 @@ from core.settings import Settings
 from scheduler.batch_fanout import fan_out
 from scheduler.batch_input import validate_input
 from scheduler.batch_results import add_result_file_rows, write_result_files
+from scheduler.fanout_plan import plan_room
 from scheduler.periodic import Wakeup
 from storage.batch_jobs import (
     count_batch_jobs,
@@ -53,14 +58,18 @@ from storage.batch_jobs import (
     sum_batch_usage,
 )
 from storage.batch_output import BATCH_CANCELLED, BATCH_EXPIRED, REQUEST_CANCELLED
+from storage.batch_room import Pair, WaitingBatch, queued_batch_lines, waiting_batches
 from storage.batches import Batch, BatchStatus, active_batch_ids, batch_object, lock_batch
 from storage.events import publish_batch_done, publish_cancel
 from storage.files import FileStore, get_file
 from storage.models import utcnow
+from storage.tenant_limits import tenant_weights
 from storage.token_budget import TokenBudgets
 from storage.webhook_events import BATCH_STATUS_TO_EVENT, enqueue_event
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # Seconds of fan-out per batch per pass, so one huge batch cannot stall the others.
 FANOUT_BUDGET_S = 5.0
@@ -110,25 +119,91 @@ class BatchRunner:
         self.errors = ErrorLog(logger)
 
     def step(self) -> int:
-        """One pass over every unfinished batch; returns how many were looked at."""
+        """One pass over every unfinished batch; returns how many were looked at.
+
+        Validation comes first, so that a batch validated now shares this pass's fan-out
+        room; then the batches with room are advanced in the plan's order (nearest
+        deadline first within a model and priority), then the rest.
+        """
         with self.sessions() as session:
             batch_ids = active_batch_ids(session, limit=1000)
+            validating = set(session.scalars(
+                select(Batch.id).where(Batch.status == BatchStatus.VALIDATING)))
         # Batches another scheduler finished: what was kept about them goes.
         active = set(batch_ids)
         self._usage_summed_at = {b: t for b, t in self._usage_summed_at.items() if b in active}
         self._last_count = {b: c for b, c in self._last_count.items() if b in active}
         self._num_unexpected = {b: n for b, n in self._num_unexpected.items() if b in active}
+        failed = {b for b in batch_ids if b in validating
+                  and self._attempt(b, self._validate_if_due, is_whole_step=False) is None}
+        try:
+            plans = self._plan_rooms()
+        except TRANSIENT_ERRORS as e:
+            self.errors.exception(e, "the fan-out could not be planned; retrying next pass",
+                                  place="plan")
+            plans = {}
+        planned: set[str] = set()
+        for plan in plans.values():
+            spare = 0  # room a batch left unused (a spent token budget) goes on down the plan
+            for batch_id, room in plan.items():
+                planned.add(batch_id)
+                if batch_id not in active or batch_id in failed:
+                    continue
+                given = room + spare
+                added = self._attempt(batch_id, partial(self.advance, room=given))
+                spare = given - (added or 0)
         for batch_id in batch_ids:
-            try:
-                self.advance(batch_id)
-            except TRANSIENT_ERRORS as e:
-                self.errors.exception(e, "batch %s: a dependency failed; retrying next pass",
-                                      batch_id, place="dependency")
-            except Exception as e:
-                self._on_unexpected(batch_id, e)
-            else:
-                self._num_unexpected.pop(batch_id, None)
+            if batch_id not in planned and batch_id not in failed:
+                self._attempt(batch_id, partial(self.advance, room=0))
         return len(batch_ids)
+
+    def _attempt(self, batch_id: str, work: Callable[[str], T], *,
+                 is_whole_step: bool = True) -> T | None:
+        """Run one batch's work, keeping an error to that batch; None if it raised. Only
+        a whole step that succeeds ends a run of unexpected errors."""
+        try:
+            result = work(batch_id)
+        except TRANSIENT_ERRORS as e:
+            self.errors.exception(e, "batch %s: a dependency failed; retrying next pass",
+                                  batch_id, place="dependency")
+            return None
+        except Exception as e:
+            self._on_unexpected(batch_id, e)
+            return None
+        if is_whole_step:
+            self._num_unexpected.pop(batch_id, None)
+        return result
+
+    def _plan_rooms(self) -> dict[Pair, dict[str, int]]:
+        """This pass's fan-out rooms: (model, priority) -> batch id -> lines, each pair's
+        batches in the order to enqueue them (scheduler.fanout_plan)."""
+        with self.sessions() as session:
+            waiting = waiting_batches(session, now=utcnow())
+            if not waiting:
+                return {}
+            queued = queued_batch_lines(session)
+            weights = tenant_weights(session)
+        by_pair: dict[Pair, list[WaitingBatch]] = {}
+        for batch in waiting:
+            by_pair.setdefault((batch.model, batch.priority), []).append(batch)
+        plans = {pair: plan_room(self.settings.batch_max_queued_lines, batches,
+                                 queued.get(pair, {}), weights)
+                 for pair, batches in by_pair.items()}
+        return {pair: plan for pair, plan in plans.items() if plan}
+
+    def _validate_if_due(self, batch_id: str) -> bool:
+        """Validate a validating batch (expire it past its window); others wait for their
+        turn in the pass. True, so that an error is told apart (None)."""
+        with self.sessions() as session:
+            batch = lock_batch(session, batch_id=batch_id)
+            if batch is None or batch.status != BatchStatus.VALIDATING:
+                return True
+            is_past_window = utcnow() >= batch.expires_at
+        if is_past_window:
+            self._stop_and_finish(batch_id, BatchStatus.EXPIRED)
+        else:
+            self._validate(batch_id)
+        return True
 
     def _on_unexpected(self, batch_id: str, error: Exception) -> None:
         """Log (rate-limited) an error no dependency outage explains; fail the batch once
@@ -173,25 +248,27 @@ class BatchRunner:
         logger.warning("batch %s: failed after an unexpected %s", batch_id,
                        type(error).__name__)
 
-    def advance(self, batch_id: str) -> None:
-        """Move one batch as far as it can go now."""
+    def advance(self, batch_id: str, *, room: int | None = None) -> int:
+        """Move one batch as far as it can go now, enqueuing up to `room` of its lines
+        (None: its room in a plan made for it now); returns the lines enqueued."""
         with self.sessions() as session:
             batch = lock_batch(session, batch_id=batch_id)
             if batch is None:
-                return
+                return 0
             status, is_past_window = batch.status, utcnow() >= batch.expires_at
         if status == BatchStatus.VALIDATING:
             if is_past_window:
                 self._stop_and_finish(batch_id, BatchStatus.EXPIRED)
-                return
+                return 0
             if self._validate(batch_id):
-                self._run(batch_id, is_past_window=False)
+                return self._run(batch_id, is_past_window=False, room=room)
         elif status == BatchStatus.IN_PROGRESS:
-            self._run(batch_id, is_past_window=is_past_window)
+            return self._run(batch_id, is_past_window=is_past_window, room=room)
         elif status == BatchStatus.FINALIZING:
             self._stop_and_finish(batch_id, BatchStatus.COMPLETED)
         elif status == BatchStatus.CANCELLING:
             self._stop_and_finish(batch_id, BatchStatus.CANCELLED)
+        return 0
 
     def _validate(self, batch_id: str) -> bool:
         """Validate the input file; True if the batch moved on to `in_progress`."""
@@ -234,18 +311,23 @@ class BatchRunner:
                     "failed" if errors else "passed", num_requests, len(errors))
         return not errors
 
-    def _run(self, batch_id: str, *, is_past_window: bool) -> None:
+    def _run(self, batch_id: str, *, is_past_window: bool, room: int | None) -> int:
         with self.sessions() as session:
             batch = session.get(Batch, batch_id)
             assert batch is not None
             is_fanned_out = batch.num_enqueued >= batch.num_requests
+        num_added = 0
         if not is_fanned_out and not is_past_window:
-            fan_out(self.settings, self.sessions, self.producer, self.store,
-                    batch_id=batch_id, budget_s=FANOUT_BUDGET_S, budgets=self.budgets)
+            if room is None:
+                room = next((plan[batch_id] for plan in self._plan_rooms().values()
+                             if batch_id in plan), 0)
+            num_added = fan_out(self.settings, self.sessions, self.producer, self.store,
+                                batch_id=batch_id, budget_s=FANOUT_BUDGET_S, room=room,
+                                budgets=self.budgets)
         with self.sessions() as session:
             batch = lock_batch(session, batch_id=batch_id)
             if batch is None or batch.status != BatchStatus.IN_PROGRESS:
-                return
+                return num_added
             counts = count_batch_jobs(session, batch_id=batch_id)
             batch.num_completed = counts.num_succeeded
             batch.num_failed = counts.num_failed
@@ -269,6 +351,7 @@ class BatchRunner:
             self._stop_and_finish(batch_id, BatchStatus.COMPLETED)
         elif is_past_window:
             self._stop_and_finish(batch_id, BatchStatus.EXPIRED)
+        return num_added
 
     def _pass_when_done(self, batch_id: str, *, num_finished: int, num_unfinished: int) -> None:
         """Ask for a pass when, at the pace since the count last grew, the last job should be

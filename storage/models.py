@@ -24,6 +24,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -112,6 +113,12 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
 
 
+# Queued batch jobs: the rows ix_jobs_queued_batch_lines holds. Written out as SQL, in the
+# index and in the query it serves, so that the planner matches the two (a bound
+# parameter would hide the status from a cached generic plan).
+QUEUED_BATCH_JOB = "status = 'queued' AND batch_id IS NOT NULL"
+
+
 class Job(Base):
     """One inference request and, once done, its result."""
 
@@ -125,6 +132,9 @@ class Job(Base):
         Index("ix_jobs_tenant_status", "tenant_id", "status"),
         # The reconciler expires queued and running jobs past their deadline.
         Index("ix_jobs_status_deadline", "status", "deadline"),
+        # The batch fan-out's window: queued batch jobs per model, priority and tenant.
+        Index("ix_jobs_queued_batch_lines", "model", "priority", "tenant_id",
+              postgresql_where=text(QUEUED_BATCH_JOB), sqlite_where=text(QUEUED_BATCH_JOB)),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)

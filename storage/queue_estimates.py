@@ -150,18 +150,22 @@ class ModelQueue:
         return Estimate(0, started_at, completion)
 
     def finish_unqueued(self, after: float | None, now: float, *, num_unqueued: int,
+                        num_ahead: int = 0,
                         budget_tokens_per_s: float | None = None) -> float | None:
         """When `num_unqueued` more jobs (a batch's lines not yet enqueued) finish, run
-        after `after` (now when None) at the model's pace, and no sooner than a token
-        budget of `budget_tokens_per_s` lets their work through.
+        after `after` (now when None) and `num_ahead` other lines the fan-out serves
+        first, at the model's pace, and no sooner than a token budget of
+        `budget_tokens_per_s` lets their own work through.
 
-        Example: 100 lines of 50 tokens at 500 tokens/s take 10 s; under a budget of
-        20,000 tokens a minute (333 tokens/s) they take 15 s from now.
+        Example: 100 lines of 50 tokens at 500 tokens/s take 10 s (20 s behind 100 lines
+        of a nearer deadline); under a budget of 20,000 tokens a minute (333 tokens/s)
+        they take 15 s from now.
         """
         if not self.tokens_per_s:
             return None
         tokens = num_unqueued * self.work_per_job
-        finish = max(after or now, now) + tokens / self.tokens_per_s
+        finish = (max(after or now, now)
+                  + (num_unqueued + num_ahead) * self.work_per_job / self.tokens_per_s)
         if budget_tokens_per_s:
             finish = max(finish, now + tokens / budget_tokens_per_s)
         return finish

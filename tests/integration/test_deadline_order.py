@@ -5,6 +5,11 @@ Four batches wait, fanned out, before the worker starts: a 7-day one, then windo
 (its in-flight bound holds every line) and its engine runs two sequences at a time, the
 earliest deadline first: the batches' last lines finish 30m, 2h, 24h, 7d. (At most the
 first lines the engine admitted before the rest arrived run out of order.)
+
+Behind a backlog, the worker holds two lines at a time, so order must come from the
+topic: the backlog fills the model and priority's fan-out window, and the three batches
+(24h, 2h, 30m, in that order) wait in their files; as the worker frees room, the fan-out
+gives it to the nearest deadline first, so their lines reach the topic 30m, 2h, 24h.
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ from tests.utils.batch_service import CHAT, TERMINAL, BatchService, chat_line, j
 
 NUM_LINES = 6
 WINDOWS = ("7d", "24h", "2h", "30m")
+# The backlog fills the window; each batch behind it is larger than the worker holds.
+WINDOW = 6
+BACKLOG_LINES = 12
+BEHIND_LINES = 6
 
 
 def test_batches_finish_in_deadline_order_whatever_order_they_came_in(
@@ -47,3 +56,46 @@ def test_batches_finish_in_deadline_order_whatever_order_they_came_in(
     last_finish: dict[str | None, datetime | None] = dict(rows)  # type: ignore[arg-type]
     order = sorted(WINDOWS, key=lambda w: last_finish[ids[w]] or datetime.max)
     assert order == ["30m", "2h", "24h", "7d"], (last_finish, svc.logs())
+
+
+def _last_finishes(svc: BatchService, ids: dict[str, str]) -> dict[str, datetime]:
+    """Window -> when its batch's last line finished."""
+    with svc.sessions() as session:
+        rows = session.execute(
+            sa.select(Job.batch_id, sa.func.max(Job.finished_at))
+            .where(Job.batch_id.in_(list(ids.values()))).group_by(Job.batch_id)).all()
+    by_id: dict[str, datetime | None] = dict(rows)  # type: ignore[arg-type]
+    finishes = {window: by_id.get(batch_id) for window, batch_id in ids.items()}
+    assert all(finishes.values()), finishes
+    return {window: at for window, at in finishes.items() if at is not None}
+
+
+def test_batches_behind_a_backlog_reach_the_topic_in_deadline_order(
+        batch_services: Callable[..., BatchService]) -> None:
+    svc = batch_services(start_worker=False, batch_max_queued_lines=WINDOW,
+                         worker_max_inflight=2, engine_max_num_seqs=2)
+    model = svc.settings.model
+    client = svc.openai()
+
+    def submit(name: str, num_lines: int, window: str) -> str:
+        lines = [chat_line(f"{name}-{i}", model, content=f"Line {i} of {name}?",
+                           max_tokens=4) for i in range(num_lines)]
+        uploaded = client.files.create(file=(f"{name}.jsonl", jsonl(lines)), purpose="batch")
+        return client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
+                                     completion_window=window).id  # type: ignore[arg-type]
+
+    backlog = submit("backlog", BACKLOG_LINES, "7d")
+    svc.wait_jobs(backlog, lambda s: s.get(JobStatus.QUEUED, 0) == WINDOW)
+    ids = {window: submit(window, BEHIND_LINES, window) for window in ("24h", "2h", "30m")}
+    for batch_id in ids.values():
+        svc.wait_batch(client, batch_id, lambda b: b.status == "in_progress")
+    # The window is the pair's, not each batch's: the backlog's lines fill it, so
+    # nothing of the three is in the topic yet.
+    assert all(svc.job_statuses(batch_id) == {} for batch_id in ids.values()), svc.logs()
+    svc.start_worker()
+    for batch_id in [*ids.values(), backlog]:
+        done = svc.wait_batch(client, batch_id, lambda b: b.status in TERMINAL)
+        assert done.status == "completed", svc.logs()
+    finishes = _last_finishes(svc, {**ids, "7d": backlog})
+    order = sorted(finishes, key=lambda w: finishes[w])
+    assert order == ["30m", "2h", "24h", "7d"], (finishes, svc.logs())

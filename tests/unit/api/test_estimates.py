@@ -114,6 +114,11 @@ def test_lines_not_yet_enqueued_follow_at_the_models_pace_or_the_tenants_budget(
     6,000 tokens a minute (100/s) stretches them to 200 s from now."""
     queue = ModelQueue.of(reading(), NOW)
     assert queue.finish_unqueued(NOW + 5, NOW, num_unqueued=100) == pytest.approx(NOW + 25)
+    # 50 lines of a nearer deadline enqueued first: 10 s more; the budget is this batch's.
+    assert queue.finish_unqueued(NOW + 5, NOW, num_unqueued=100,
+                                 num_ahead=50) == pytest.approx(NOW + 35)
+    assert queue.finish_unqueued(None, NOW, num_unqueued=100, num_ahead=50,
+                                 budget_tokens_per_s=100.0) == pytest.approx(NOW + 200)
     assert queue.finish_unqueued(None, NOW, num_unqueued=100,
                                  budget_tokens_per_s=100.0) == pytest.approx(NOW + 200)
     idle = ModelQueue.of(reading(tokens_per_s=None), NOW)

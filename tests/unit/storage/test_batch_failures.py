@@ -116,10 +116,11 @@ def test_a_batch_that_fails_every_pass_is_failed_and_the_others_go_on(
     other, _ = _running(session, tenant, 0)
     run = BatchRunner._run
 
-    def run_unless_stuck(self: BatchRunner, batch_id: str, *, is_past_window: bool) -> None:
+    def run_unless_stuck(self: BatchRunner, batch_id: str, *, is_past_window: bool,
+                         room: int | None) -> int:
         if batch_id == stuck.id:
             raise KeyError("a bug")
-        run(self, batch_id, is_past_window=is_past_window)
+        return run(self, batch_id, is_past_window=is_past_window, room=room)
 
     monkeypatch.setattr(BatchRunner, "_run", run_unless_stuck)
     with caplog.at_level(logging.ERROR, logger="scheduler.batches"):
@@ -146,7 +147,8 @@ def test_a_dependency_outage_is_retried_and_never_fails_a_batch(
     runner, _ = _runner(sessions, tmp_path)
     batch, _ = _running(session, tenant, 1)
 
-    def down(self: BatchRunner, batch_id: str, *, is_past_window: bool) -> None:
+    def down(self: BatchRunner, batch_id: str, *, is_past_window: bool,
+             room: int | None) -> int:
         raise sqlalchemy.exc.OperationalError("SELECT 1", {}, Exception("connection refused"))
 
     monkeypatch.setattr(BatchRunner, "_run", down)
