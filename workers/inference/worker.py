@@ -179,7 +179,7 @@ class Worker:
             topic_rank, tenant_of=record_tenant, weight_of=self._weight_of)
         # Records a partition may hold here before it is paused: enough to refill the
         # whole in-flight bound from one partition without waiting for a fetch, and to
-        # hold a batch's whole queued window (fan-out), so that another tenant's record
+        # hold the batches' whole queued window (fan-out), so that another tenant's record
         # published behind it is seen, and started within its share (intake), at once
         # rather than after the batch's lines ahead of it on the partition have started.
         self._prefetch_limit = max(self._max_inflight, settings.batch_max_queued_lines)
