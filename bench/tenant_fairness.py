@@ -7,8 +7,9 @@ tiny random-weight Llama (tests.unit.engine.tiny_models) or any model given:
             alone (solo); then A's batch again with B's jobs arriving --b-after s later
             (mixed). Reported: B's time mixed / idle (target <= 2x), and A's lines/s mixed
             against solo (target: a loss <= 10%, beyond B's own share of the worker).
-            Then the same mixed run with A's batch and B's jobs at the same priority
-            (`--same-priority`), which fair share alone has to handle.
+            Then the same mixed run with A's batch and B's jobs at the same priority,
+            which fair share alone has to handle (`--mix same` runs only that one,
+            `--mix priority` only the first).
   budget    tenant A limited to --tokens-per-minute runs a batch of about --work-tokens
             tokens; every job must complete, and no UTC minute of stored usage (prompt +
             completion by finished_at) may hold more than the budget plus one job.
@@ -210,8 +211,10 @@ def fairness(service: Service, args: argparse.Namespace) -> None:
     solo_rate, solo_span = batch_rate(service, solo)
     print(f"idle: B's {args.num_b} jobs in {idle_s:.2f} s; "
           f"solo: A's {args.lines} lines at {solo_rate:.1f} lines/s ({solo_span:.1f} s)")
-    for name, a_priority, b_priority in (("A low, B normal", "low", "normal"),
-                                         ("A and B low", "low", "low")):
+    mixes = (("A low, B normal", "low", "normal"), ("A and B low", "low", "low"))
+    for name, a_priority, b_priority in mixes:
+        if args.mix != "both" and (args.mix == "same") != (a_priority == b_priority):
+            continue
         tag = name.replace(" ", "-").replace(",", "")
         batch_id = start_batch(service, tag, args.lines, args.max_tokens, a_priority)
         time.sleep(args.b_after)
@@ -283,6 +286,8 @@ def main() -> None:
     add("--tokens-per-minute", type=int, default=20_000)
     add("--work-tokens", type=int, default=50_000, help="the issue: 100,000")
     add("--budget-max-tokens", type=int, default=64, help="output tokens per budget job")
+    add("--mix", choices=["both", "priority", "same"], default="both",
+        help="mixed runs: A low with B normal (priority), both low (same), or both")
     add("--timeout", type=float, default=1800.0)
     add("--window", type=int, default=None,
         help="BATCHINFER_BATCH_MAX_QUEUED_LINES for the service (default: its own, 2000)")

@@ -9,10 +9,10 @@ from datetime import datetime, timedelta
 MIN_WINDOW_S = 60
 MAX_WINDOW_S = 7 * 86_400
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
-# Within a priority a job without a deadline is ordered as if due this long after it
-# arrived: deadlines within the hour go before it, far-off ones (a 2 h or 24 h batch
-# window) after it, still earliest first. Without it, no-deadline jobs sorted after every
-# deadline: every line of a 24 h batch ran before any other tenant's job of its priority.
+# Within a priority the engine orders by deadline only the jobs due within this long of
+# reaching it; the rest (no deadline, a 2 h or 24 h batch window) share by tenant. When
+# every deadline ordered, no-deadline jobs sorted after them all: every line of a 24 h
+# batch ran before any other tenant's job of its priority.
 DEFAULT_DUE_S = 3600.0
 
 

@@ -195,9 +195,9 @@ class ModelQueue:
 def queue_key(deadline: datetime | None, created_at: datetime) -> QueueKey:
     """How queued jobs are ordered within a priority: deadline (none last), then creation.
 
-    Not the engine's order for a job without a deadline (due DEFAULT_DUE_S after it
-    arrives there): the engine orders only the jobs a worker holds, and a job queued
-    behind a batch's lines in the priority's topic reaches a worker after them
+    Not the engine's order for a job without a deadline (after deadlines within
+    DEFAULT_DUE_S, shared by tenant): the engine orders only the jobs a worker holds,
+    and a job queued behind a batch's lines in the priority's topic reaches a worker after them
     (bench/eta_accuracy.py: ordering such jobs before far-off batch lines put their ETAs
     44-77% early).
     """

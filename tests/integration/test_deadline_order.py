@@ -1,10 +1,12 @@
 """Deadline order on the real stack: API, scheduler, one worker, broker, PostgreSQL.
 
 Four batches wait, fanned out, before the worker starts: a 7-day one, then windows of
-24 h, 2 h and 30 minutes (the reverse of their deadlines). The worker takes them all in
-(its in-flight bound holds every line) and its engine runs two sequences at a time, the
-earliest deadline first: the batches' last lines finish 30m, 2h, 24h, 7d. (At most the
-first lines the engine admitted before the rest arrived run out of order.)
+24 h, 50 and 30 minutes (the reverse of their deadlines). The worker takes them all in
+(its in-flight bound holds every line) and its engine runs two sequences at a time,
+deadlines within the hour first, earliest first: the 30m batch's last line finishes
+first, then the 50m one's, then the far-off windows', which the engine leaves to the
+tenants' fair share (one tenant here: arrival order). (At most the first lines the
+engine admitted before the rest arrived run out of order.)
 
 Behind a backlog, the worker holds two lines at a time, so order must come from the
 topic: the backlog fills the model and priority's fan-out window, and the three batches
@@ -23,7 +25,7 @@ from storage.models import Job, JobStatus
 from tests.utils.batch_service import CHAT, TERMINAL, BatchService, chat_line, jsonl
 
 NUM_LINES = 6
-WINDOWS = ("7d", "24h", "2h", "30m")
+WINDOWS = ("7d", "24h", "50m", "30m")
 # The backlog fills the window; each batch behind it is larger than the worker holds.
 WINDOW = 6
 BACKLOG_LINES = 12
@@ -55,7 +57,7 @@ def test_batches_finish_in_deadline_order_whatever_order_they_came_in(
             .where(Job.batch_id.in_(list(ids.values()))).group_by(Job.batch_id)).all()
     last_finish: dict[str | None, datetime | None] = dict(rows)  # type: ignore[arg-type]
     order = sorted(WINDOWS, key=lambda w: last_finish[ids[w]] or datetime.max)
-    assert order == ["30m", "2h", "24h", "7d"], (last_finish, svc.logs())
+    assert order[:2] == ["30m", "50m"], (last_finish, svc.logs())
 
 
 def _last_finishes(svc: BatchService, ids: dict[str, str]) -> dict[str, datetime]:

@@ -94,11 +94,12 @@ class EmbeddingEngine:
 
     def add_request(self, request_id: str, prompt: list[EmbeddingInput],
                     params: EmbeddingParams, *, priority: int = 0,
-                    deadline: float | None = None) -> None:
+                    deadline: float | None = None, tenant: str | None = None,
+                    tenant_weight: float = 1.0) -> None:
         """Queue one request's inputs; ValueError (naming `input[i]`) for a bad input.
 
-        `deadline` is accepted for the generator's surface; an encoder step takes whole
-        requests by token budget, so it does not reorder them."""
+        `deadline`, `tenant` and `tenant_weight` are accepted for the generator's surface;
+        an encoder step takes whole requests by token budget, so they do not reorder them."""
         if not isinstance(params, EmbeddingParams) or not isinstance(prompt, list) or not all(
                 isinstance(item, str | list) for item in prompt):
             # A chat or completion request routed here (a batch line, an older message).

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -140,11 +141,15 @@ class LLMEngine:
         *,
         tools: list[dict[str, Any]] | None = None,
         prompt_token_ids: list[int] | None = None,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> None:
         """Queue a request; ValueError naming the field if it is malformed or cannot fit.
 
         `deadline` (seconds since the epoch) orders requests within a priority, earliest
-        first; requests without one come after those with one. `tools` (OpenAI's tool
+        first; requests without one come after those with one. Then `tenant` (any string,
+        opaque here) shares admissions with the other tenants by `tenant_weight`, over
+        tokens (tenant_clock); requests without one share as one more tenant. `tools` (OpenAI's tool
         objects) are rendered into a chat prompt (see tool_prompt). `prompt_token_ids`:
         a text prompt's ids, encoded already (`encode_ids_batch`, as LLM.generate does).
         """
@@ -159,6 +164,11 @@ class LLMEngine:
             isinstance(deadline, bool) or not isinstance(deadline, int | float)
         ):
             raise ValueError(f"deadline must be seconds since the epoch, got {deadline!r}")
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string, got {tenant!r}")
+        if (isinstance(tenant_weight, bool) or not isinstance(tenant_weight, int | float)
+                or not 0 < tenant_weight < math.inf):
+            raise ValueError(f"tenant_weight must be a number > 0, got {tenant_weight!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
@@ -187,6 +197,8 @@ class LLMEngine:
             priority=priority,
             arrival_order=next(self._arrivals),
             deadline=None if deadline is None else float(deadline),
+            tenant=tenant,
+            weight=float(tenant_weight),
         )
         seq.grammar = grammar
         self.scheduler.add(seq)  # may raise: the pool could never hold it

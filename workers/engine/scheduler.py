@@ -2,8 +2,9 @@
 
 Responsibilities:
 - keep the waiting line ordered by priority (lower value = more urgent), then deadline
-  (earliest first, none last), then arrival; a preempted sequence goes back to its
-  original place in that line;
+  (earliest first, none last), then the tenant's virtual start (fair share between
+  tenants by weight, see tenant_clock), then arrival; a preempted sequence goes back to
+  its original place in that line;
 - spend a token budget (`max_num_batched_tokens`) per step under a cap of `max_num_seqs`
   running sequences, one priority level at a time, most urgent first: its decodes, its
   prefill chunks, then admissions of its waiting sequences;
@@ -39,6 +40,7 @@ from typing import Protocol
 from workers.engine.block_manager import BlockManager
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.step_cost import EMPTY_STEP, StepCostModel, StepShape
+from workers.engine.tenant_clock import TenantClocks
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +83,11 @@ class SchedulerOutput:
         return not self.seqs
 
 
-def urgency(seq: Sequence) -> tuple[int, float, int]:
-    """Sort key: most urgent first (lower priority value, earlier deadline, earlier arrival)."""
+def urgency(seq: Sequence) -> tuple[int, float, float, int]:
+    """Sort key: most urgent first (lower priority value, earlier deadline, earlier virtual
+    start of its tenant's fair share, earlier arrival)."""
     deadline = seq.deadline if seq.deadline is not None else math.inf
-    return (seq.priority, deadline, seq.arrival_order)
+    return (seq.priority, deadline, seq.virtual_start, seq.arrival_order)
 
 
 class Scheduler:
@@ -129,6 +132,7 @@ class Scheduler:
         self.cost_model = cost_model if cost_model is not None else StepCostModel()
         self.num_held_back_steps = 0  # sequence-steps sat out for a latency class
         self.waiting: list[Sequence] = []  # sorted by urgency
+        self.tenant_clocks = TenantClocks()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_prefix_cache_hit_tokens = 0
@@ -161,6 +165,7 @@ class Scheduler:
                 f"{self.max_num_batched_tokens} with chunked prefill off"
             )
         seq.status = SequenceStatus.WAITING
+        self.tenant_clocks.stamp(seq)
         bisect.insort(self.waiting, seq, key=urgency)
 
     def has_unfinished(self) -> bool:
@@ -386,6 +391,7 @@ class Scheduler:
                 break
             bm.admit(seq, cached, num_new)
             self.waiting.pop(0)
+            self.tenant_clocks.on_admit(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.num_prefix_cache_hit_tokens += seq.num_cached_tokens

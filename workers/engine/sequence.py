@@ -58,6 +58,8 @@ class Sequence:
         priority: int = 0,
         arrival_order: int = 0,
         deadline: float | None = None,
+        tenant: str | None = None,
+        weight: float = 1.0,
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -72,6 +74,11 @@ class Sequence:
         # Seconds since the epoch by which the request should finish; within a priority
         # the earliest deadline runs first, and None sorts after every deadline.
         self.deadline = deadline
+        # Whose request it is (opaque to the engine) and its fair-share weight: within a
+        # priority and deadline, tenants share admissions by weight (tenant_clock).
+        self.tenant = tenant
+        self.weight = weight
+        self.virtual_start = 0.0  # set by the scheduler's TenantClocks when queued
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0

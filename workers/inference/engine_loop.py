@@ -35,21 +35,28 @@ logger = logging.getLogger(__name__)
 
 # How often the engine gauges are refreshed.
 STATS_INTERVAL_S = 1.0
-# A job without a deadline is ordered as due this long after it reaches the engine.
+# Deadlines within this long of reaching the engine order a job before those without one.
 DEADLINE_HORIZON_S = DEFAULT_DUE_S
 # How long the idle engine thread waits for a request before refreshing the gauges (`stop`
 # wakes it at once): waking twenty times a second cost an idle worker ~4 ms of CPU a second.
 IDLE_WAIT_S = STATS_INTERVAL_S
 
 
-def engine_deadline(deadline: float | None, now: float) -> float:
-    """The deadline a job is ordered by within its priority in the engine: its own, or
-    `DEADLINE_HORIZON_S` from `now` without one (seconds since the epoch).
+def engine_deadline(deadline: float | None, now: float) -> float | None:
+    """The deadline a job is ordered by within its priority in the engine: its own when
+    it falls within `DEADLINE_HORIZON_S` of `now`, else None (seconds since the epoch).
 
-    Example at now = 0: a 30-minute deadline (1,800) runs before a job without one
-    (3,600), which runs before a 2 h window's line (7,200), before a 24 h one's (86,400).
+    The engine runs deadlines first (earliest first), then the rest by tenants' fair
+    share (by weight over tokens), then arrival. Example at now = 0: a 30-minute deadline
+    (1,800) runs before a job without one; that job and a 2 h or 24 h batch window's
+    lines (7,200, 86,400: None here) share by tenant. A far-off window ordering first would
+    let one tenant's 24 h batch run before every other tenant's job (or, ordered after
+    jobs without one, a 2 h window before a 24 h one: still one tenant's batch ahead of
+    another's), whatever their shares.
     """
-    return deadline if deadline is not None else now + DEADLINE_HORIZON_S
+    if deadline is not None and deadline - now <= DEADLINE_HORIZON_S:
+        return deadline
+    return None
 
 
 @dataclass(slots=True)
@@ -62,6 +69,8 @@ class _Add:
     deadline: float | None = None
     tools: list[dict[str, Any]] | None = None
     n: int = 1
+    tenant: str | None = None
+    tenant_weight: float = 1.0
 
 
 @dataclass(slots=True)
@@ -149,15 +158,18 @@ class EngineLoop:
 
     def add(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int,
             *, stream: bool = False, job: JobMessage | None = None,
-            tools: list[dict[str, Any]] | None = None, n: int = 1) -> None:
+            tools: list[dict[str, Any]] | None = None, n: int = 1,
+            tenant_weight: float = 1.0) -> None:
         """Queue a request; it joins the running batch at the engine's next step. With
         `stream`, its text goes to `token_sink` step by step (n = 1 only). (`job` is for
-        an engine server, which sends the job's own fields; this engine takes its deadline,
-        which orders it within its priority.) `tools` are rendered into a chat prompt. With
-        `n` > 1 its FinishedRequest carries every choice (`choices`)."""
+        an engine server, which sends the job's own fields; this engine takes its deadline
+        and tenant, which order it within its priority, the tenant by `tenant_weight`.)
+        `tools` are rendered into a chat prompt. With `n` > 1 its FinishedRequest carries
+        every choice (`choices`)."""
         deadline = None if job is None else engine_deadline(job.deadline, time.time())
         self._inbox.put(_Add(request_id, prompt, params, priority, stream and n == 1,
-                             deadline, tools, n))
+                             deadline, tools, n, None if job is None else job.tenant_id,
+                             tenant_weight))
 
     def watch(self, request_id: str) -> None:
         """Stream a live request from now on: its text so far, then step by step."""
@@ -251,10 +263,13 @@ class EngineLoop:
             if command.tools:
                 self.engine.add_request(command.request_id, command.prompt, command.params,
                                         priority=command.priority, deadline=command.deadline,
-                                        tools=command.tools)
+                                        tools=command.tools, tenant=command.tenant,
+                                        tenant_weight=command.tenant_weight)
             else:
                 self.engine.add_request(command.request_id, command.prompt, command.params,
-                                        priority=command.priority, deadline=command.deadline)
+                                        priority=command.priority, deadline=command.deadline,
+                                        tenant=command.tenant,
+                                        tenant_weight=command.tenant_weight)
         except ValueError as e:
             # Bad input for this request only (too long a prompt, unknown template...).
             if command.request_id in self._choice_of:

@@ -83,8 +83,11 @@ class JobStarter:
         worker_id: str,
         ack: Callable[[Records], None],
         is_followed: Callable[[str], bool] = lambda job_id: False,
+        weight_of: Callable[[str], float] = lambda tenant_id: 1.0,
     ) -> None:
+        """`weight_of`: a tenant's fair-share weight, which the engine shares by."""
         self.settings = settings
+        self._weight_of = weight_of
         self._store = store
         self._outcomes = outcomes
         self._engine = engine
@@ -170,6 +173,7 @@ class JobStarter:
                 stream=stream, job=message,
                 tools=tools_of.get(message.job_id),
                 n=num_choices(message.body) if message.kind != "embedding" else 1,
+                tenant_weight=self._weight_of(message.tenant_id),
             )
         return started
 

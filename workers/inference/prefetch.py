@@ -12,9 +12,11 @@ Fair share: within a priority, each tenant with records here has its own FIFO qu
 records leave by deficit round robin over those queues (each job costs 1; a tenant's turn
 adds its weight to its deficit, so weights 2 and 1 start jobs 2:1 while both have work).
 A tenant alone gets every start; a tenant's huge batch cannot hold another tenant's jobs
-back behind it once both are here. What reaches the buffer is bounded per partition, so
-the batch fan-out keeps each batch's queued lines in the topics to a window
-(`batch_max_queued_lines`): another tenant's job is never behind more than that window.
+back behind it once both are here. The worker passes over a tenant that holds its share
+of the in-flight bound already (see intake), so the others' records start at once. What
+reaches the buffer is bounded per partition, so the batch fan-out keeps each batch's
+queued lines in the topics to a window (`batch_max_queued_lines`): another tenant's job
+is never behind more than that window.
 
 A buffered record is tracked as pending by the offset tracker, so the commit point never
 passes it: dropping the buffer (on rebalance or shutdown) only means Kafka redelivers it.
@@ -54,9 +56,20 @@ class _TenantQueues(Generic[RecordT]):
             self.deficit[tenant] = 0.0
         queue.append(item)
 
-    def pop(self, weight_of: Callable[[str], float]) -> tuple[TopicPartition, RecordT]:
+    def pop(self, weight_of: Callable[[str], float],
+            may_start: Callable[[str], bool] | None = None
+            ) -> tuple[TopicPartition, RecordT] | None:
+        num_passed = 0  # tenants passed over in a row because they may not start now
         while True:
             tenant = self.ring[0]
+            if may_start is not None and not may_start(tenant):
+                num_passed += 1
+                if num_passed >= len(self.ring):
+                    return None  # nobody here may start now
+                self.ring.rotate(-1)  # its turn is passed over, its credit kept
+                self.is_head_credited = False
+                continue
+            num_passed = 0
             if not self.is_head_credited:
                 self.deficit[tenant] += max(MIN_WEIGHT, weight_of(tenant))
                 self.is_head_credited = True
@@ -122,13 +135,23 @@ class PrefetchBuffer(Generic[RecordT]):
         """The priority rank `pop_most_urgent` would take from, or None if empty."""
         return next((rank for rank, queues in enumerate(self._ranks) if queues.ring), None)
 
-    def pop_most_urgent(self) -> tuple[TopicPartition, RecordT] | None:
+    def tenants_waiting(self, rank: int) -> set[str]:
+        """The tenants with records of this priority rank here."""
+        return set(self._ranks[rank].queues) if rank < len(self._ranks) else set()
+
+    def pop_most_urgent(self, may_start: Callable[[str], bool] | None = None
+                        ) -> tuple[TopicPartition, RecordT] | None:
         """The next record of the most urgent non-empty priority (its tenants' turn by
-        weight, each tenant's oldest first), or None if empty."""
+        weight, each tenant's oldest first), or None if empty. With `may_start`, tenants
+        for whom it is False are passed over (their turn comes again later); None when
+        none of that priority's tenants may start."""
         rank = self.most_urgent_rank()
         if rank is None:
             return None
-        tp, record = self._ranks[rank].pop(self._weight_of)
+        item = self._ranks[rank].pop(self._weight_of, may_start)
+        if item is None:
+            return None
+        tp, record = item
         self._counts[tp] -= 1
         if not self._counts[tp]:
             del self._counts[tp]

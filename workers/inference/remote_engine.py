@@ -205,11 +205,13 @@ class RemoteEngineLoop:
 
     def add(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int,
             *, stream: bool = False, job: JobMessage | None = None,
-            tools: list[dict[str, Any]] | None = None, n: int = 1) -> None:
+            tools: list[dict[str, Any]] | None = None, n: int = 1,
+            tenant_weight: float = 1.0) -> None:
         """Queue `job`'s request (prompt and params were checked by the caller; the
         request carries the job's own fields, see remote_requests, `tools` and `n`
         included). A streamed job's text comes whole when the server's answer does: the
-        server is asked without `stream`."""
+        server is asked without `stream`. (`tenant_weight` is the in-process engine's: a
+        server orders requests by its own policy.)"""
         if job is None:
             raise ValueError("an engine server runs jobs: pass job=")
         try:

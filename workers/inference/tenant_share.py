@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 HEAD_BYTES = 256
 REFRESH_S = 10.0
 _TENANT_FIELD = re.compile(rb'"tenant_id":"([^"\\]{1,64})"')
+_READABLE_TENANT = re.compile(r'[^"\\]{1,64}')
 
 
 def record_tenant(record: Any) -> str:
@@ -33,6 +34,12 @@ def record_tenant(record: Any) -> str:
         return ""
     found = _TENANT_FIELD.search(value, 0, HEAD_BYTES)
     return found.group(1).decode("ascii", "replace") if found else ""
+
+
+def message_tenant(tenant_id: str) -> str:
+    """A decoded job's tenant as `record_tenant` reads it from its record (so in-flight
+    jobs and waiting records of one tenant are counted as one)."""
+    return tenant_id if _READABLE_TENANT.fullmatch(tenant_id) else ""
 
 
 class TenantWeights:

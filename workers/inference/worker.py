@@ -47,7 +47,7 @@ from workers.engine.embedding_engine import EmbeddingEngine
 from workers.inference.db_outage import DatabaseOutage
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
 from workers.inference.fetch_wait import FetchWait, WorkPace, num_finishable
-from workers.inference.intake import can_take_any, count_by_rank, room_for_rank
+from workers.inference.intake import InFlightCounts, can_take_any, count_by_rank
 from workers.inference.job_starter import Candidate, InFlightJob, JobStarter
 from workers.inference.job_store import JobStore
 from workers.inference.liveness import LoopPulse
@@ -60,7 +60,7 @@ from workers.inference.rebalance import RebalanceListener, offsets_to_commit
 from workers.inference.remote_engine import RemoteEngine, RemoteEngineLoop
 from workers.inference.remote_requests import RemoteOutput
 from workers.inference.stall_watchdog import StallWatchdog
-from workers.inference.tenant_share import TenantWeights, record_tenant
+from workers.inference.tenant_share import TenantWeights, message_tenant, record_tenant
 
 logger = logging.getLogger(__name__)
 
@@ -174,12 +174,15 @@ class Worker:
         topic_rank = {topic: Priority(p).rank for p, topic in settings.job_topics.items()}
         self._pauser = PriorityPauser(topic_rank)
         # Within a priority, tenants share starts by weight (see prefetch).
+        self._weight_of = TenantWeights(store.tenant_weights).weight_of
         self._prefetch: PrefetchBuffer[ConsumerRecord] = PrefetchBuffer(
-            topic_rank, tenant_of=record_tenant,
-            weight_of=TenantWeights(store.tenant_weights).weight_of)
+            topic_rank, tenant_of=record_tenant, weight_of=self._weight_of)
         # Records a partition may hold here before it is paused: enough to refill the
-        # whole in-flight bound from one partition without waiting for a fetch.
-        self._prefetch_limit = self._max_inflight
+        # whole in-flight bound from one partition without waiting for a fetch, and to
+        # hold the batches' whole queued window (fan-out), so that another tenant's record
+        # published behind it is seen, and started within its share (intake), at once
+        # rather than after the batch's lines ahead of it on the partition have started.
+        self._prefetch_limit = max(self._max_inflight, settings.batch_max_queued_lines)
         self._listener = RebalanceListener(consumer, self._tracker, self._lock, self._pauser)
         self._watchdog = StallWatchdog(consumer, stall_after_s=settings.worker_stall_after_s)
         self._fetch_wait = FetchWait(consumer)
@@ -192,7 +195,7 @@ class Worker:
         self._drain_pace = WorkPace(window_s=DRAIN_PACE_WINDOW_S)
         self._starter = JobStarter(settings, store=store, outcomes=self._outcomes,
                                    engine=engine_loop, worker_id=worker_id, ack=self._ack,
-                                   is_followed=self._is_followed)
+                                   is_followed=self._is_followed, weight_of=self._weight_of)
         # Called once, after the first poll that returns with partitions assigned.
         self.on_consuming: Callable[[], None] | None = None
 
@@ -260,14 +263,22 @@ class Worker:
         while True:
             candidates, self._unstarted = self._unstarted, {}
             # Records come out most urgent first, so the candidates taken so far are all
-            # at least as urgent as the next one (see intake: the bound is by urgency).
-            counts = self._inflight_by_rank()
-            while (rank := self._prefetch.most_urgent_rank()) is not None and len(
-                candidates
-            ) < room_for_rank(counts, rank, self._max_inflight):
-                item = self._prefetch.pop_most_urgent()
-                assert item is not None
+            # at least as urgent as the next one (see intake: the bound is by urgency,
+            # and within a priority by tenant while several have records here).
+            messages = [job.message for job in self._inflight.values()] + [
+                candidate.message for candidate in candidates.values()]
+            counts = InFlightCounts((Priority(m.priority).rank, message_tenant(m.tenant_id))
+                                    for m in messages)
+            while (rank := self._prefetch.most_urgent_rank()) is not None:
+                item = self._prefetch.pop_most_urgent(counts.may_start(
+                    rank, self._max_inflight, waiting=self._prefetch.tenants_waiting(rank),
+                    weight_of=self._weight_of))
+                if item is None:
+                    break
+                num_before = len(candidates)
                 self._take_record(*item, candidates)
+                if len(candidates) > num_before:
+                    counts.add(rank, record_tenant(item[1]))
             if not candidates:
                 return
             try:

@@ -154,6 +154,8 @@ class Requests:
         prompt: list[int],
         priority: int = 0,
         deadline: float | None = None,
+        tenant: str | None = None,
+        weight: float = 1.0,
         **params: Any,
     ) -> Sequence:
         """Create a sequence and put it in the scheduler's waiting line."""
@@ -165,6 +167,8 @@ class Requests:
             priority=priority,
             arrival_order=self.count,
             deadline=deadline,
+            tenant=tenant,
+            weight=weight,
         )
         self.count += 1
         sched.add(seq)

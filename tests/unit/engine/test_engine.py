@@ -117,6 +117,23 @@ def test_bad_input_names_the_field_and_spares_the_others(
     assert engine.stats().num_kv_blocks_used == 0
 
 
+def test_engine_takes_tenant_and_weight_and_refuses_bad_ones(model_dir: Path) -> None:
+    """add_request passes the tenant through; a weight <= 0 or a non-string tenant is a
+    ValueError naming it, and the engine keeps running the good requests."""
+    engine = make_engine(model_dir, max_model_len=512, num_kv_blocks=16)
+    engine.add_request("good", [5, 6, 7], greedy(2), tenant="acme", tenant_weight=2)
+    (queued,) = engine.scheduler.waiting
+    assert (queued.tenant, queued.weight) == ("acme", 2.0)
+    for bad in (0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="tenant_weight"):
+            engine.add_request("bad", [5], greedy(1), tenant="acme", tenant_weight=bad)
+    with pytest.raises(ValueError, match="tenant"):
+        engine.add_request("bad", [5], greedy(1), tenant=7)  # type: ignore[arg-type]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_kv_blocks_used == 0
+
+
 OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 
 
