@@ -25,6 +25,9 @@ SHAPE: dict[str, Any] = {
 }
 GEMMA = {"query_pre_attn_scalar": 64, "sliding_window": 512,
          "hidden_activation": "gelu_pytorch_tanh"}
+# Mixtures: 8 experts of half the MLP width, 2 per token, so a token's MLP FLOPs equal
+# the dense families' (per-FLOP comparisons count the active parameters only).
+MOE = {"num_experts_per_tok": 2, "router_jitter_noise": 0.0}
 
 # family -> (model_type, config keys beyond SHAPE)
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -36,6 +39,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("gemma2", {**GEMMA, "attn_logit_softcapping": 50.0,
                           "final_logit_softcapping": 30.0}),
     "gemma3": ("gemma3_text", GEMMA),
+    "mixtral": ("mixtral", {**MOE, "num_local_experts": 8, "intermediate_size": 768}),
+    "qwen3-moe": ("qwen3_moe", {**MOE, "num_experts": 8, "moe_intermediate_size": 768,
+                                "decoder_sparse_step": 1, "norm_topk_prob": True}),
 }  # fmt: skip
 
 
