@@ -156,13 +156,24 @@ class Stack:
             ids.append(response.json()["id"])
         return ids
 
-    def wait_until(self, what: str, check: Callable[[], bool], timeout: float) -> float:
-        """Poll check until true; the seconds it took. Fails with the log after timeout."""
+    def unfinished(self) -> list[tuple[object, ...]]:
+        """Where each job not yet finished stands: what a stuck run must name."""
+        with self.db.connect() as connection:
+            return [tuple(row) for row in connection.execute(sa.text(
+                "SELECT id, status, priority, attempts, worker_id, queued_at, started_at, "
+                "first_token_at FROM jobs "
+                "WHERE status NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY created_at"))]
+
+    def wait_until(self, what: str, check: Callable[[], bool], timeout: float,
+                   describe: Callable[[], object] | None = None) -> float:
+        """Poll check until true; the seconds it took. Fails with the log (and what describe
+        says) after timeout."""
         started = time.monotonic()
         while not check():
             if time.monotonic() - started > timeout:
-                raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; "
-                                     f"log:\n{self.up.log_tail(12000)}")
+                state = f"\nstate: {describe()}" if describe is not None else ""
+                raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what};"
+                                     f"{state}\nlog:\n{self.up.log_tail(12000)}")
             time.sleep(0.2)
         return time.monotonic() - started
 
@@ -264,7 +275,8 @@ def _survive(stack: Stack, *, fault: str, inject: Callable[[], object],
     finished_in = stack.wait_until(
         "every accepted job to finish",
         lambda: all(s in ("succeeded", "failed", "cancelled")
-                    for s in stack.statuses().values()), FINISH_TIMEOUT_S)
+                    for s in stack.statuses().values()), FINISH_TIMEOUT_S,
+        describe=stack.unfinished)
     _check_each_accepted_job_succeeded_once(stack, accepted)
     assert stack.client.get("/readyz").status_code == 200
     times = {
@@ -412,7 +424,7 @@ def test_a_frozen_worker_is_killed_and_replaced_and_its_jobs_finish_elsewhere(
                          FINISH_TIMEOUT_S)
         killed_s = time.monotonic() - frozen_at
         stack.wait_until("every job to finish", lambda: set(stack.statuses().values())
-                         == {"succeeded"}, FINISH_TIMEOUT_S)
+                         == {"succeeded"}, FINISH_TIMEOUT_S, describe=stack.unfinished)
         done_s = time.monotonic() - frozen_at
     finally:
         if not _is_gone(frozen_pid):
@@ -482,7 +494,8 @@ def test_stop_with_a_dead_broker_takes_seconds(tiny_up: Callable[..., Stack],
     stack = tiny_up(postgres_url)
     stack.submit(2, "last")
     stack.wait_until("the jobs to finish",
-                     lambda: set(stack.statuses().values()) == {"succeeded"}, FINISH_TIMEOUT_S)
+                     lambda: set(stack.statuses().values()) == {"succeeded"}, FINISH_TIMEOUT_S,
+                     describe=stack.unfinished)
     stack.up.kill_child("tansu")
     stopped_in = _stop(stack, is_broker_up=False)
     logger.warning("stop with a dead broker took %.1fs", stopped_in)
