@@ -189,7 +189,7 @@ def test_fetch_position_is_the_consumers_position_through_polls_and_seeks(settin
 def test_a_record_arriving_while_an_idle_worker_polls_ends_the_poll(settings) -> None:
     """An idle worker polls for up to IDLE_POLL_TIMEOUT_MS at a time: a record produced
     meanwhile is returned within the consumer's fetch wait, not when the poll times out."""
-    from workers.inference.worker import IDLE_POLL_TIMEOUT_MS
+    from workers.inference.loop_pacing import IDLE_POLL_TIMEOUT_MS
 
     s = settings(topic_partitions=3, model="m")  # the model of _message
     ensure_topics(s)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from kafka import TopicPartition
 
 from workers.inference.intake import can_take_any, count_by_rank, room_for_rank
+from workers.inference.loop_pacing import FULL_WAIT_S, POLL_TIMEOUT_MS, finished_wait_s
 from workers.inference.prefetch import PrefetchBuffer
-from workers.inference.worker import FULL_WAIT_S, POLL_TIMEOUT_MS, finished_wait_s
 
 HIGH, NORMAL, LOW = 0, 1, 2
 

@@ -9,7 +9,7 @@ from core.settings import Settings
 from workers.engine.config import EngineConfig
 from workers.engine.embedding_engine import EmbeddingEngine
 from workers.engine.embedding_runner import EmbeddingRunner
-from workers.inference.worker import (
+from workers.inference.loop_pacing import (
     BUSY_WAIT_S,
     FULL_WAIT_S,
     IDLE_POLL_TIMEOUT_MS,
