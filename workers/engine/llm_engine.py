@@ -329,7 +329,39 @@ class LLMEngine:
             busy_seconds=self._busy_seconds,
             num_held_back_steps=self.scheduler.num_held_back_steps,
             num_steps=self.scheduler.cost_model.num_steps,
+            **self._work_left(),
         )
+
+    def _work_left(self) -> dict[str, int]:
+        """`EngineStats`' work-left fields, summed over the live requests.
+
+        Read from other threads (a worker's heartbeat) while the engine steps: the requests
+        are copied first (retried if a step adds or removes one during the copy), and each
+        sequence's counters are read once, so a sum is at worst a step old.
+        """
+        for _ in range(3):
+            try:
+                requests = list(self._requests.values())
+                break
+            except RuntimeError:  # the dict changed size during the copy
+                continue
+        else:
+            return {}
+        num_requests = num_to_compute = num_output_left = 0
+        for request in requests:
+            seq = request.seq
+            if seq.is_finished:
+                continue
+            num_tokens = seq.num_tokens
+            output_left = max(0, min(seq.params.max_tokens - seq.num_output_tokens,
+                                     self.max_model_len - num_tokens))
+            # Uncomputed tokens (at least the last sampled one while decoding) run once
+            # more, then each output token but the last is fed back in.
+            num_requests += 1
+            num_to_compute += num_tokens - seq.num_computed_tokens + max(0, output_left - 1)
+            num_output_left += output_left
+        return {"num_requests_left": num_requests, "num_tokens_to_compute": num_to_compute,
+                "num_output_tokens_left": num_output_left}
 
     def _advance_all(
         self, seqs: list[Sequence], finished_only: bool = False

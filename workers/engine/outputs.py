@@ -73,6 +73,13 @@ class EngineStats:
     # Sequence-steps that running sequences sat out to keep a more urgent class on target.
     num_held_back_steps: int = 0
     num_steps: int = 0  # steps that ran a batch
+    # The work its live requests have left (what a finish-time estimate needs), if each
+    # runs to its max_tokens (a stop or EOS may end it sooner): tokens the model will
+    # compute (prompts not prefilled yet, KV recomputed after a preemption, then one per
+    # output token but the last), and of those, tokens still to be generated.
+    num_requests_left: int = 0
+    num_tokens_to_compute: int = 0
+    num_output_tokens_left: int = 0
 
     @property
     def tokens_per_s(self) -> float:

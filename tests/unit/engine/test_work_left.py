@@ -1,0 +1,55 @@
+"""The work the engine's live requests have left, as `stats()` reports it for the ETAs."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.unit.engine.test_engine import greedy, make_engine, random_prompt
+from tests.unit.engine.tiny_models import save_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama-work-left")
+    save_tiny_llama(path, seed=7)
+    return path
+
+
+def test_work_left_counts_down_to_what_the_model_computes(model_dir: Path) -> None:
+    """Three requests of 20-token prompts and 8 output tokens: 3 x (20 + 7) tokens to
+    compute before the first step (the last output token is never fed back); each step
+    then takes away exactly the tokens it computed, and nothing is left at the end."""
+    engine = make_engine(model_dir, max_num_seqs=2)  # the third waits: a second wave
+    rng = random.Random(3)
+    for i in range(3):
+        engine.add_request(f"r{i}", random_prompt(rng, 20), greedy(8))
+    stats = engine.stats()
+    assert (stats.num_requests_left, stats.num_tokens_to_compute,
+            stats.num_output_tokens_left) == (3, 3 * 27, 3 * 8)
+    while engine.has_unfinished_requests():
+        before = engine.stats()
+        engine.step()
+        after = engine.stats()
+        computed = after.num_computed_tokens - before.num_computed_tokens
+        assert before.num_tokens_to_compute - after.num_tokens_to_compute == computed
+        generated = after.num_generated_tokens - before.num_generated_tokens
+        assert before.num_output_tokens_left - after.num_output_tokens_left == generated
+    stats = engine.stats()
+    assert (stats.num_requests_left, stats.num_tokens_to_compute,
+            stats.num_output_tokens_left) == (0, 0, 0)
+
+
+def test_an_aborted_request_leaves_no_work(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    rng = random.Random(4)
+    engine.add_request("kept", random_prompt(rng, 10), greedy(4))
+    engine.add_request("dropped", random_prompt(rng, 30), greedy(50))
+    engine.step()
+    engine.abort("dropped")
+    stats = engine.stats()
+    assert stats.num_requests_left == 1
+    assert stats.num_output_tokens_left == 3  # the prefill step produced the first token
+    assert stats.num_tokens_to_compute == 3  # the last sampled token, then two more
