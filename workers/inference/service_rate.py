@@ -13,6 +13,10 @@ weighing each beat the same made the pace follow whichever kind of step it caugh
 spans hundreds of steps and the pace follows at once. Figures only move after enough
 busy time to mean something; an idle worker keeps its last ones, as its capacity has not
 changed.
+
+Beside the pace, each sample carries the work the engine's live requests have left, as
+the engine counts it then (not smoothed: it is a level, not a rate): the estimates count
+a worker's running jobs by it rather than as whole jobs (see storage.queue_estimates).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from workers.engine.outputs import EngineStats
 
@@ -31,11 +35,28 @@ SMOOTHING_STEPS = 64.0
 
 
 @dataclass(frozen=True, slots=True)
+class WorkLeft:
+    """What an engine's live requests have left (see `EngineStats`)."""
+
+    num_requests: int
+    num_tokens_to_compute: int
+    num_output_tokens: int
+
+    @classmethod
+    def of(cls, stats: EngineStats) -> WorkLeft:
+        """The work left in a stats snapshot."""
+        return cls(stats.num_requests_left, stats.num_tokens_to_compute,
+                   stats.num_output_tokens_left)
+
+
+@dataclass(frozen=True, slots=True)
 class Pace:
-    """Measured figures; None until the engine has been busy long enough."""
+    """Measured figures; None until the engine has been busy long enough. `work_left`:
+    the engine's at the last sample (None before the first)."""
 
     tokens_per_s: float | None = None
     step_s: float | None = None
+    work_left: WorkLeft | None = None
 
 
 class ServiceRate:
@@ -51,6 +72,7 @@ class ServiceRate:
         """Take the engine's totals now and return the updated pace."""
         stats = self._stats()
         with self._lock:
+            self._pace = replace(self._pace, work_left=WorkLeft.of(stats))
             last, self._last = self._last, stats
             if last is None:
                 self._last = stats
@@ -66,6 +88,7 @@ class ServiceRate:
             self._pace = Pace(
                 _smooth(self._pace.tokens_per_s, tokens_per_s, weight),
                 _smooth(self._pace.step_s, step_s, weight),
+                self._pace.work_left,
             )
             return self._pace
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from workers.engine.outputs import EngineStats
-from workers.inference.service_rate import SMOOTHING_STEPS, ServiceRate
+from workers.inference.service_rate import SMOOTHING_STEPS, ServiceRate, WorkLeft
 
 
 class Totals:
@@ -64,3 +64,22 @@ def test_too_little_busy_time_waits_for_more() -> None:
     assert rate.sample().tokens_per_s is None
     totals.run(num_steps=20, tokens=900, seconds=0.45)
     assert rate.sample().tokens_per_s == pytest.approx(2000.0)
+
+
+def test_every_sample_carries_the_work_left_as_it_is_now() -> None:
+    """The work left is a level, not a rate: each sample carries the engine's latest
+    figures, even one too soon after the last to move the pace."""
+    totals = Totals()
+    rate = ServiceRate(totals)
+    totals.stats.num_requests_left, totals.stats.num_tokens_to_compute = 4, 400
+    totals.stats.num_output_tokens_left = 100
+    assert rate.sample().work_left == WorkLeft(4, 400, 100)
+    totals.run(num_steps=1, tokens=4, seconds=0.01)  # too little busy time for a pace
+    totals.stats.num_tokens_to_compute, totals.stats.num_output_tokens_left = 396, 96
+    pace = rate.sample()
+    assert pace.tokens_per_s is None and pace.work_left == WorkLeft(4, 396, 96)
+    totals.run(num_steps=100, tokens=400, seconds=1.0)
+    totals.stats.num_requests_left = totals.stats.num_tokens_to_compute = 0
+    totals.stats.num_output_tokens_left = 0
+    pace = rate.sample()
+    assert pace.tokens_per_s is not None and pace.work_left == WorkLeft(0, 0, 0)
