@@ -1,10 +1,10 @@
 """What the estimates are computed from, read in a few grouped queries for every model.
 
 Responsible for one `LoadReading` per served model: the measured pace of its live workers
-(from their heartbeats), the jobs queued (with what orders them) and running, and the
-work a job turned out to be (means over its recently finished jobs, with the share
-answered from a cache, which costs the engine nothing). The API reads this about once a
-second, not per request (see `api.estimates`).
+and the work their engines have left (from their heartbeats), the jobs queued (with what
+orders them) and running, and the work a job turned out to be (means over its recently
+finished jobs, with the share answered from a cache, which costs the engine nothing). The
+API reads this about once a second, not per request (see `api.estimates`).
 
 Functions take a connection and never write.
 """
@@ -23,6 +23,18 @@ from storage.models import Job, JobStatus, WorkerHeartbeat
 RECENT_JOBS = 200
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerWork:
+    """What one live worker's engine had left when it last beat (see
+    storage.models.WorkerHeartbeat), and its pace then."""
+
+    reported_at: datetime
+    num_requests: int
+    num_tokens_to_compute: int
+    num_output_tokens: int
+    tokens_per_s: float | None
+
+
 @dataclass(slots=True)
 class LoadReading:
     """One model's load and pace, as read at one moment."""
@@ -39,17 +51,21 @@ class LoadReading:
     # Output tokens over the job's max_tokens, averaged over those that had one.
     mean_output_fill: float | None = None
     cache_hit_fraction: float = 0.0
+    # One per live worker that reports the work its engine has left.
+    work_left: list[WorkerWork] = field(default_factory=list)
 
 
 def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, LoadReading]:
     """A reading of every model with live workers or queued or running jobs."""
     loads: dict[str, LoadReading] = defaultdict(LoadReading)
+    w = WorkerHeartbeat
     workers = connection.execute(
-        select(WorkerHeartbeat.model, WorkerHeartbeat.tokens_per_s, WorkerHeartbeat.step_s)
-        .where(WorkerHeartbeat.heartbeat_at >= dead_before, WorkerHeartbeat.model.is_not(None))
-    )
+        select(w.model, w.tokens_per_s, w.step_s, w.heartbeat_at, w.num_requests_left,
+               w.num_tokens_to_compute, w.num_output_tokens_left)
+        .where(w.heartbeat_at >= dead_before, w.model.is_not(None))
+    )  # fmt: skip
     steps: dict[str, list[float]] = defaultdict(list)
-    for model, tokens_per_s, step_s in workers:
+    for model, tokens_per_s, step_s, beat_at, num_left, num_to_compute, num_output in workers:
         assert model is not None  # filtered above
         load = loads[model]
         load.num_workers += 1
@@ -57,6 +73,9 @@ def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, Lo
             load.tokens_per_s = (load.tokens_per_s or 0.0) + tokens_per_s
         if step_s:
             steps[model].append(step_s)
+        if num_left is not None and num_to_compute is not None and num_output is not None:
+            load.work_left.append(WorkerWork(beat_at, num_left, num_to_compute, num_output,
+                                             tokens_per_s))
     for model, values in steps.items():
         loads[model].step_s = sum(values) / len(values)
     active = connection.execute(
