@@ -23,16 +23,18 @@ from storage.models import Job, JobStatus, WorkerHeartbeat
 RECENT_JOBS = 200
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WorkerWork:
     """What one live worker's engine had left when it last beat (see
-    storage.models.WorkerHeartbeat), and its pace then."""
+    storage.models.WorkerHeartbeat), its pace then, and the jobs it claimed since (in no
+    report yet)."""
 
     reported_at: datetime
     num_requests: int
     num_tokens_to_compute: int
     num_output_tokens: int
     tokens_per_s: float | None
+    num_claimed_since: int = 0
 
 
 @dataclass(slots=True)
@@ -53,6 +55,9 @@ class LoadReading:
     cache_hit_fraction: float = 0.0
     # One per live worker that reports the work its engine has left.
     work_left: list[WorkerWork] = field(default_factory=list)
+    # Running jobs of workers that report no work left (a remote engine, an older worker,
+    # a dead one).
+    num_running_unreported: int = 0
 
 
 def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, LoadReading]:
@@ -60,12 +65,14 @@ def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, Lo
     loads: dict[str, LoadReading] = defaultdict(LoadReading)
     w = WorkerHeartbeat
     workers = connection.execute(
-        select(w.model, w.tokens_per_s, w.step_s, w.heartbeat_at, w.num_requests_left,
+        select(w.id, w.model, w.tokens_per_s, w.step_s, w.heartbeat_at, w.num_requests_left,
                w.num_tokens_to_compute, w.num_output_tokens_left)
         .where(w.heartbeat_at >= dead_before, w.model.is_not(None))
     )  # fmt: skip
     steps: dict[str, list[float]] = defaultdict(list)
-    for model, tokens_per_s, step_s, beat_at, num_left, num_to_compute, num_output in workers:
+    reports: dict[str, WorkerWork] = {}
+    for worker_id, model, tokens_per_s, step_s, beat_at, num_left, num_to_compute, num_output \
+            in workers:
         assert model is not None  # filtered above
         load = loads[model]
         load.num_workers += 1
@@ -74,21 +81,27 @@ def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, Lo
         if step_s:
             steps[model].append(step_s)
         if num_left is not None and num_to_compute is not None and num_output is not None:
-            load.work_left.append(WorkerWork(beat_at, num_left, num_to_compute, num_output,
-                                             tokens_per_s))
+            reports[worker_id] = WorkerWork(beat_at, num_left, num_to_compute, num_output,
+                                            tokens_per_s)
+            load.work_left.append(reports[worker_id])
     for model, values in steps.items():
         loads[model].step_s = sum(values) / len(values)
     active = connection.execute(
         select(Job.model, Job.status, Job.priority, Job.deadline, Job.created_at,
-               Job.started_at)
+               Job.started_at, Job.worker_id)
         .where(Job.status.in_((JobStatus.QUEUED, JobStatus.RUNNING)))
     )  # fmt: skip
-    for model, status, priority, deadline, created_at, started_at in active:
+    for model, status, priority, deadline, created_at, started_at, owner in active:
         load = loads[model]
         if status == JobStatus.QUEUED:
             load.queued.append((priority, deadline, created_at))
-        else:
-            load.running_started.append(started_at or created_at)
+            continue
+        load.running_started.append(started_at or created_at)
+        report = reports.get(owner) if owner is not None else None
+        if report is None:
+            load.num_running_unreported += 1
+        elif started_at is not None and started_at > report.reported_at:
+            report.num_claimed_since += 1
     for model, load in loads.items():
         _read_work(connection, model, load)
     return dict(loads)

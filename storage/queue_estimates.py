@@ -99,7 +99,8 @@ class ModelQueue:
             output_fill=reading.mean_output_fill,
             queued=queued,
             running=running,
-            running_work=running_work(reading.work_left, at, num_running=len(running),
+            running_work=running_work(reading.work_left, at,
+                                      num_unreported=reading.num_running_unreported,
                                       work_per_job=(prompt + completion) * cost_share,
                                       output_fill=reading.mean_output_fill),
         )
@@ -109,19 +110,20 @@ class ModelQueue:
         """Jobs claimed by workers and not finished."""
         return len(self.running)
 
-    @property
-    def work_running(self) -> float:
-        """Engine tokens the running jobs have left."""
+    def work_running(self, now: float | None = None) -> float:
+        """Engine tokens the running jobs have left at `now` (the reading's time when
+        None): what the workers reported, less what the fleet's pace has done since the
+        reading (readings are up to `estimate_refresh_s` old)."""
         if self.running_work is None:
             return self.num_running * self.work_per_job
-        return self.running_work
+        since_s = 0.0 if now is None else max(0.0, now - self.at)
+        return max(0.0, self.running_work - since_s * (self.tokens_per_s or 0.0))
 
-    @property
-    def work_per_running_job(self) -> float:
-        """What one running job has left, on average."""
+    def work_per_running_job(self, now: float | None = None) -> float:
+        """What one running job has left at `now`, on average."""
         if self.running_work is None or not self.running:
             return self.work_per_job
-        return self.running_work / self.num_running
+        return self.work_running(now) / self.num_running
 
     def jobs_ahead(self, rank: int, key: QueueKey) -> int:
         """Queued jobs a job of this rank and key comes after."""
@@ -153,7 +155,7 @@ class ModelQueue:
         if not self.tokens_per_s:
             return Estimate(ahead, None, None)
         own_s = self.own_seconds(max_tokens)
-        work = ahead * self.work_per_job + self.work_running + self.own_work(max_tokens)
+        work = ahead * self.work_per_job + self.work_running(now) + self.own_work(max_tokens)
         completion = max(now + work / self.tokens_per_s, now + own_s)
         start = max(now, completion - own_s)
         return Estimate(ahead, start, completion)
@@ -174,7 +176,7 @@ class ModelQueue:
         if self.running_work is None:
             work = before * self.work_per_job + self.own_work(max_tokens)
         else:
-            work = (before + 1) * self.work_per_running_job
+            work = (before + 1) * self.work_per_running_job(now)
         completion = max(now + work / self.tokens_per_s,
                          started_at + self.own_seconds(max_tokens), now + (self.step_s or 0.0))
         return Estimate(0, started_at, completion)
@@ -205,7 +207,7 @@ class ModelQueue:
         if not self.tokens_per_s:
             return None
         num_queued = sum(len(keys) for keys in self.queued)
-        return (num_queued * self.work_per_job + self.work_running) / self.tokens_per_s
+        return (num_queued * self.work_per_job + self.work_running()) / self.tokens_per_s
 
     def tokens_per_s_for_deadlines(self, now: float) -> float:
         """The pace (tokens/s) at which every queued job with a deadline would meet it:
@@ -213,7 +215,7 @@ class ModelQueue:
         time left to its deadline (0.0 when none has one; past deadlines are left to
         expiry)."""
         needed = 0.0
-        work_before = self.work_running
+        work_before = self.work_running(now)
         for keys in self.queued:
             for _, _, deadline in keys:
                 work_before += self.work_per_job
@@ -222,29 +224,31 @@ class ModelQueue:
         return needed
 
 
-def running_work(work_left: list[WorkerWork], at: float, *, num_running: int,
+def running_work(work_left: list[WorkerWork], at: float, *, num_unreported: int,
                  work_per_job: float, output_fill: float | None) -> float | None:
-    """Engine tokens `num_running` running jobs have left, from the workers' reports (None
-    without any): each worker's tokens to compute at max_tokens, less the output its jobs
-    will not use (1 - `output_fill` of what is left of it) and less what its pace got
-    through since its beat; and `work_per_job` for each running job no report covers.
+    """Engine tokens the running jobs have left, from the workers' reports (None without
+    any). Per worker: its tokens to compute at max_tokens, less the output its jobs will
+    not use (1 - `output_fill` of what is left of it), plus `work_per_job` for each job it
+    claimed since its beat, less what its pace got through since (on those jobs or the
+    reported ones: a wave that finished and was replaced since the beat is not counted
+    twice); and `work_per_job` for each of the `num_unreported` running jobs of workers
+    that report nothing.
 
     Example: a worker beat 2 s ago with 180 requests, 9,000 tokens to compute of which
-    6,000 output, at 1,000 tokens/s; jobs use 0.5 of max_tokens; 200 running, 50 tokens a
-    job: 9,000 - 0.5 x 6,000 - 2 x 1,000 + 20 x 50 = 5,000 tokens.
+    6,000 output, at 1,000 tokens/s, and claimed 20 jobs since; jobs use 0.5 of
+    max_tokens and are 50 tokens: 9,000 - 0.5 x 6,000 + 20 x 50 - 2 x 1,000 = 5,000 tokens.
     """
     if not work_left:
         return None
     fill = 1.0 if output_fill is None else min(max(output_fill, 0.0), 1.0)
     work = 0.0
-    num_covered = 0
     for worker in work_left:
         since_s = max(0.0, at - worker.reported_at.timestamp())
         left = (worker.num_tokens_to_compute - (1 - fill) * worker.num_output_tokens
+                + worker.num_claimed_since * work_per_job
                 - since_s * (worker.tokens_per_s or 0.0))
         work += max(0.0, left)
-        num_covered += worker.num_requests
-    return work + max(0, num_running - num_covered) * work_per_job
+    return work + num_unreported * work_per_job
 
 
 def queue_key(deadline: datetime | None, created_at: datetime) -> QueueKey:

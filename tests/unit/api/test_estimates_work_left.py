@@ -10,8 +10,9 @@ from tests.unit.api.test_estimates import NOW, at, reading
 
 
 def work(num_requests: int, to_compute: int, output: int, *, ago_s: float = 0.0,
-         tokens_per_s: float | None = 1000.0) -> WorkerWork:
-    return WorkerWork(at(100 - ago_s), num_requests, to_compute, output, tokens_per_s)
+         tokens_per_s: float | None = 1000.0, num_claimed_since: int = 0) -> WorkerWork:
+    return WorkerWork(at(100 - ago_s), num_requests, to_compute, output, tokens_per_s,
+                      num_claimed_since)
 
 
 def test_the_docstring_example() -> None:
@@ -20,7 +21,7 @@ def test_the_docstring_example() -> None:
     queued = [("normal", None, at(i)) for i in range(9)]
     queue = ModelQueue.of(reading(queued=queued, running_started=[at(0), at(1)],
                                   work_left=[work(2, 300, 200)]), NOW)
-    assert queue.work_running == pytest.approx(300)
+    assert queue.work_running() == pytest.approx(300)
     estimate = queue.estimate_queued(1, queue_key(None, at(8)), NOW)
     assert estimate.estimated_completion_at == pytest.approx(NOW + 3.0)
     queue.step_s = 0.0  # without the floor: the work ahead
@@ -30,10 +31,19 @@ def test_the_docstring_example() -> None:
 
 def test_running_work_example() -> None:
     """A beat 2 s old: 180 requests, 9,000 tokens to compute (6,000 output), at 1,000
-    tokens/s; jobs use half their max_tokens; 200 running at 50 tokens a job."""
-    left = running_work([work(180, 9000, 6000, ago_s=2.0)], NOW, num_running=200,
-                        work_per_job=50.0, output_fill=0.5)
-    assert left == pytest.approx(9000 - 3000 - 2000 + 20 * 50)
+    tokens/s, 20 jobs claimed since; jobs use half their max_tokens, 50 tokens a job."""
+    left = running_work([work(180, 9000, 6000, ago_s=2.0, num_claimed_since=20)], NOW,
+                        num_unreported=0, work_per_job=50.0, output_fill=0.5)
+    assert left == pytest.approx(9000 - 3000 + 20 * 50 - 2000)
+
+
+def test_a_wave_replaced_since_the_beat_is_not_counted_twice() -> None:
+    """At the beat 256 jobs had 512 tokens left; since, they finished and 256 new ones
+    of 200 tokens were claimed, and 2 s at 1,000 tokens/s went by: 512 + 51,200 - 2,000
+    tokens are left (not the new jobs whole beside a report emptied by the pace)."""
+    left = running_work([work(256, 512, 256, ago_s=2.0, num_claimed_since=256)], NOW,
+                        num_unreported=0, work_per_job=200.0, output_fill=None)
+    assert left == pytest.approx(512 + 256 * 200 - 2000)
 
 
 def test_a_wave_nearly_done_leaves_only_its_tail() -> None:
@@ -59,34 +69,35 @@ def test_a_wave_nearly_done_leaves_only_its_tail() -> None:
 def test_what_the_pace_did_since_the_beat_is_done() -> None:
     """Reported 5,000 tokens 3 s ago at 1,000 tokens/s: 2,000 left; a report older than
     its work lasts leaves nothing, not less."""
-    assert running_work([work(10, 5000, 0, ago_s=3.0)], NOW, num_running=10,
+    assert running_work([work(10, 5000, 0, ago_s=3.0)], NOW, num_unreported=0,
                         work_per_job=200.0, output_fill=None) == pytest.approx(2000)
-    assert running_work([work(10, 5000, 0, ago_s=9.0)], NOW, num_running=10,
+    assert running_work([work(10, 5000, 0, ago_s=9.0)], NOW, num_unreported=0,
                         work_per_job=200.0, output_fill=None) == 0.0
     # A worker without a measured pace: its report as it is.
     assert running_work([work(10, 5000, 0, ago_s=3.0, tokens_per_s=None)], NOW,
-                        num_running=10, work_per_job=200.0, output_fill=None) == 5000
+                        num_unreported=0, work_per_job=200.0, output_fill=None) == 5000
 
 
 def test_output_jobs_will_not_use_is_not_counted() -> None:
     """Jobs use 40% of max_tokens: of 1,000 output tokens left at max_tokens, 600 will
     never be computed. Without a learned share, all of it counts."""
-    assert running_work([work(4, 1200, 1000)], NOW, num_running=4, work_per_job=200.0,
+    assert running_work([work(4, 1200, 1000)], NOW, num_unreported=0, work_per_job=200.0,
                         output_fill=0.4) == pytest.approx(600)
-    assert running_work([work(4, 1200, 1000)], NOW, num_running=4, work_per_job=200.0,
+    assert running_work([work(4, 1200, 1000)], NOW, num_unreported=0, work_per_job=200.0,
                         output_fill=None) == pytest.approx(1200)
 
 
 def test_running_jobs_no_report_covers_count_whole() -> None:
-    """Two workers report 30 requests; 40 jobs run (a worker without a report, or jobs
-    claimed since the beat): the other 10 are 200 tokens each. No report at all: None,
-    and every running job counts whole."""
+    """Two workers report 1,500 tokens left; 10 running jobs belong to a worker that
+    reports nothing: 200 tokens each. No report at all: None, and every running job
+    counts whole."""
     reports = [work(20, 1000, 500), work(10, 500, 200)]
-    assert running_work(reports, NOW, num_running=40, work_per_job=200.0,
+    assert running_work(reports, NOW, num_unreported=10, work_per_job=200.0,
                         output_fill=None) == pytest.approx(1500 + 10 * 200)
-    assert running_work([], NOW, num_running=40, work_per_job=200.0, output_fill=None) is None
+    assert running_work([], NOW, num_unreported=40, work_per_job=200.0,
+                        output_fill=None) is None
     queue = ModelQueue.of(reading(running_started=[at(0)] * 40), NOW)
-    assert queue.running_work is None and queue.work_running == pytest.approx(40 * 200)
+    assert queue.running_work is None and queue.work_running() == pytest.approx(40 * 200)
 
 
 def test_the_deadline_pace_counts_the_running_work_left() -> None:
@@ -99,3 +110,17 @@ def test_the_deadline_pace_counts_the_running_work_left() -> None:
     assert queue.tokens_per_s_for_deadlines(NOW) == pytest.approx(100.0)
     whole = ModelQueue.of(reading(queued=queued, running_started=running), NOW)
     assert whole.tokens_per_s_for_deadlines(NOW) == pytest.approx(20_200 / 12)
+
+
+def test_a_reading_ages_by_the_fleets_pace() -> None:
+    """Read with 3,000 tokens left at 1,000 tokens/s: a second later 2,000 are left, and
+    the last running job's estimate stays put (it does not slide a second per second of
+    the reading's age); after 3 s nothing is left."""
+    running = [at(0)] * 10
+    queue = ModelQueue.of(reading(running_started=running, work_left=[work(10, 3000, 0)],
+                                  step_s=0.0), NOW)
+    assert queue.work_running(NOW + 1) == pytest.approx(2000)
+    assert queue.work_running(NOW + 5) == 0.0
+    for now in (NOW, NOW + 1, NOW + 2):
+        last = queue.estimate_running(at(0).timestamp(), now, is_last=True)
+        assert last.estimated_completion_at == pytest.approx(NOW + 3.0)

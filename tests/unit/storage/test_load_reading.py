@@ -59,3 +59,23 @@ def test_the_work_live_workers_report_is_read_with_their_beat(session: Session) 
     session.commit()
     reading = read_loads(session.connection(), dead_before=now - timedelta(seconds=30))["m"]
     assert [w.num_tokens_to_compute for w in reading.work_left] == [0]
+
+
+def test_running_jobs_are_told_apart_by_their_workers_report(
+        session: Session, tenant: Tenant) -> None:
+    """A job claimed after its worker's beat is in no report yet; a job of a worker that
+    reports nothing counts apart."""
+    beat = utcnow() - timedelta(seconds=2)
+    record_heartbeat(session, worker_id="reports", now=beat, model="m",
+                     num_requests_left=1, num_tokens_to_compute=10, num_output_tokens_left=5)
+    record_heartbeat(session, worker_id="remote", now=beat, model="m")
+    claims = [("reports", beat - timedelta(seconds=1)), ("reports", beat + timedelta(seconds=1)),
+              ("remote", beat)]
+    for worker_id, started_at in claims:
+        job = create_job(session, tenant_id=tenant.id, priority="normal", model="m",
+                         kind="chat.completion", request={"model": "m", "messages": []})
+        job.status, job.worker_id, job.started_at = JobStatus.RUNNING, worker_id, started_at
+    session.commit()
+    reading = read_loads(session.connection(), dead_before=beat - timedelta(seconds=30))["m"]
+    assert [w.num_claimed_since for w in reading.work_left] == [1]
+    assert reading.num_running_unreported == 1
