@@ -53,3 +53,24 @@ def test_an_aborted_request_leaves_no_work(model_dir: Path) -> None:
     assert stats.num_requests_left == 1
     assert stats.num_output_tokens_left == 3  # the prefill step produced the first token
     assert stats.num_tokens_to_compute == 3  # the last sampled token, then two more
+
+
+def test_a_waiting_prompt_counts_less_the_share_admitted_ones_found_cached(
+        model_dir: Path) -> None:
+    """Lines sharing a 48-token prefix (a chat template, a system prompt): the first
+    computes its 64 prompt tokens, the second finds 48 of them cached. With 48 of 128
+    admitted prompt tokens found cached, a third, still waiting, is expected to compute
+    64 - int(0.375 x 64) = 40 of its prompt, then 3 more for its 4 output tokens."""
+    engine = make_engine(model_dir, max_num_seqs=1)
+    rng = random.Random(5)
+    shared = random_prompt(rng, 48)
+    engine.add_request("first", shared + random_prompt(rng, 16), greedy(4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("second", shared + random_prompt(rng, 16), greedy(4))
+    engine.add_request("third", shared + random_prompt(rng, 16), greedy(4))
+    engine.step()  # admits the second only (max_num_seqs=1)
+    stats = engine.stats()
+    # The second: its first token sampled, 3 to go (3 tokens to compute); the third: 40 + 3.
+    assert stats.num_requests_left == 2
+    assert stats.num_tokens_to_compute == 3 + 43
