@@ -108,6 +108,11 @@ class LLMEngine:
         self._num_computed_tokens = 0
         self._num_generated_tokens = 0
         self._busy_seconds = 0.0
+        # Wall time while requests were live: the steps and the caller's work between them
+        # (see EngineStats.loaded_seconds); `_loaded_since` is the end of the last step
+        # that left requests unfinished.
+        self._loaded_seconds = 0.0
+        self._loaded_since: float | None = None
         # Prompt tokens of the requests admitted so far, and the part of them found in the
         # prefix cache: what a waiting request's prompt is expected to cost (_work_left).
         self._num_admitted_prompt_tokens = 0
@@ -247,6 +252,9 @@ class LLMEngine:
         ends there has its extra token of this step discarded.
         """
         start = time.perf_counter()
+        if self._loaded_since is not None:
+            self._loaded_seconds += start - self._loaded_since
+            self._loaded_since = None
         out = self.scheduler.schedule()
         if out.is_empty:
             outputs = self._advance_all(self._deferred, finished_only)
@@ -281,8 +289,12 @@ class LLMEngine:
             self._deferred = updated
         else:
             outputs = self._advance_all(updated, finished_only)
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        seconds = end - start
         self._busy_seconds += seconds
+        self._loaded_seconds += seconds
+        if self.scheduler.has_unfinished():
+            self._loaded_since = end
         # The whole step is what a running sequence waits between two tokens.
         self.scheduler.cost_model.observe(out.shape, seconds)
         return outputs
@@ -333,6 +345,7 @@ class LLMEngine:
             num_computed_tokens=self._num_computed_tokens,
             num_generated_tokens=self._num_generated_tokens,
             busy_seconds=self._busy_seconds,
+            loaded_seconds=self._loaded_seconds,
             num_held_back_steps=self.scheduler.num_held_back_steps,
             num_steps=self.scheduler.cost_model.num_steps,
             **self._work_left(),

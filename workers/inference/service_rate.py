@@ -1,8 +1,13 @@
 """A worker's measured pace, for the estimates the API shows (queue position, ETAs).
 
 Responsible for turning the engine's running totals into two figures between heartbeats:
-tokens computed per busy second (the throughput the work ahead is divided by) and seconds
-per engine step (what one sequence waits per token, the floor of a job's own duration).
+tokens computed per second of having work (the throughput the work ahead is divided by)
+and seconds per engine step (what one sequence waits per token, the floor of a job's own
+duration). "Having work" is the engine's loaded time: its steps and the worker's time
+between them (outputs handed on, results stored, requests taken in), which every step
+costs too; tokens per second inside steps alone ran 12% above what the tiny model's worker
+got through, and put its batch ETAs 10-30% early (bench/eta_accuracy.py). Engines that do
+not count loaded time (the embedding engine) are measured by their busy time.
 Both are smoothed over engine steps, not heartbeats: an interval of n steps weighs
 1 - exp(-n / SMOOTHING_STEPS) against the figures so far. A job lives for dozens of steps
 (its prefill, then one step per output token), and tokens per second swing within that
@@ -11,7 +16,7 @@ CPU where a full batch's step takes seconds, a heartbeat sees one or two steps, 
 weighing each beat the same made the pace follow whichever kind of step it caught
 (SmolLM2, bench/eta_accuracy.py: batch ETAs from -36% to +136%). On a fast engine a beat
 spans hundreds of steps and the pace follows at once. Figures only move after enough
-busy time to mean something; an idle worker keeps its last ones, as its capacity has not
+loaded time to mean something; an idle worker keeps its last ones, as its capacity has not
 changed.
 
 Beside the pace, each sample carries the work the engine's live requests have left, as
@@ -77,7 +82,10 @@ class ServiceRate:
             if last is None:
                 self._last = stats
                 return self._pace
-            busy = stats.busy_seconds - last.busy_seconds
+            # Wall time with work, where the engine counts it: the time between steps is
+            # the worker's own, spent on every step (outputs, results, new requests).
+            busy = (stats.loaded_seconds - last.loaded_seconds if stats.loaded_seconds
+                    else stats.busy_seconds - last.busy_seconds)
             if busy < MIN_BUSY_S:
                 self._last = last  # keep accumulating from the earlier sample
                 return self._pace

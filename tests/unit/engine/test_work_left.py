@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,22 @@ def test_a_waiting_prompt_counts_less_the_share_admitted_ones_found_cached(
     # The second: its first token sampled, 3 to go (3 tokens to compute); the third: 40 + 3.
     assert stats.num_requests_left == 2
     assert stats.num_tokens_to_compute == 3 + 43
+
+
+def test_loaded_time_holds_the_gaps_between_steps_while_requests_wait(
+        model_dir: Path) -> None:
+    """Time between two steps while a request is live counts as loaded (the caller's
+    work is part of serving it); once none is, a step adds nothing."""
+    engine = make_engine(model_dir)
+    engine.add_request("r", random_prompt(random.Random(6), 10), greedy(3))
+    engine.step()
+    time.sleep(0.2)  # the caller stores results, takes requests
+    engine.step()
+    stats = engine.stats()
+    assert stats.loaded_seconds >= stats.busy_seconds + 0.2
+    while engine.has_unfinished_requests():
+        engine.step()
+    done = engine.stats().loaded_seconds
+    time.sleep(0.05)
+    engine.step()  # nothing to run
+    assert engine.stats().loaded_seconds == done

@@ -83,3 +83,17 @@ def test_every_sample_carries_the_work_left_as_it_is_now() -> None:
     totals.stats.num_output_tokens_left = 0
     pace = rate.sample()
     assert pace.tokens_per_s is not None and pace.work_left == WorkLeft(0, 0, 0)
+
+
+def test_the_pace_counts_the_time_between_steps_while_work_waits() -> None:
+    """1,000 tokens in 1 s of steps, with 0.25 s of the worker's own work between them:
+    800 tokens/s is what the worker gets through, and 12.5 ms a step what a sequence
+    waits."""
+    totals = Totals()
+    rate = ServiceRate(totals)
+    rate.sample()
+    totals.run(num_steps=100, tokens=1000, seconds=1.0)
+    totals.stats.loaded_seconds += 1.25
+    pace = rate.sample()
+    assert pace.tokens_per_s == pytest.approx(800.0)
+    assert pace.step_s == pytest.approx(0.0125)
