@@ -83,6 +83,9 @@ class EngineStats:
     # output token but the last), and of those, tokens still to be generated.
     num_requests_left: int = 0
     num_tokens_to_compute: int = 0
+    # How long the steps for that work should take, by the fitted step cost and the
+    # steps the engine's batch width needs (see work_left); None until the cost is fitted.
+    predicted_seconds_left: float | None = None
     num_output_tokens_left: int = 0
 
     @property

@@ -94,7 +94,7 @@ class Heartbeat:
         left = pace.work_left
         with self._sessions() as session:
             record_heartbeat(session, worker_id=self.worker_id, model=self.model,
-                             tokens_per_s=pace.tokens_per_s, step_s=pace.step_s,
+                             tokens_per_s=pace.reported_tokens_per_s, step_s=pace.step_s,
                              num_requests_left=left.num_requests if left else None,
                              num_tokens_to_compute=(left.num_tokens_to_compute if left
                                                     else None),

@@ -62,6 +62,16 @@ class Pace:
     tokens_per_s: float | None = None
     step_s: float | None = None
     work_left: WorkLeft | None = None
+    # The pace at which the engine should get through the work it holds now: its tokens
+    # over the seconds the fitted step cost gives for them at the widths its batch will
+    # run (workers.engine.work_left), stretched by the measured share of time between
+    # steps. None while it holds nothing or its cost is not fitted.
+    tokens_per_s_ahead: float | None = None
+
+    @property
+    def reported_tokens_per_s(self) -> float | None:
+        """What the heartbeat reports: the pace ahead where known, else the measured one."""
+        return self.tokens_per_s_ahead or self.tokens_per_s
 
 
 class ServiceRate:
@@ -72,12 +82,16 @@ class ServiceRate:
         self._lock = threading.Lock()
         self._last: EngineStats | None = None
         self._pace = Pace()
+        # Loaded over busy seconds (>= 1), smoothed as the pace: what each step also costs
+        # the worker between steps.
+        self._overhead = 1.0
 
     def sample(self) -> Pace:
         """Take the engine's totals now and return the updated pace."""
         stats = self._stats()
         with self._lock:
-            self._pace = replace(self._pace, work_left=WorkLeft.of(stats))
+            self._pace = replace(self._pace, work_left=WorkLeft.of(stats),
+                                 tokens_per_s_ahead=self._pace_ahead(stats))
             last, self._last = self._last, stats
             if last is None:
                 self._last = stats
@@ -93,12 +107,23 @@ class ServiceRate:
             num_steps = stats.num_steps - last.num_steps
             step_s = busy / num_steps if num_steps > 0 else None
             weight = 1 - math.exp(-max(num_steps, 1) / SMOOTHING_STEPS)
+            busy_only = stats.busy_seconds - last.busy_seconds
+            if stats.loaded_seconds and busy_only > 0:
+                self._overhead = max(1.0, (1 - weight) * self._overhead
+                                     + weight * busy / busy_only)
             self._pace = Pace(
                 _smooth(self._pace.tokens_per_s, tokens_per_s, weight),
                 _smooth(self._pace.step_s, step_s, weight),
                 self._pace.work_left,
+                self._pace_ahead(stats),
             )
             return self._pace
+
+    def _pace_ahead(self, stats: EngineStats) -> float | None:
+        seconds = stats.predicted_seconds_left
+        if not seconds or seconds <= 0 or stats.num_tokens_to_compute <= 0:
+            return None
+        return stats.num_tokens_to_compute / (seconds * self._overhead)
 
 
 def _smooth(old: float | None, new: float | None, weight: float) -> float | None:

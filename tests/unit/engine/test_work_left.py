@@ -94,3 +94,25 @@ def test_loaded_time_holds_the_gaps_between_steps_while_requests_wait(
     time.sleep(0.05)
     engine.step()  # nothing to run
     assert engine.stats().loaded_seconds == done
+
+
+def test_once_its_step_cost_is_fitted_the_engine_predicts_the_time_left(
+        model_dir: Path) -> None:
+    """No prediction before the cost model has seen enough steps; after, a positive one
+    that shrinks as the work is done, and none once nothing is left."""
+    engine = make_engine(model_dir)
+    rng = random.Random(8)
+    for i in range(4):
+        engine.add_request(f"r{i}", random_prompt(rng, 12), greedy(40))
+    assert engine.stats().predicted_seconds_left is None
+    while not engine.scheduler.cost_model.is_fitted:
+        engine.step()
+    first = engine.stats().predicted_seconds_left
+    assert first is not None and first > 0
+    for _ in range(10):
+        engine.step()
+    later = engine.stats().predicted_seconds_left
+    assert later is not None and 0 < later < first
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().predicted_seconds_left is None

@@ -97,3 +97,22 @@ def test_the_pace_counts_the_time_between_steps_while_work_waits() -> None:
     pace = rate.sample()
     assert pace.tokens_per_s == pytest.approx(800.0)
     assert pace.step_s == pytest.approx(0.0125)
+
+
+def test_the_pace_ahead_is_the_work_held_over_its_predicted_time() -> None:
+    """The engine holds 3,000 tokens it should get through in 2 s of steps; with a
+    quarter more time between steps measured, 3,000 / 2.5 = 1,200 tokens/s is reported
+    in place of the measured 800. With nothing held, the measured pace."""
+    totals = Totals()
+    rate = ServiceRate(totals)
+    rate.sample()
+    totals.run(num_steps=1000, tokens=1000, seconds=1.0)
+    totals.stats.loaded_seconds += 1.25
+    totals.stats.num_tokens_to_compute, totals.stats.predicted_seconds_left = 3000, 2.0
+    pace = rate.sample()
+    assert pace.tokens_per_s == pytest.approx(800.0)
+    assert pace.tokens_per_s_ahead == pytest.approx(3000 / (2.0 * 1.25), rel=1e-3)
+    assert pace.reported_tokens_per_s == pace.tokens_per_s_ahead
+    totals.stats.num_tokens_to_compute, totals.stats.predicted_seconds_left = 0, None
+    pace = rate.sample()
+    assert pace.tokens_per_s_ahead is None and pace.reported_tokens_per_s == pace.tokens_per_s
