@@ -35,6 +35,7 @@ class WorkerWork:
     num_output_tokens: int
     tokens_per_s: float | None
     num_claimed_since: int = 0
+    num_claimed_before: int = 0  # its running jobs claimed at or before the beat
 
 
 @dataclass(slots=True)
@@ -102,6 +103,8 @@ def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, Lo
             load.num_running_unreported += 1
         elif started_at is not None and started_at > report.reported_at:
             report.num_claimed_since += 1
+        else:
+            report.num_claimed_before += 1
     for model, load in loads.items():
         _read_work(connection, model, load)
     return dict(loads)

@@ -231,8 +231,9 @@ def running_work(work_left: list[WorkerWork], at: float, *, num_unreported: int,
     not use (1 - `output_fill` of what is left of it), plus `work_per_job` for each job it
     claimed since its beat, less what its pace got through since (on those jobs or the
     reported ones: a wave that finished and was replaced since the beat is not counted
-    twice); and `work_per_job` for each of the `num_unreported` running jobs of workers
-    that report nothing.
+    twice), and for each job it had claimed by its beat beyond those its engine counted
+    (on their way from the claim to the engine then); and `work_per_job` for each of the
+    `num_unreported` running jobs of workers that report nothing.
 
     Example: a worker beat 2 s ago with 180 requests, 9,000 tokens to compute of which
     6,000 output, at 1,000 tokens/s, and claimed 20 jobs since; jobs use 0.5 of
@@ -246,6 +247,7 @@ def running_work(work_left: list[WorkerWork], at: float, *, num_unreported: int,
         since_s = max(0.0, at - worker.reported_at.timestamp())
         left = (worker.num_tokens_to_compute - (1 - fill) * worker.num_output_tokens
                 + worker.num_claimed_since * work_per_job
+                + max(0, worker.num_claimed_before - worker.num_requests) * work_per_job
                 - since_s * (worker.tokens_per_s or 0.0))
         work += max(0.0, left)
     return work + num_unreported * work_per_job

@@ -124,3 +124,15 @@ def test_a_reading_ages_by_the_fleets_pace() -> None:
     for now in (NOW, NOW + 1, NOW + 2):
         last = queue.estimate_running(at(0).timestamp(), now, is_last=True)
         assert last.estimated_completion_at == pytest.approx(NOW + 3.0)
+
+
+def test_jobs_claimed_before_the_beat_but_not_yet_in_the_engine_count_whole() -> None:
+    """A worker had claimed 512 jobs by its beat but its engine held only 164 of them
+    (the others on their way in): the 348 missing are 200 tokens each. Jobs claimed
+    before the beat that finished since make the count smaller, never negative."""
+    claimed = WorkerWork(at(100), 164, 1000, 500, 1000.0, num_claimed_before=512)
+    assert running_work([claimed], NOW, num_unreported=0, work_per_job=200.0,
+                        output_fill=None) == pytest.approx(1000 + 348 * 200)
+    finished = WorkerWork(at(100), 164, 1000, 500, 1000.0, num_claimed_before=100)
+    assert running_work([finished], NOW, num_unreported=0, work_per_job=200.0,
+                        output_fill=None) == pytest.approx(1000)

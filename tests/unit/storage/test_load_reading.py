@@ -77,5 +77,6 @@ def test_running_jobs_are_told_apart_by_their_workers_report(
         job.status, job.worker_id, job.started_at = JobStatus.RUNNING, worker_id, started_at
     session.commit()
     reading = read_loads(session.connection(), dead_before=beat - timedelta(seconds=30))["m"]
-    assert [w.num_claimed_since for w in reading.work_left] == [1]
+    assert [(w.num_claimed_before, w.num_claimed_since) for w in reading.work_left] \
+        == [(1, 1)]
     assert reading.num_running_unreported == 1
