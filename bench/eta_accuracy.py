@@ -34,12 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from bench.tenant_fairness import CHAT, Service, chat, wait_batch
 from scheduler.embedded_services import free_port
 from storage.db import create_db_engine
-from storage.models import WorkerHeartbeat
+from storage.models import Job, JobStatus, WorkerHeartbeat
 from tests.unit.engine.tiny_models import save_tiny_llama
 from tests.utils.up_process import start_up
 
@@ -53,6 +53,9 @@ class Reading:
     at: float
     num_done: int
     estimated_completion_at: float | None
+    # The worker's reported pace then (tokens/s), and the batch's running lines.
+    tokens_per_s: float | None = None
+    num_running: int | None = None
 
 
 def start(root: Path, model: str) -> Service:
@@ -84,9 +87,10 @@ def create_batch(client: httpx.Client, file_id: str, window: str,
                                             **extra})
 
 
-def follow(client: httpx.Client, batch_id: str, timeout: float,
-           interval_s: float = 0.25) -> tuple[list[Reading], float]:
-    """Read the batch until it ends: the readings, and when it was first seen ended."""
+def follow(client: httpx.Client, batch_id: str, timeout: float, interval_s: float = 0.25,
+           service: Service | None = None) -> tuple[list[Reading], float]:
+    """Read the batch until it ends: the readings, and when it was first seen ended (with
+    `service`, each reading also carries the worker's pace and the running lines)."""
     readings: list[Reading] = []
     give_up = time.monotonic() + timeout
     while time.monotonic() < give_up:
@@ -95,10 +99,41 @@ def follow(client: httpx.Client, batch_id: str, timeout: float,
         if batch["status"] in ("completed", "failed", "expired", "cancelled"):
             return readings, now
         counts = batch.get("request_counts") or {}
-        readings.append(Reading(now, counts.get("completed", 0) + counts.get("failed", 0),
-                                batch.get("estimated_completion_at")))
+        reading = Reading(now, counts.get("completed", 0) + counts.get("failed", 0),
+                          batch.get("estimated_completion_at"))
+        if service is not None:
+            reading.tokens_per_s, reading.num_running = load_now(service, batch_id)
+        readings.append(reading)
         time.sleep(interval_s)
     raise TimeoutError(f"batch {batch_id} still running after {timeout} s")
+
+
+def load_now(service: Service, batch_id: str) -> tuple[float | None, int]:
+    """The worker's reported tokens/s (summed) and the batch's running lines, now."""
+    engine = create_db_engine(f"sqlite:///{service.data_dir / 'batchinfer.db'}")
+    try:
+        with engine.connect() as connection:
+            rates = connection.execute(select(WorkerHeartbeat.tokens_per_s)).scalars().all()
+            num_running = connection.execute(
+                select(func.count()).where(Job.batch_id == batch_id,
+                                           Job.status == JobStatus.RUNNING)).scalar_one()
+    finally:
+        engine.dispose()
+    return (sum(r for r in rates if r) or None), num_running
+
+
+def print_trace(readings: list[Reading], ended_at: float, every_s: float = 2.0) -> None:
+    """Predicted against actual time left through the run, one reading every `every_s`."""
+    print("  trace: t(s)  done  running  reported tokens/s  ETA ahead(s)  left(s)  error")
+    start = readings[0].at
+    next_at = start
+    for r in readings:
+        if r.at < next_at or r.estimated_completion_at is None:
+            continue
+        next_at = r.at + every_s
+        print(f"  {r.at - start:6.1f} {r.num_done:5d} {r.num_running or 0:8d} "
+              f"{r.tokens_per_s or 0:18.0f} {r.estimated_completion_at - r.at:13.1f} "
+              f"{ended_at - r.at:8.1f} {error(r.estimated_completion_at, ended_at, r.at):+6.0%}")
 
 
 def pace(service: Service) -> str:
@@ -125,7 +160,8 @@ def batch_phase(service: Service, args: argparse.Namespace) -> None:
         created = create_batch(client, file_id, "24h")
         created.raise_for_status()
         batch_id = created.json()["id"]
-        readings, ended_at = follow(client, batch_id, args.timeout)
+        readings, ended_at = follow(client, batch_id, args.timeout,
+                                    service=service if args.trace else None)
     rows = service.jobs(batch_id=batch_id)
     last_job_at = max(j.finished_at.timestamp() for j in rows if j.finished_at is not None)
     first_start = min(j.started_at.timestamp() for j in rows if j.started_at is not None)
@@ -146,6 +182,8 @@ def batch_phase(service: Service, args: argparse.Namespace) -> None:
         print(f"  at {fraction:.0%} ({reading.num_done} done): ETA {shown:.1f} s ahead, "
               f"completed {left:.1f} s later: error "
               f"{error(reading.estimated_completion_at, ended_at, reading.at):+.0%}")
+    if args.trace:
+        print_trace(readings, ended_at)
 
 
 def jobs_phase(service: Service, args: argparse.Namespace) -> None:
@@ -264,6 +302,8 @@ def main() -> None:
     add("--late-lines", type=int, default=8000,
         help="lines of the batch whose 1m window must be refused")
     add("--timeout", type=float, default=1800.0)
+    add("--trace", action="store_true",
+        help="batch phase: print the estimate against the real finish every 2 s of the run")
     args = parser.parse_args()
     print(f"load {os.getloadavg()[0]:.1f}, model {args.model}")
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,10 +1,10 @@
 """What the estimates are computed from, read in a few grouped queries for every model.
 
 Responsible for one `LoadReading` per served model: the measured pace of its live workers
-(from their heartbeats), the jobs queued (with what orders them) and running, and the
-work a job turned out to be (means over its recently finished jobs, with the share
-answered from a cache, which costs the engine nothing). The API reads this about once a
-second, not per request (see `api.estimates`).
+and the work their engines have left (from their heartbeats), the jobs queued (with what
+orders them) and running, and the work a job turned out to be (means over its recently
+finished jobs, with the share answered from a cache, which costs the engine nothing). The
+API reads this about once a second, not per request (see `api.estimates`).
 
 Functions take a connection and never write.
 """
@@ -24,6 +24,21 @@ RECENT_JOBS = 200
 
 
 @dataclass(slots=True)
+class WorkerWork:
+    """What one live worker's engine had left when it last beat (see
+    storage.models.WorkerHeartbeat), its pace then, and the jobs it claimed since (in no
+    report yet)."""
+
+    reported_at: datetime
+    num_requests: int
+    num_tokens_to_compute: int
+    num_output_tokens: int
+    tokens_per_s: float | None
+    num_claimed_since: int = 0
+    num_claimed_before: int = 0  # its running jobs claimed at or before the beat
+
+
+@dataclass(slots=True)
 class LoadReading:
     """One model's load and pace, as read at one moment."""
 
@@ -39,17 +54,26 @@ class LoadReading:
     # Output tokens over the job's max_tokens, averaged over those that had one.
     mean_output_fill: float | None = None
     cache_hit_fraction: float = 0.0
+    # One per live worker that reports the work its engine has left.
+    work_left: list[WorkerWork] = field(default_factory=list)
+    # Running jobs of workers that report no work left (a remote engine, an older worker,
+    # a dead one).
+    num_running_unreported: int = 0
 
 
 def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, LoadReading]:
     """A reading of every model with live workers or queued or running jobs."""
     loads: dict[str, LoadReading] = defaultdict(LoadReading)
+    w = WorkerHeartbeat
     workers = connection.execute(
-        select(WorkerHeartbeat.model, WorkerHeartbeat.tokens_per_s, WorkerHeartbeat.step_s)
-        .where(WorkerHeartbeat.heartbeat_at >= dead_before, WorkerHeartbeat.model.is_not(None))
-    )
+        select(w.id, w.model, w.tokens_per_s, w.step_s, w.heartbeat_at, w.num_requests_left,
+               w.num_tokens_to_compute, w.num_output_tokens_left)
+        .where(w.heartbeat_at >= dead_before, w.model.is_not(None))
+    )  # fmt: skip
     steps: dict[str, list[float]] = defaultdict(list)
-    for model, tokens_per_s, step_s in workers:
+    reports: dict[str, WorkerWork] = {}
+    for worker_id, model, tokens_per_s, step_s, beat_at, num_left, num_to_compute, num_output \
+            in workers:
         assert model is not None  # filtered above
         load = loads[model]
         load.num_workers += 1
@@ -57,19 +81,30 @@ def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, Lo
             load.tokens_per_s = (load.tokens_per_s or 0.0) + tokens_per_s
         if step_s:
             steps[model].append(step_s)
+        if num_left is not None and num_to_compute is not None and num_output is not None:
+            reports[worker_id] = WorkerWork(beat_at, num_left, num_to_compute, num_output,
+                                            tokens_per_s)
+            load.work_left.append(reports[worker_id])
     for model, values in steps.items():
         loads[model].step_s = sum(values) / len(values)
     active = connection.execute(
         select(Job.model, Job.status, Job.priority, Job.deadline, Job.created_at,
-               Job.started_at)
+               Job.started_at, Job.worker_id)
         .where(Job.status.in_((JobStatus.QUEUED, JobStatus.RUNNING)))
     )  # fmt: skip
-    for model, status, priority, deadline, created_at, started_at in active:
+    for model, status, priority, deadline, created_at, started_at, owner in active:
         load = loads[model]
         if status == JobStatus.QUEUED:
             load.queued.append((priority, deadline, created_at))
+            continue
+        load.running_started.append(started_at or created_at)
+        report = reports.get(owner) if owner is not None else None
+        if report is None:
+            load.num_running_unreported += 1
+        elif started_at is not None and started_at > report.reported_at:
+            report.num_claimed_since += 1
         else:
-            load.running_started.append(started_at or created_at)
+            report.num_claimed_before += 1
     for model, load in loads.items():
         _read_work(connection, model, load)
     return dict(loads)

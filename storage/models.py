@@ -193,6 +193,12 @@ class WorkerHeartbeat(Base):
     model: Mapped[str | None] = mapped_column(String(200), default=None)
     tokens_per_s: Mapped[float | None] = mapped_column(Float, default=None)
     step_s: Mapped[float | None] = mapped_column(Float, default=None)
+    # The work its engine's live requests have left (None: not reported; see
+    # workers.engine.outputs.EngineStats): how many, the tokens the model computes for
+    # them if each runs to its max_tokens, and of those the tokens still to be generated.
+    num_requests_left: Mapped[int | None] = mapped_column(Integer, default=None)
+    num_tokens_to_compute: Mapped[int | None] = mapped_column(Integer, default=None)
+    num_output_tokens_left: Mapped[int | None] = mapped_column(Integer, default=None)
 
 
 class TenantLimit(Base):

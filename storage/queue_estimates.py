@@ -2,21 +2,25 @@
 
 Pure (no I/O): the API's estimate board and the autoscaler's deadline floor both use it.
 A job's work ahead is the queued jobs before it in the order workers take them (priority,
-then deadline, earliest first and none last, then creation) and the running ones, each
-worth the model's expected work (prompt tokens the engine computes plus output tokens,
-learned from finished jobs; a share answered from caches costs nothing). A running job
-counts whole: a worker holds up to twice as many jobs as its engine decodes at once, so
-most "running" jobs have not started decoding, and of those that have, the half done on
-average is what the batch loses again as it drains narrower at the end of the queue.
-It finishes once that work and its own are done at the model's measured rate (tokens/s
+then deadline, earliest first and none last, then creation), each worth the model's
+expected work (prompt tokens the engine computes plus output tokens, learned from
+finished jobs; a share answered from caches costs nothing), and what the running jobs
+have left. That is what the workers' engines report (tokens still to compute at each
+job's max_tokens, the output part scaled by the share of max_tokens finished jobs used),
+less what the worker's pace has done since its beat; running jobs no report covers (a
+remote engine, jobs claimed since) count whole. Counting every running job whole was
+wrong by a factor of two to three for batches of a few engine batches: the engine runs
+hundreds of sequences at once, so lines finish in waves, and when a wave's first lines
+finish the rest of it is nearly done (bench/eta_accuracy.py, SmolLM2, 300 lines).
+A job finishes once that work and its own are done at the model's measured rate (tokens/s
 summed over its live workers), and not before its own output has been decoded one step
 at a time; it starts that long before. Its own output is its `max_tokens` times the share
 of `max_tokens` finished jobs used, where both are known.
 
 Worked example: rate 1,000 tokens/s, expected work 200 tokens (150 out), step 20 ms,
-2 running, job 9th in line: ahead = (8 + 2) x 200 = 2,000 tokens; completion = now +
-(2,000 + 200) / 1,000 = now + 2.2 s (< its own 150 x 0.02 = 3.0 s, so now + 3.0 s);
-start = completion - 3.0 s = now.
+2 running with 300 tokens left between them, job 9th in line: ahead = 8 x 200 + 300 =
+1,900 tokens; completion = now + (1,900 + 200) / 1,000 = now + 2.1 s (< its own
+150 x 0.02 = 3.0 s, so now + 3.0 s); start = completion - 3.0 s = now.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from core.topics import PRIORITIES
-from storage.estimates import LoadReading
+from storage.estimates import LoadReading, WorkerWork
 
 # Before a model has finished anything: what a job is assumed to be.
 DEFAULT_PROMPT_TOKENS = 64.0
@@ -64,6 +68,9 @@ class ModelQueue:
     queued: list[list[QueueKey]] = field(default_factory=list)
     # Running jobs' started_at (seconds since the epoch), sorted.
     running: list[float] = field(default_factory=list)
+    # Engine tokens the running jobs have left (None: no worker reports it; each then
+    # counts as a whole job's work).
+    running_work: float | None = None
 
     @classmethod
     def of(cls, reading: LoadReading, at: float) -> ModelQueue:
@@ -79,6 +86,7 @@ class ModelQueue:
         for keys in queued:
             keys.sort()
         cost_share = 1 - reading.cache_hit_fraction
+        running = sorted(t.timestamp() for t in reading.running_started)
         return cls(
             at=at,
             num_workers=reading.num_workers,
@@ -90,13 +98,32 @@ class ModelQueue:
             cost_share=cost_share,
             output_fill=reading.mean_output_fill,
             queued=queued,
-            running=sorted(t.timestamp() for t in reading.running_started),
+            running=running,
+            running_work=running_work(reading.work_left, at,
+                                      num_unreported=reading.num_running_unreported,
+                                      work_per_job=(prompt + completion) * cost_share,
+                                      output_fill=reading.mean_output_fill),
         )
 
     @property
     def num_running(self) -> int:
         """Jobs claimed by workers and not finished."""
         return len(self.running)
+
+    def work_running(self, now: float | None = None) -> float:
+        """Engine tokens the running jobs have left at `now` (the reading's time when
+        None): what the workers reported, less what the fleet's pace has done since the
+        reading (readings are up to `estimate_refresh_s` old)."""
+        if self.running_work is None:
+            return self.num_running * self.work_per_job
+        since_s = 0.0 if now is None else max(0.0, now - self.at)
+        return max(0.0, self.running_work - since_s * (self.tokens_per_s or 0.0))
+
+    def work_per_running_job(self, now: float | None = None) -> float:
+        """What one running job has left at `now`, on average."""
+        if self.running_work is None or not self.running:
+            return self.work_per_job
+        return self.work_running(now) / self.num_running
 
     def jobs_ahead(self, rank: int, key: QueueKey) -> int:
         """Queued jobs a job of this rank and key comes after."""
@@ -128,7 +155,7 @@ class ModelQueue:
         if not self.tokens_per_s:
             return Estimate(ahead, None, None)
         own_s = self.own_seconds(max_tokens)
-        work = (ahead + self.num_running) * self.work_per_job + self.own_work(max_tokens)
+        work = ahead * self.work_per_job + self.work_running(now) + self.own_work(max_tokens)
         completion = max(now + work / self.tokens_per_s, now + own_s)
         start = max(now, completion - own_s)
         return Estimate(ahead, start, completion)
@@ -137,14 +164,19 @@ class ModelQueue:
                          max_tokens: int | None = None, *, is_last: bool = False) -> Estimate:
         """A running job's times: the running jobs claimed before it (those claimed in the
         same instant: half of them, or all when `is_last`) and its own work at the
-        model's pace; no sooner than its own run after it started, nor than a step away."""
+        model's pace; no sooner than its own run after it started, nor than a step away.
+        Where the workers report what their jobs have left, each running job is worth
+        the mean of it, its own included (the last one: all of it)."""
         if not self.tokens_per_s:
             return Estimate(0, started_at, None)
         earlier = bisect.bisect_left(self.running, started_at)
         same = bisect.bisect_right(self.running, started_at) - earlier
         # The job itself is among the `same` when it is counted in the reading.
         before = earlier + (max(0, same - 1) if is_last else max(0, same - 1) / 2)
-        work = before * self.work_per_job + self.own_work(max_tokens)
+        if self.running_work is None:
+            work = before * self.work_per_job + self.own_work(max_tokens)
+        else:
+            work = (before + 1) * self.work_per_running_job(now)
         completion = max(now + work / self.tokens_per_s,
                          started_at + self.own_seconds(max_tokens), now + (self.step_s or 0.0))
         return Estimate(0, started_at, completion)
@@ -175,7 +207,7 @@ class ModelQueue:
         if not self.tokens_per_s:
             return None
         num_queued = sum(len(keys) for keys in self.queued)
-        return (num_queued + self.num_running) * self.work_per_job / self.tokens_per_s
+        return (num_queued * self.work_per_job + self.work_running()) / self.tokens_per_s
 
     def tokens_per_s_for_deadlines(self, now: float) -> float:
         """The pace (tokens/s) at which every queued job with a deadline would meet it:
@@ -183,13 +215,42 @@ class ModelQueue:
         time left to its deadline (0.0 when none has one; past deadlines are left to
         expiry)."""
         needed = 0.0
-        num_before = float(self.num_running)
+        work_before = self.work_running(now)
         for keys in self.queued:
             for _, _, deadline in keys:
-                num_before += 1
+                work_before += self.work_per_job
                 if math.isfinite(deadline) and deadline > now:
-                    needed = max(needed, num_before * self.work_per_job / (deadline - now))
+                    needed = max(needed, work_before / (deadline - now))
         return needed
+
+
+def running_work(work_left: list[WorkerWork], at: float, *, num_unreported: int,
+                 work_per_job: float, output_fill: float | None) -> float | None:
+    """Engine tokens the running jobs have left, from the workers' reports (None without
+    any). Per worker: its tokens to compute at max_tokens, less the output its jobs will
+    not use (1 - `output_fill` of what is left of it), plus `work_per_job` for each job it
+    claimed since its beat, less what its pace got through since (on those jobs or the
+    reported ones: a wave that finished and was replaced since the beat is not counted
+    twice), and for each job it had claimed by its beat beyond those its engine counted
+    (on their way from the claim to the engine then); and `work_per_job` for each of the
+    `num_unreported` running jobs of workers that report nothing.
+
+    Example: a worker beat 2 s ago with 180 requests, 9,000 tokens to compute of which
+    6,000 output, at 1,000 tokens/s, and claimed 20 jobs since; jobs use 0.5 of
+    max_tokens and are 50 tokens: 9,000 - 0.5 x 6,000 + 20 x 50 - 2 x 1,000 = 5,000 tokens.
+    """
+    if not work_left:
+        return None
+    fill = 1.0 if output_fill is None else min(max(output_fill, 0.0), 1.0)
+    work = 0.0
+    for worker in work_left:
+        since_s = max(0.0, at - worker.reported_at.timestamp())
+        left = (worker.num_tokens_to_compute - (1 - fill) * worker.num_output_tokens
+                + worker.num_claimed_since * work_per_job
+                + max(0, worker.num_claimed_before - worker.num_requests) * work_per_job
+                - since_s * (worker.tokens_per_s or 0.0))
+        work += max(0.0, left)
+    return work + num_unreported * work_per_job
 
 
 def queue_key(deadline: datetime | None, created_at: datetime) -> QueueKey:

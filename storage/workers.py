@@ -34,17 +34,25 @@ def record_heartbeat(
     model: str | None = None,
     tokens_per_s: float | None = None,
     step_s: float | None = None,
+    num_requests_left: int | None = None,
+    num_tokens_to_compute: int | None = None,
+    num_output_tokens_left: int | None = None,
 ) -> None:
     """Stamp the worker alive now; the first beat (or one after a prune) inserts its row.
 
-    `model`, `tokens_per_s` and `step_s` (its served model and measured pace) are stored
-    when given, for the estimates; a figure not measured yet leaves the stored one.
+    `model`, `tokens_per_s` and `step_s` (its served model and measured pace) and the work
+    its engine's live requests have left (`num_*_left`, `num_tokens_to_compute`: see
+    storage.models.WorkerHeartbeat) are stored when given, for the estimates; a figure
+    not given leaves the stored one.
     """
     if not worker_id:
         raise ValueError("worker_id must be a non-empty string, e.g. '<host>-<pid>'")
     now = now or utcnow()
     pace = {name: value for name, value in
-            (("model", model), ("tokens_per_s", tokens_per_s), ("step_s", step_s))
+            (("model", model), ("tokens_per_s", tokens_per_s), ("step_s", step_s),
+             ("num_requests_left", num_requests_left),
+             ("num_tokens_to_compute", num_tokens_to_compute),
+             ("num_output_tokens_left", num_output_tokens_left))
             if value is not None}  # fmt: skip
     result = session.execute(
         update(WorkerHeartbeat)

@@ -14,7 +14,9 @@ import pytest
 from core.kafka import ensure_topics
 from core.settings import Settings
 from storage.db import create_db_engine, session_factory
+from storage.jobs import mark_running
 from storage.migrate import upgrade
+from storage.models import utcnow
 from storage.workers import record_heartbeat
 from tests.integration.test_api import CHAT, MODEL, Service
 from tests.utils.api import make_tenant_key
@@ -142,3 +144,32 @@ def test_a_batch_whose_window_the_fleet_cannot_meet_is_refused(service: Service)
         assert roomy.status_code == 200, roomy.text
         accepted = client.post("/v1/batches", json=body | {"on_unattainable": "accept"})
         assert accepted.status_code == 200, accepted.text
+
+
+def test_running_jobs_count_by_the_work_their_worker_reports_left(service: Service) -> None:
+    """50 running jobs whose engine reports 500 tokens left (a wave nearly done) at 100
+    tokens/s: the last claimed finishes in 500 / 100 = 5 s and a queued job (64 prompt
+    tokens, max_tokens 4) behind them in (500 + 68) / 100 = 5.7 s. Counted as whole jobs
+    of 64 + 128 tokens, as before the workers reported their work, they were 49 x 192 +
+    68 and 50 x 192 + 68 tokens away: 95 s and 97 s."""
+    with service.client() as client:
+        running = [client.post("/v1/jobs", json=CHAT).json()["id"] for _ in range(50)]
+        with service.sessions() as session:
+            for job_id in running:
+                assert mark_running(session, job_id=job_id, worker_id="w1")
+            session.commit()
+        queued = client.post("/v1/jobs", json=CHAT).json()["id"]
+        beat = utcnow()
+        with service.sessions() as session:
+            record_heartbeat(session, worker_id="w1", now=beat, model=MODEL,
+                             tokens_per_s=100.0, step_s=0.01, num_requests_left=50,
+                             num_tokens_to_compute=500, num_output_tokens_left=400)
+            session.commit()
+        time.sleep(0.1)  # past estimate_refresh_s
+        last = client.get(f"/v1/jobs/{running[-1]}").json()
+        behind = client.get(f"/v1/jobs/{queued}").json()
+    assert last["status"] == "running" and behind["status"] == "queued"
+    # From the beat: the pace since it is taken off what was reported, so however long
+    # the reads took, the work ends 5 s after the beat (while that is still ahead).
+    assert last["estimated_completion_at"] - beat.timestamp() == pytest.approx(5.0, abs=0.5)
+    assert behind["estimated_completion_at"] - beat.timestamp() == pytest.approx(5.68, abs=0.5)

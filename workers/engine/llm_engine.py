@@ -40,6 +40,7 @@ from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.tokenizing import encode_ids
 from workers.engine.tool_prompt import with_tools_in_system_message
+from workers.engine.work_left import num_steps_left, seconds_left
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,15 @@ class LLMEngine:
         self._num_computed_tokens = 0
         self._num_generated_tokens = 0
         self._busy_seconds = 0.0
+        # Wall time while requests were live: the steps and the caller's work between them
+        # (see EngineStats.loaded_seconds); `_loaded_since` is the end of the last step
+        # that left requests unfinished.
+        self._loaded_seconds = 0.0
+        self._loaded_since: float | None = None
+        # Prompt tokens of the requests admitted so far, and the part of them found in the
+        # prefix cache: what a waiting request's prompt is expected to cost (_work_left).
+        self._num_admitted_prompt_tokens = 0
+        self._num_admitted_cached_tokens = 0
         overlap = config.overlap_output_processing
         self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         # Sequences that got a token in the last step, their outputs not built yet (overlap).
@@ -243,6 +253,9 @@ class LLMEngine:
         ends there has its extra token of this step discarded.
         """
         start = time.perf_counter()
+        if self._loaded_since is not None:
+            self._loaded_seconds += start - self._loaded_since
+            self._loaded_since = None
         out = self.scheduler.schedule()
         if out.is_empty:
             outputs = self._advance_all(self._deferred, finished_only)
@@ -258,6 +271,8 @@ class LLMEngine:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
                 request.num_cached_tokens = seq.num_cached_tokens
+                self._num_admitted_prompt_tokens += seq.num_prompt_tokens
+                self._num_admitted_cached_tokens += seq.num_cached_tokens
         kv_link = self.scheduler.block_manager.kv_link
         if kv_link is not None:  # blocks evicted this step are overwritten by this forward
             kv_link.flush()
@@ -275,8 +290,12 @@ class LLMEngine:
             self._deferred = updated
         else:
             outputs = self._advance_all(updated, finished_only)
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        seconds = end - start
         self._busy_seconds += seconds
+        self._loaded_seconds += seconds
+        if self.scheduler.has_unfinished():
+            self._loaded_since = end
         # The whole step is what a running sequence waits between two tokens.
         self.scheduler.cost_model.observe(out.shape, seconds)
         return outputs
@@ -327,9 +346,65 @@ class LLMEngine:
             num_computed_tokens=self._num_computed_tokens,
             num_generated_tokens=self._num_generated_tokens,
             busy_seconds=self._busy_seconds,
+            loaded_seconds=self._loaded_seconds,
             num_held_back_steps=self.scheduler.num_held_back_steps,
             num_steps=self.scheduler.cost_model.num_steps,
+            **self._work_left(),
         )
+
+    def _work_left(self) -> dict[str, Any]:
+        """`EngineStats`' work-left fields, summed over the live requests.
+
+        Read from other threads (a worker's heartbeat) while the engine steps: the requests
+        are copied first (retried if a step adds or removes one during the copy), and each
+        sequence's counters are read once, so a sum is at worst a step old. A request not
+        admitted yet is expected to find the share of its prompt in the prefix cache that
+        the admitted ones found (a batch's lines share a chat template and system prompt:
+        counted whole, they put SmolLM2 batch ETAs 30% late until every line was admitted).
+        """
+        for _ in range(3):
+            try:
+                requests = list(self._requests.values())
+                break
+            except RuntimeError:  # the dict changed size during the copy
+                continue
+        else:
+            return {}
+        num_admitted = self._num_admitted_prompt_tokens
+        cached_share = self._num_admitted_cached_tokens / num_admitted if num_admitted else 0.0
+        num_requests = num_to_compute = num_output_left = num_kv_reads = 0
+        running_outputs: list[int] = []
+        waiting_outputs: list[int] = []
+        for request in requests:
+            seq = request.seq
+            if seq.is_finished:
+                continue
+            num_tokens = seq.num_tokens
+            output_left = max(0, min(seq.params.max_tokens - seq.num_output_tokens,
+                                     self.max_model_len - num_tokens))
+            # Uncomputed tokens (at least the last sampled one while decoding) run once
+            # more, then each output token but the last is fed back in.
+            num_uncomputed = num_tokens - seq.num_computed_tokens
+            if request.metrics.first_scheduled_time is None:  # the last token always runs
+                num_uncomputed -= min(int(cached_share * num_tokens), num_tokens - 1)
+            num_requests += 1
+            num_to_compute += num_uncomputed + max(0, output_left - 1)
+            num_output_left += output_left
+            # Its remaining steps read its context, one position more each step.
+            num_kv_reads += output_left * num_tokens + output_left * (output_left - 1) // 2
+            is_running = seq.status == SequenceStatus.RUNNING
+            (running_outputs if is_running else waiting_outputs).append(output_left)
+        cost_model = self.scheduler.cost_model
+        predicted: float | None = None
+        if cost_model.is_fitted and num_requests:
+            predicted = seconds_left(
+                num_steps=num_steps_left(running_outputs, waiting_outputs,
+                                         self.scheduler.max_num_seqs),
+                num_tokens=num_to_compute, num_kv_reads=num_kv_reads,
+                num_seq_steps=num_output_left, coefficients=cost_model.coefficients())
+        return {"num_requests_left": num_requests, "num_tokens_to_compute": num_to_compute,
+                "num_output_tokens_left": num_output_left,
+                "predicted_seconds_left": predicted}
 
     def _advance_all(
         self, seqs: list[Sequence], finished_only: bool = False

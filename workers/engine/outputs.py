@@ -73,6 +73,20 @@ class EngineStats:
     # Sequence-steps that running sequences sat out to keep a more urgent class on target.
     num_held_back_steps: int = 0
     num_steps: int = 0  # steps that ran a batch
+    # Wall time while requests were live: busy_seconds plus the caller's time between
+    # steps (outputs handed on, requests taken in). A worker's service rate: on the tiny
+    # model tokens per busy second ran 12% above what the worker got through.
+    loaded_seconds: float = 0.0
+    # The work its live requests have left (what a finish-time estimate needs), if each
+    # runs to its max_tokens (a stop or EOS may end it sooner): tokens the model will
+    # compute (prompts not prefilled yet, KV recomputed after a preemption, then one per
+    # output token but the last), and of those, tokens still to be generated.
+    num_requests_left: int = 0
+    num_tokens_to_compute: int = 0
+    # How long the steps for that work should take, by the fitted step cost and the
+    # steps the engine's batch width needs (see work_left); None until the cost is fitted.
+    predicted_seconds_left: float | None = None
+    num_output_tokens_left: int = 0
 
     @property
     def tokens_per_s(self) -> float:

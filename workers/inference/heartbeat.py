@@ -91,9 +91,14 @@ class Heartbeat:
     def beat(self) -> None:
         """Stamp the row now (inserting it if missing), with the pace measured since."""
         pace = self.pace() if self.pace is not None else Pace()
+        left = pace.work_left
         with self._sessions() as session:
             record_heartbeat(session, worker_id=self.worker_id, model=self.model,
-                             tokens_per_s=pace.tokens_per_s, step_s=pace.step_s)
+                             tokens_per_s=pace.reported_tokens_per_s, step_s=pace.step_s,
+                             num_requests_left=left.num_requests if left else None,
+                             num_tokens_to_compute=(left.num_tokens_to_compute if left
+                                                    else None),
+                             num_output_tokens_left=left.num_output_tokens if left else None)
             session.commit()
 
     def stop(self, timeout_s: float = 10.0) -> None:

@@ -1,8 +1,13 @@
 """A worker's measured pace, for the estimates the API shows (queue position, ETAs).
 
 Responsible for turning the engine's running totals into two figures between heartbeats:
-tokens computed per busy second (the throughput the work ahead is divided by) and seconds
-per engine step (what one sequence waits per token, the floor of a job's own duration).
+tokens computed per second of having work (the throughput the work ahead is divided by)
+and seconds per engine step (what one sequence waits per token, the floor of a job's own
+duration). "Having work" is the engine's loaded time: its steps and the worker's time
+between them (outputs handed on, results stored, requests taken in), which every step
+costs too; tokens per second inside steps alone ran 12% above what the tiny model's worker
+got through, and put its batch ETAs 10-30% early (bench/eta_accuracy.py). Engines that do
+not count loaded time (the embedding engine) are measured by their busy time.
 Both are smoothed over engine steps, not heartbeats: an interval of n steps weighs
 1 - exp(-n / SMOOTHING_STEPS) against the figures so far. A job lives for dozens of steps
 (its prefill, then one step per output token), and tokens per second swing within that
@@ -11,8 +16,12 @@ CPU where a full batch's step takes seconds, a heartbeat sees one or two steps, 
 weighing each beat the same made the pace follow whichever kind of step it caught
 (SmolLM2, bench/eta_accuracy.py: batch ETAs from -36% to +136%). On a fast engine a beat
 spans hundreds of steps and the pace follows at once. Figures only move after enough
-busy time to mean something; an idle worker keeps its last ones, as its capacity has not
+loaded time to mean something; an idle worker keeps its last ones, as its capacity has not
 changed.
+
+Beside the pace, each sample carries the work the engine's live requests have left, as
+the engine counts it then (not smoothed: it is a level, not a rate): the estimates count
+a worker's running jobs by it rather than as whole jobs (see storage.queue_estimates).
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from workers.engine.outputs import EngineStats
 
@@ -31,11 +40,38 @@ SMOOTHING_STEPS = 64.0
 
 
 @dataclass(frozen=True, slots=True)
+class WorkLeft:
+    """What an engine's live requests have left (see `EngineStats`)."""
+
+    num_requests: int
+    num_tokens_to_compute: int
+    num_output_tokens: int
+
+    @classmethod
+    def of(cls, stats: EngineStats) -> WorkLeft:
+        """The work left in a stats snapshot."""
+        return cls(stats.num_requests_left, stats.num_tokens_to_compute,
+                   stats.num_output_tokens_left)
+
+
+@dataclass(frozen=True, slots=True)
 class Pace:
-    """Measured figures; None until the engine has been busy long enough."""
+    """Measured figures; None until the engine has been busy long enough. `work_left`:
+    the engine's at the last sample (None before the first)."""
 
     tokens_per_s: float | None = None
     step_s: float | None = None
+    work_left: WorkLeft | None = None
+    # The pace at which the engine should get through the work it holds now: its tokens
+    # over the seconds the fitted step cost gives for them at the widths its batch will
+    # run (workers.engine.work_left), stretched by the measured share of time between
+    # steps. None while it holds nothing or its cost is not fitted.
+    tokens_per_s_ahead: float | None = None
+
+    @property
+    def reported_tokens_per_s(self) -> float | None:
+        """What the heartbeat reports: the pace ahead where known, else the measured one."""
+        return self.tokens_per_s_ahead or self.tokens_per_s
 
 
 class ServiceRate:
@@ -46,16 +82,24 @@ class ServiceRate:
         self._lock = threading.Lock()
         self._last: EngineStats | None = None
         self._pace = Pace()
+        # Loaded over busy seconds (>= 1), smoothed as the pace: what each step also costs
+        # the worker between steps.
+        self._overhead = 1.0
 
     def sample(self) -> Pace:
         """Take the engine's totals now and return the updated pace."""
         stats = self._stats()
         with self._lock:
+            self._pace = replace(self._pace, work_left=WorkLeft.of(stats),
+                                 tokens_per_s_ahead=self._pace_ahead(stats))
             last, self._last = self._last, stats
             if last is None:
                 self._last = stats
                 return self._pace
-            busy = stats.busy_seconds - last.busy_seconds
+            # Wall time with work, where the engine counts it: the time between steps is
+            # the worker's own, spent on every step (outputs, results, new requests).
+            busy = (stats.loaded_seconds - last.loaded_seconds if stats.loaded_seconds
+                    else stats.busy_seconds - last.busy_seconds)
             if busy < MIN_BUSY_S:
                 self._last = last  # keep accumulating from the earlier sample
                 return self._pace
@@ -63,11 +107,23 @@ class ServiceRate:
             num_steps = stats.num_steps - last.num_steps
             step_s = busy / num_steps if num_steps > 0 else None
             weight = 1 - math.exp(-max(num_steps, 1) / SMOOTHING_STEPS)
+            busy_only = stats.busy_seconds - last.busy_seconds
+            if stats.loaded_seconds and busy_only > 0:
+                self._overhead = max(1.0, (1 - weight) * self._overhead
+                                     + weight * busy / busy_only)
             self._pace = Pace(
                 _smooth(self._pace.tokens_per_s, tokens_per_s, weight),
                 _smooth(self._pace.step_s, step_s, weight),
+                self._pace.work_left,
+                self._pace_ahead(stats),
             )
             return self._pace
+
+    def _pace_ahead(self, stats: EngineStats) -> float | None:
+        seconds = stats.predicted_seconds_left
+        if not seconds or seconds <= 0 or stats.num_tokens_to_compute <= 0:
+            return None
+        return stats.num_tokens_to_compute / (seconds * self._overhead)
 
 
 def _smooth(old: float | None, new: float | None, weight: float) -> float | None:

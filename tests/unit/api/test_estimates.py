@@ -23,8 +23,9 @@ def at(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
 
-def test_the_docstring_example() -> None:
-    """Rate 1,000 tok/s, 200 tokens a job (150 out), step 20 ms, 2 running, 9th in line."""
+def test_the_docstring_example_without_a_report_of_the_work_left() -> None:
+    """Rate 1,000 tok/s, 200 tokens a job (150 out), step 20 ms, 2 running (no worker says
+    what they have left: whole jobs), 9th in line."""
     queued = [("normal", None, at(i)) for i in range(9)]
     queue = ModelQueue.of(reading(queued=queued, running_started=[at(0), at(1)]), NOW)
     estimate = queue.estimate_queued(1, queue_key(None, at(8)), NOW)

@@ -20,6 +20,7 @@ from storage.tenants import create_tenant
 from workers.inference.heartbeat import Heartbeat
 from workers.inference.job_store import JobStore
 from workers.inference.liveness import LoopPulse
+from workers.inference.service_rate import Pace, WorkLeft
 
 
 @pytest.fixture
@@ -143,3 +144,16 @@ def test_a_stalled_poll_loop_stops_the_beats_and_the_liveness_file(
         assert path.stat().st_mtime_ns > stamps[1]
     finally:
         heartbeat.stop()
+
+
+def test_each_beat_carries_the_pace_and_the_work_left(sessions: sessionmaker[Session]) -> None:
+    left = [WorkLeft(2, 50, 30)]
+    heartbeat = Heartbeat(sessions, worker_id="host-1", interval_s=0.05, model="m",
+                          pace=lambda: Pace(100.0, 0.01, left[0]))
+    with heartbeat:
+        (row,) = rows(sessions)
+        assert (row.model, row.tokens_per_s, row.num_requests_left, row.num_tokens_to_compute,
+                row.num_output_tokens_left) == ("m", 100.0, 2, 50, 30)
+        left[0] = WorkLeft(0, 0, 0)
+        wait_until("a beat with nothing left", lambda: rows(sessions)[0].num_requests_left == 0)
+        assert rows(sessions)[0].num_tokens_to_compute == 0

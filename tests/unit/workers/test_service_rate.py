@@ -7,7 +7,7 @@ import math
 import pytest
 
 from workers.engine.outputs import EngineStats
-from workers.inference.service_rate import SMOOTHING_STEPS, ServiceRate
+from workers.inference.service_rate import SMOOTHING_STEPS, ServiceRate, WorkLeft
 
 
 class Totals:
@@ -64,3 +64,55 @@ def test_too_little_busy_time_waits_for_more() -> None:
     assert rate.sample().tokens_per_s is None
     totals.run(num_steps=20, tokens=900, seconds=0.45)
     assert rate.sample().tokens_per_s == pytest.approx(2000.0)
+
+
+def test_every_sample_carries_the_work_left_as_it_is_now() -> None:
+    """The work left is a level, not a rate: each sample carries the engine's latest
+    figures, even one too soon after the last to move the pace."""
+    totals = Totals()
+    rate = ServiceRate(totals)
+    totals.stats.num_requests_left, totals.stats.num_tokens_to_compute = 4, 400
+    totals.stats.num_output_tokens_left = 100
+    assert rate.sample().work_left == WorkLeft(4, 400, 100)
+    totals.run(num_steps=1, tokens=4, seconds=0.01)  # too little busy time for a pace
+    totals.stats.num_tokens_to_compute, totals.stats.num_output_tokens_left = 396, 96
+    pace = rate.sample()
+    assert pace.tokens_per_s is None and pace.work_left == WorkLeft(4, 396, 96)
+    totals.run(num_steps=100, tokens=400, seconds=1.0)
+    totals.stats.num_requests_left = totals.stats.num_tokens_to_compute = 0
+    totals.stats.num_output_tokens_left = 0
+    pace = rate.sample()
+    assert pace.tokens_per_s is not None and pace.work_left == WorkLeft(0, 0, 0)
+
+
+def test_the_pace_counts_the_time_between_steps_while_work_waits() -> None:
+    """1,000 tokens in 1 s of steps, with 0.25 s of the worker's own work between them:
+    800 tokens/s is what the worker gets through, and 12.5 ms a step what a sequence
+    waits."""
+    totals = Totals()
+    rate = ServiceRate(totals)
+    rate.sample()
+    totals.run(num_steps=100, tokens=1000, seconds=1.0)
+    totals.stats.loaded_seconds += 1.25
+    pace = rate.sample()
+    assert pace.tokens_per_s == pytest.approx(800.0)
+    assert pace.step_s == pytest.approx(0.0125)
+
+
+def test_the_pace_ahead_is_the_work_held_over_its_predicted_time() -> None:
+    """The engine holds 3,000 tokens it should get through in 2 s of steps; with a
+    quarter more time between steps measured, 3,000 / 2.5 = 1,200 tokens/s is reported
+    in place of the measured 800. With nothing held, the measured pace."""
+    totals = Totals()
+    rate = ServiceRate(totals)
+    rate.sample()
+    totals.run(num_steps=1000, tokens=1000, seconds=1.0)
+    totals.stats.loaded_seconds += 1.25
+    totals.stats.num_tokens_to_compute, totals.stats.predicted_seconds_left = 3000, 2.0
+    pace = rate.sample()
+    assert pace.tokens_per_s == pytest.approx(800.0)
+    assert pace.tokens_per_s_ahead == pytest.approx(3000 / (2.0 * 1.25), rel=1e-3)
+    assert pace.reported_tokens_per_s == pace.tokens_per_s_ahead
+    totals.stats.num_tokens_to_compute, totals.stats.predicted_seconds_left = 0, None
+    pace = rate.sample()
+    assert pace.tokens_per_s_ahead is None and pace.reported_tokens_per_s == pace.tokens_per_s

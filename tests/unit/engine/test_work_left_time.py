@@ -1,0 +1,36 @@
+"""The steps and seconds the engine needs for what it holds (workers.engine.work_left)."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.engine.work_left import num_steps_left, seconds_left
+
+
+def test_the_docstring_example() -> None:
+    assert num_steps_left([3, 1], [2, 2], max_num_seqs=2) == 5
+
+
+def test_a_wave_wider_than_the_batch_leaves_a_narrow_tail() -> None:
+    """300 requests of 32 outputs on 256 slots: 32 full steps, then 44 requests for 32
+    more; on 300 slots, 32 steps."""
+    assert num_steps_left([], [32] * 300, max_num_seqs=256) == 64
+    assert num_steps_left([], [32] * 300, max_num_seqs=300) == 32
+    # Running ones near their end free slots early: 256 with 2 left, 44 waiting.
+    assert num_steps_left([2] * 256, [32] * 44, max_num_seqs=256) == 34
+    assert num_steps_left([], [], max_num_seqs=4) == 0
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        num_steps_left([1], [], max_num_seqs=0)
+
+
+def test_the_per_step_cost_is_what_makes_the_tail_slow() -> None:
+    """0.3 s a step and 5 ms a sequence-step (SmolLM2 on two cores, roughly): the 64
+    steps of 300 x 32 outputs on 256 slots take 64 x 0.3 + 9,600 x 0.005 = 67.2 s; on
+    300 slots 32 x 0.3 + 48 = 57.6 s."""
+    coefficients = (0.3, 0.0, 0.0, 0.005)
+    assert seconds_left(num_steps=64, num_tokens=9600, num_kv_reads=0, num_seq_steps=9600,
+                        coefficients=coefficients) == pytest.approx(67.2)
+    assert seconds_left(num_steps=32, num_tokens=9600, num_kv_reads=0, num_seq_steps=9600,
+                        coefficients=coefficients) == pytest.approx(57.6)
+    assert seconds_left(num_steps=1, num_tokens=1000, num_kv_reads=100_000, num_seq_steps=0,
+                        coefficients=(0.0, 1e-4, 1e-6, 0.0)) == pytest.approx(0.2)
