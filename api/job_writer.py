@@ -20,7 +20,11 @@ The promises of `api.submission` hold for each request of a group:
 - a row is committed before its record is produced, so a crash in between leaves a queued
   job the reconciler re-publishes: exactly one result either way. Rows are stamped
   published when stored (`queued_at`): had they been stamped after the ack, the
-  reconciler's clock would read the same, and it costs a second commit.
+  reconciler's clock would read the same, and it costs a second commit;
+- a commit that raises may still have reached the database (PostgreSQL dying mid-COMMIT
+  keeps what its log holds): its requests hear 503, and their rows, never produced, are
+  withdrawn as soon as the database answers again (tried every DOUBTFUL_RETRY_S on the
+  writer thread), not left queued until the reconciler re-publishes them minutes later.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ MAX_GROUP = 256
 NUM_ACK_WAITERS = 4
 # How long a request waits for its group to be written (a broker ack is bounded far below).
 WRITE_TIMEOUT_S = 60.0
+# Seconds between tries to withdraw the rows of a commit that raised (see _insert).
+DOUBTFUL_RETRY_S = 1.0
 
 
 class ProducerHandle(Protocol):
@@ -111,6 +117,10 @@ class JobWriter:
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
         self._ackers = ThreadPoolExecutor(NUM_ACK_WAITERS, thread_name_prefix="job-acks")
+        # Ids of refused jobs whose commit raised and so may have stored them anyway;
+        # touched on the writer thread only.
+        self._doubtful: list[str] = []
+        self._next_withdrawal_at = 0.0
 
     def write(self, job: Job, producer: ProducerHandle) -> Job:
         """Store and produce a new queued job; raises what refused it (see module docstring).
@@ -151,6 +161,7 @@ class JobWriter:
 
     def _run(self) -> None:
         while not (self._closed.is_set() and self._inbox.empty()):
+            self._withdraw_doubtful()
             try:
                 first = self._inbox.get(timeout=0.1)
             except queue.Empty:
@@ -173,6 +184,11 @@ class JobWriter:
                 for pending in group:
                     if not pending.answer.done():
                         pending.answer.set_exception(e)
+        self._next_withdrawal_at = 0.0  # a last try before the process may end
+        self._withdraw_doubtful()
+        if self._doubtful:
+            logger.warning("%d refused job(s) may be stored by a failed commit; the "
+                           "reconciler will run them", len(self._doubtful))
 
     def _write_group(self, group: list[_Pending]) -> None:
         try:
@@ -261,6 +277,7 @@ class JobWriter:
             logger.debug("a group of %d clashed on a unique key; storing it row by row",
                          len(group))
         except SQLAlchemyError as e:
+            self._doubtful.extend(p.job.id for p in group)
             for pending in group:
                 pending.answer.set_exception(e)
             return []
@@ -277,23 +294,45 @@ class JobWriter:
                     IdempotencyKeyTaken(f"idempotency key {key!r} is already used") if key
                     else e)
             except SQLAlchemyError as e:
+                self._doubtful.append(pending.job.id)
                 pending.answer.set_exception(e)
         return stored
+
+    def _withdraw_doubtful(self) -> None:
+        """Delete the rows a raising commit may have stored, once the database answers."""
+        if not self._doubtful or time.monotonic() < self._next_withdrawal_at:
+            return
+        try:
+            deleted = self._delete_queued(self._doubtful)
+        except SQLAlchemyError as e:
+            self._next_withdrawal_at = time.monotonic() + DOUBTFUL_RETRY_S
+            logger.debug("withdrawing %d refused job(s) must wait for the database: %s",
+                         len(self._doubtful), e)
+            return
+        if deleted:
+            logger.warning("withdrew %d refused job(s) that their failed commit had stored "
+                           "after all", len(deleted))
+        self._doubtful = []
 
     def _withdraw(self, job_ids: list[str]) -> set[str]:
         """Delete jobs still queued whose acceptance was refused (the broker did not take
         them, or the service is stopping); the ids deleted."""
         try:
-            with self._sessions() as session:
-                deleted = session.scalars(
-                    delete(Job)
-                    .where(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED)
-                    .returning(Job.id)
-                    .execution_options(synchronize_session=False)
-                ).all()
-                session.commit()
+            return self._delete_queued(job_ids)
         except SQLAlchemyError:
             logger.exception("could not withdraw %d unpublished job(s); the reconciler will "
                              "re-publish them", len(job_ids))
             return set()
+
+    def _delete_queued(self, job_ids: list[str]) -> set[str]:
+        """Delete these jobs where still queued (none was produced, or a worker took it);
+        the ids deleted."""
+        with self._sessions() as session:
+            deleted = session.scalars(
+                delete(Job)
+                .where(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED)
+                .returning(Job.id)
+                .execution_options(synchronize_session=False)
+            ).all()
+            session.commit()
         return set(deleted)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 from kafka.errors import KafkaTimeoutError
 from sqlalchemy import event, func, select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.job_writer import JobWriter
@@ -235,3 +238,41 @@ def test_a_stop_before_the_answer_refuses_and_withdraws_the_job(
     with pytest.raises(ServiceStopping):
         writer.write(_job(tenant_id, 1), handle)
     assert len(producer.records) == 1
+
+
+def test_a_commit_that_raised_after_storing_leaves_no_row_once_the_database_answers(
+    writer: JobWriter, sessions: sessionmaker[Session], producer: RecordingProducer,
+    tenant_id: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """PostgreSQL dying mid-COMMIT may keep the rows though the commit raised: the request
+    hears the error, nothing is produced, and the row, which no worker would ever see, is
+    withdrawn once the database answers again (here after one more failed try), not left
+    queued for the reconciler."""
+    lost = OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
+    failures = {"commit": 1, "delete": 1}
+
+    def answer_lost(session: Session) -> None:
+        if failures["commit"]:
+            failures["commit"] -= 1
+            raise lost
+
+    def still_down(conn: object, cursor: object, statement: str, *args: object) -> None:
+        if statement.lstrip().upper().startswith("DELETE") and failures["delete"]:
+            failures["delete"] -= 1
+            raise lost
+
+    event.listen(sessions, "after_commit", answer_lost)
+    event.listen(sessions.kw["bind"], "before_cursor_execute", still_down)
+    caplog.set_level(logging.WARNING, logger="api.job_writer")
+    with pytest.raises(OperationalError):
+        writer.write(_job(tenant_id, 0), producer)
+    assert producer.records == []
+    deadline = time.monotonic() + 30
+    while "withdrew 1 refused job(s)" not in caplog.text:
+        assert time.monotonic() < deadline, "the refused job's stored row was not withdrawn"
+        time.sleep(0.05)
+    assert failures == {"commit": 0, "delete": 0}
+    assert _num_jobs(sessions) == 0
+    job = _job(tenant_id, 1)
+    assert writer.write(job, producer) == job
+    assert _num_jobs(sessions) == 1
