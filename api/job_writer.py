@@ -302,17 +302,22 @@ class JobWriter:
         """Delete the rows a raising commit may have stored, once the database answers."""
         if not self._doubtful or time.monotonic() < self._next_withdrawal_at:
             return
-        try:
-            deleted = self._delete_queued(self._doubtful)
-        except SQLAlchemyError as e:
-            self._next_withdrawal_at = time.monotonic() + DOUBTFUL_RETRY_S
-            logger.debug("withdrawing %d refused job(s) must wait for the database: %s",
-                         len(self._doubtful), e)
-            return
-        if deleted:
+        num_deleted = 0
+        while self._doubtful:
+            # In slices: a long outage refuses many, and SQLite bounds a statement's
+            # parameters.
+            ids = self._doubtful[:MAX_GROUP]
+            try:
+                num_deleted += len(self._delete_queued(ids))
+            except SQLAlchemyError as e:
+                self._next_withdrawal_at = time.monotonic() + DOUBTFUL_RETRY_S
+                logger.debug("withdrawing %d refused job(s) must wait for the database: %s",
+                             len(self._doubtful), e)
+                break
+            del self._doubtful[:len(ids)]
+        if num_deleted:
             logger.warning("withdrew %d refused job(s) that their failed commit had stored "
-                           "after all", len(deleted))
-        self._doubtful = []
+                           "after all", num_deleted)
 
     def _withdraw(self, job_ids: list[str]) -> set[str]:
         """Delete jobs still queued whose acceptance was refused (the broker did not take
