@@ -46,13 +46,9 @@ test: $(STAMP)
 		fi; \
 	fi
 	$(BIN)/ruff check .
-	@# mypy (a minute of one core on a fresh clone) runs beside the tests, which mostly wait
-	@# on the processes they start; its report follows theirs and either failing fails.
-	@$(BIN)/mypy . > $(VENV)/mypy-report.txt 2>&1 & types=$$!; \
+	$(BIN)/mypy .
 	$(BIN)/python -m pytest tests/unit tests/integration -ra --durations=25 \
-		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); tests=$$?; \
-	wait $$types; typed=$$?; echo "mypy:"; cat $(VENV)/mypy-report.txt; \
-	test $$tests = 0 && test $$typed = 0
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
