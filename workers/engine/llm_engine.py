@@ -40,7 +40,7 @@ from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.tokenizing import encode_ids
 from workers.engine.tool_prompt import with_tools_in_system_message
-from workers.engine.work_left import num_steps_left, seconds_left
+from workers.engine.work_left import live_work_left
 
 logger = logging.getLogger(__name__)
 
@@ -371,40 +371,13 @@ class LLMEngine:
         else:
             return {}
         num_admitted = self._num_admitted_prompt_tokens
-        cached_share = self._num_admitted_cached_tokens / num_admitted if num_admitted else 0.0
-        num_requests = num_to_compute = num_output_left = num_kv_reads = 0
-        running_outputs: list[int] = []
-        waiting_outputs: list[int] = []
-        for request in requests:
-            seq = request.seq
-            if seq.is_finished:
-                continue
-            num_tokens = seq.num_tokens
-            output_left = max(0, min(seq.params.max_tokens - seq.num_output_tokens,
-                                     self.max_model_len - num_tokens))
-            # Uncomputed tokens (at least the last sampled one while decoding) run once
-            # more, then each output token but the last is fed back in.
-            num_uncomputed = num_tokens - seq.num_computed_tokens
-            if request.metrics.first_scheduled_time is None:  # the last token always runs
-                num_uncomputed -= min(int(cached_share * num_tokens), num_tokens - 1)
-            num_requests += 1
-            num_to_compute += num_uncomputed + max(0, output_left - 1)
-            num_output_left += output_left
-            # Its remaining steps read its context, one position more each step.
-            num_kv_reads += output_left * num_tokens + output_left * (output_left - 1) // 2
-            is_running = seq.status == SequenceStatus.RUNNING
-            (running_outputs if is_running else waiting_outputs).append(output_left)
         cost_model = self.scheduler.cost_model
-        predicted: float | None = None
-        if cost_model.is_fitted and num_requests:
-            predicted = seconds_left(
-                num_steps=num_steps_left(running_outputs, waiting_outputs,
-                                         self.scheduler.max_num_seqs),
-                num_tokens=num_to_compute, num_kv_reads=num_kv_reads,
-                num_seq_steps=num_output_left, coefficients=cost_model.coefficients())
-        return {"num_requests_left": num_requests, "num_tokens_to_compute": num_to_compute,
-                "num_output_tokens_left": num_output_left,
-                "predicted_seconds_left": predicted}
+        return live_work_left(
+            [(r.seq, r.metrics.first_scheduled_time is not None) for r in requests],
+            cached_share=self._num_admitted_cached_tokens / num_admitted if num_admitted
+            else 0.0,
+            max_model_len=self.max_model_len, max_num_seqs=self.scheduler.max_num_seqs,
+            coefficients=cost_model.coefficients() if cost_model.is_fitted else None)
 
     def _advance_all(
         self, seqs: list[Sequence], finished_only: bool = False

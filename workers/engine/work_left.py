@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from typing import Any
+
+from workers.engine.sequence import Sequence as Seq
+from workers.engine.sequence import SequenceStatus
 
 
 def num_steps_left(running_outputs: Sequence[int], waiting_outputs: Sequence[int],
@@ -45,3 +49,42 @@ def seconds_left(*, num_steps: int, num_tokens: int, num_kv_reads: int, num_seq_
     per_step, per_token, per_kv, per_seq = coefficients
     return (per_step * num_steps + per_token * num_tokens + per_kv * num_kv_reads
             + per_seq * num_seq_steps)
+
+
+def live_work_left(seqs: Sequence[tuple[Seq, bool]], *, cached_share: float,
+                   max_model_len: int, max_num_seqs: int,
+                   coefficients: tuple[float, float, float, float] | None) -> dict[str, Any]:
+    """`EngineStats`' work-left fields, summed over live sequences given as (sequence,
+    whether it was ever scheduled). One not scheduled yet is expected to find
+    `cached_share` of its prompt in the prefix cache, as the admitted ones did; with
+    `coefficients` (a fitted step cost) the seconds left are predicted too."""
+    num_requests = num_to_compute = num_output_left = num_kv_reads = 0
+    running_outputs: list[int] = []
+    waiting_outputs: list[int] = []
+    for seq, was_scheduled in seqs:
+        if seq.is_finished:
+            continue
+        num_tokens = seq.num_tokens
+        output_left = max(0, min(seq.params.max_tokens - seq.num_output_tokens,
+                                 max_model_len - num_tokens))
+        # Uncomputed tokens (at least the last sampled one while decoding) run once
+        # more, then each output token but the last is fed back in.
+        num_uncomputed = num_tokens - seq.num_computed_tokens
+        if not was_scheduled:  # the last token always runs
+            num_uncomputed -= min(int(cached_share * num_tokens), num_tokens - 1)
+        num_requests += 1
+        num_to_compute += num_uncomputed + max(0, output_left - 1)
+        num_output_left += output_left
+        # Its remaining steps read its context, one position more each step.
+        num_kv_reads += output_left * num_tokens + output_left * (output_left - 1) // 2
+        is_running = seq.status == SequenceStatus.RUNNING
+        (running_outputs if is_running else waiting_outputs).append(output_left)
+    predicted: float | None = None
+    if coefficients is not None and num_requests:
+        predicted = seconds_left(
+            num_steps=num_steps_left(running_outputs, waiting_outputs, max_num_seqs),
+            num_tokens=num_to_compute, num_kv_reads=num_kv_reads,
+            num_seq_steps=num_output_left, coefficients=coefficients)
+    return {"num_requests_left": num_requests, "num_tokens_to_compute": num_to_compute,
+            "num_output_tokens_left": num_output_left,
+            "predicted_seconds_left": predicted}
