@@ -57,6 +57,7 @@ from workers.inference.parked_records import release_parked_records
 from workers.inference.prefetch import PrefetchBuffer
 from workers.inference.priority import PriorityPauser
 from workers.inference.rebalance import RebalanceListener, offsets_to_commit
+from workers.inference.record_intake import HeldRecords, place_record
 from workers.inference.remote_engine import RemoteEngineLoop
 from workers.inference.remote_requests import RemoteOutput
 from workers.inference.stall_watchdog import StallWatchdog
@@ -105,6 +106,7 @@ class Worker:
         # from prefetch whose start met the same: both tried again once it answers.
         self._unstored: list[FinishedRequest] = []
         self._unstarted: dict[str, Candidate] = {}
+        self._held = HeldRecords()  # see record_intake
         self._database = DatabaseOutage()
         self._max_inflight = max_inflight(settings, engine_loop.engine)
         topic_rank = {topic: Priority(p).rank for p, topic in settings.job_topics.items()}
@@ -250,6 +252,7 @@ class Worker:
         """Stop fetching, let in-flight jobs finish until the drain timeout, then give up."""
         self._pauser.pause_all(self._consumer)
         self._prefetch.clear()  # never started, never acknowledged: redelivered
+        self._held.clear()
         deadline = time.monotonic() + self.settings.worker_drain_timeout_s
         logger.info(
             "draining %d in-flight jobs (up to %.0f s)",
@@ -301,11 +304,8 @@ class Worker:
             )
             self._ack({(tp, record.offset)})
             return
-        running = self._inflight.get(message.job_id) or candidates.get(message.job_id)
-        if running is not None:
-            running.records.add((tp, record.offset))  # a redelivered or re-published copy
-            return
-        candidates[message.job_id] = Candidate(message, {(tp, record.offset)})
+        place_record(message, (tp, record.offset), inflight=self._inflight,
+                     candidates=candidates, held=self._held)
 
     def _store_finished(self) -> None:
         """Store what finished, unless the database is away and not due for a try."""
@@ -332,7 +332,11 @@ class Worker:
             if job is None:
                 continue
             if job.is_released:
-                continue  # stays unacknowledged: Kafka redelivers it (here or elsewhere)
+                # Stays unacknowledged: Kafka redelivers it (here or elsewhere), unless a
+                # copy fetched again meanwhile waited for this abort to start it here.
+                if (again := self._held.take(done.request_id)) is not None:
+                    self._unstarted[done.request_id] = again
+                continue
             aborted = done.aborted or (
                 done.output is not None and done.output.finish_reason == "abort"
             )
@@ -409,6 +413,7 @@ class Worker:
             return False
         self._prefetch.clear()
         self._unstarted = {}  # fetched again from the committed offsets
+        self._held.clear()
         self._restart_from_committed(assignment)
         self._watchdog.on_assigned(assignment)
         moved: list[str] = []
