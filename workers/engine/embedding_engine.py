@@ -143,8 +143,9 @@ class EmbeddingEngine:
         self._note_busy()
         return outputs
 
-    def stats(self) -> EngineStats:
-        """Load and totals; an encoder has no KV cache and generates nothing."""
+    def stats(self, *, work_left: bool = True) -> EngineStats:
+        """Load and totals; an encoder has no KV cache and generates nothing (its work
+        left is not counted, whatever `work_left` asks)."""
         busy = self._busy_seconds
         if self._busy_since is not None:
             busy += time.perf_counter() - self._busy_since

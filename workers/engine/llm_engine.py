@@ -333,8 +333,9 @@ class LLMEngine:
             [seq.grammar for seq in sampling], [seq.output_token_ids for seq in sampling]
         )
 
-    def stats(self) -> EngineStats:
-        """Current load and totals since start."""
+    def stats(self, *, work_left: bool = True) -> EngineStats:
+        """Current load and totals since start; the work left (a sum over the live
+        requests) only if asked, as the heartbeat does and the 1 s gauges need not."""
         bm = self.scheduler.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -349,7 +350,7 @@ class LLMEngine:
             loaded_seconds=self._loaded_seconds,
             num_held_back_steps=self.scheduler.num_held_back_steps,
             num_steps=self.scheduler.cost_model.num_steps,
-            **self._work_left(),
+            **(self._work_left() if work_left else {}),
         )
 
     def _work_left(self) -> dict[str, Any]:

@@ -395,7 +395,7 @@ class EngineLoop:
         now = time.monotonic()
         if now - self._last_stats_at < STATS_INTERVAL_S:
             return
-        stats = self.engine.stats()
+        stats = self.engine.stats(work_left=False)
         metrics.ENGINE_RUNNING_SEQS.set(stats.num_running)
         metrics.ENGINE_WAITING_SEQS.set(stats.num_waiting)
         num_blocks = stats.num_kv_blocks_used + stats.num_kv_blocks_free

@@ -54,6 +54,9 @@ def test_an_aborted_request_leaves_no_work(model_dir: Path) -> None:
     assert stats.num_requests_left == 1
     assert stats.num_output_tokens_left == 3  # the prefill step produced the first token
     assert stats.num_tokens_to_compute == 3  # the last sampled token, then two more
+    # The 1 s gauges read the load without the sum over live requests.
+    load_only = engine.stats(work_left=False)
+    assert load_only.num_running == stats.num_running and load_only.num_requests_left == 0
 
 
 def test_a_waiting_prompt_counts_less_the_share_admitted_ones_found_cached(
