@@ -10,6 +10,10 @@ see it. Phases, one at a time (they share the 2 cores):
            bodies from a Lua script) POSTs /v1/jobs for a fixed time: accepted/s, p50/p99
   e2e      `batchinfer up --workers 1`; wrk keeps 32 jobs in flight for a fixed time,
            each POSTed then long-polled (`?wait=`) until it succeeded: jobs/s
+  burst    `batchinfer up --workers 1`; wrk POSTs --burst-jobs jobs at once (32
+           connections, no waiting on results: open loop), then the service drains them:
+           the rate they went in, and jobs/s from the first accepted to the last finished
+           (from the jobs' own stored times), which a GPU worker meets first
   e2e-python  the same with two Python client processes (httpx) and a fixed job count,
            which read every result back in full; they cost as much CPU as the API, on
            the same cores, so `e2e` is the figure for the service
@@ -35,10 +39,13 @@ import json
 import os
 import resource
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import closing
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -91,6 +98,16 @@ function done(summary, latency, requests)
   local refused = e.status + e.connect + e.read + e.write + e.timeout
   io.write(string.format("WRK %d %d %f %f %f\\n", summary.requests, refused,
     summary.duration / 1e6, latency:percentile(50) / 1e3, latency:percentile(99) / 1e3))
+end
+"""
+# burst: submissions only, each thread stopping once it has its share accepted.
+WRK_BURST = WRK_COMMON + """
+request = job_request
+function response(status, headers, body)
+  if status == 202 then
+    accepted = (accepted or 0) + 1
+    if accepted >= tonumber(os.getenv("BI_QUOTA")) then wrk.thread:stop() end
+  end
 end
 """
 # e2e: a connection whose job was accepted (or whose long-poll ended before the job did)
@@ -159,11 +176,11 @@ def print_cpu(title: str, spent: dict[str, float], num_jobs: int) -> None:
 
 
 def run_wrk(up: UpProcess, model: str, script_text: str, tag: str,
-            seconds: float, in_flight: int) -> tuple[str, float]:
+            seconds: float, in_flight: int, **extra_env: str) -> tuple[str, float]:
     """wrk (2 threads, `in_flight` connections) with a Lua script: its output, its CPU s."""
     script = up.log_path.parent / f"{tag}.lua"
     script.write_text(script_text)
-    env = dict(os.environ, BI_KEY=up.api_key, BI_MODEL=model, BI_TAG=tag)
+    env = dict(os.environ, BI_KEY=up.api_key, BI_MODEL=model, BI_TAG=tag, **extra_env)
     wrk = subprocess.Popen(["wrk", "-t2", f"-c{in_flight}", f"-d{seconds:.0f}s",
                             "--timeout", "60s", "-s", str(script), up.url],
                            stdout=subprocess.PIPE, text=True, env=env)
@@ -180,11 +197,12 @@ def run_wrk(up: UpProcess, model: str, script_text: str, tag: str,
 
 
 def wrk_phase(up: UpProcess, model: str, script_text: str, tag: str, seconds: float,
-              marker: str, in_flight: int) -> tuple[list[str], dict[str, float]] | None:
+              marker: str, in_flight: int, **extra_env: str,
+              ) -> tuple[list[str], dict[str, float]] | None:
     """Run wrk with a script: the fields of its summary line and the CPU seconds by role
     (wrk's own included), or None (said) when it printed no summary."""
     before = cpu_seconds_by_pid(up)
-    out, wrk_cpu = run_wrk(up, model, script_text, tag, seconds, in_flight)
+    out, wrk_cpu = run_wrk(up, model, script_text, tag, seconds, in_flight, **extra_env)
     spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
     spent["load generator (wrk)"] = wrk_cpu
     line = next((line for line in out.splitlines() if line.startswith(marker + " ")), None)
@@ -221,6 +239,51 @@ def e2e_phase(up: UpProcess, model: str, seconds: float,
           f"s; {submitted} submitted, {failed} failed, {cached} answered from a cache, "
           f"{polls} long-polls; over HTTP with wrk, {in_flight} in flight)")
     print_cpu("e2e", spent, max(1, succeeded))
+
+
+def burst_phase(up: UpProcess, model: str, num_jobs: int,
+                in_flight: int = IN_FLIGHT) -> None:
+    """wrk POSTs `num_jobs` jobs as fast as the API takes them; then wait until every
+    accepted job ended and time both from the jobs' stored times."""
+    before = cpu_seconds_by_pid(up)
+    script = up.log_path.parent / "burst.lua"
+    script.write_text(WRK_BURST)
+    env = dict(os.environ, BI_KEY=up.api_key, BI_MODEL=model, BI_TAG="burst",
+               BI_QUOTA=str(-(-num_jobs // 2)))
+    # Each wrk thread stops once its share is accepted, but wrk itself runs out its
+    # duration: it is stopped once the database holds every job.
+    wrk = subprocess.Popen(["wrk", "-t2", f"-c{in_flight}", "-d600s", "--timeout", "60s",
+                            "-s", str(script), up.url], stdout=subprocess.DEVNULL, env=env)
+    database = up.log_path.parent / "burst" / "batchinfer.db"
+    query = ("SELECT count(*), coalesce(sum(status NOT IN ('queued', 'running')), 0), "
+             "coalesce(sum(status = 'succeeded'), 0), min(created_at), max(created_at), "
+             "max(finished_at) FROM jobs WHERE request LIKE '%burst %'")
+    deadline = time.monotonic() + 600
+    wrk_cpu = 0.0
+    while time.monotonic() < deadline:
+        with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as db:
+            total, ended, succeeded, first, last_in, last_out = db.execute(query).fetchone()
+        if wrk.poll() is None and total >= num_jobs:
+            times = psutil.Process(wrk.pid).cpu_times()
+            wrk_cpu = times.user + times.system
+            wrk.terminate()
+            wrk.wait()
+        if wrk.poll() is not None and ended == total:
+            break
+        time.sleep(0.2)
+    spent = cpu_seconds_by_role(before, cpu_seconds_by_pid(up))
+    spent["load generator (wrk)"] = wrk_cpu
+    if wrk.poll() is None or not total or ended < total:
+        wrk.kill()
+        print(f"burst    did not drain in 600 s ({ended} of {total} ended)")
+        return
+    first_at = datetime.fromisoformat(first)
+    submit_s = (datetime.fromisoformat(last_in) - first_at).total_seconds()
+    drain_s = (datetime.fromisoformat(last_out) - first_at).total_seconds()
+    print(f"burst    {succeeded / drain_s:8.0f} jobs/s end to end ({succeeded} of {total} "
+          f"succeeded, first accepted to last finished {drain_s:.1f} s); went in at "
+          f"{total / submit_s:.0f}/s ({submit_s:.1f} s, {in_flight} connections)")
+    print_cpu("burst", spent, max(1, succeeded))
 
 
 async def _client(url: str, key: str, model: str, tag: str, num_jobs: int,
@@ -345,13 +408,15 @@ def main() -> None:
                         help="API processes `up` serves the port with")
     parser.add_argument("--e2e-jobs", type=int, default=5000, help="for e2e-python")
     parser.add_argument("--batch-lines", type=int, default=50_000)
+    parser.add_argument("--burst-jobs", type=int, default=6000)
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--in-flight", type=int, default=IN_FLIGHT,
                         help="wrk connections of the api and e2e phases: 32 is what the "
                         "targets are stated at; more shows what the machine carries once "
                         "the client's own latency stops setting the pace")
     parser.add_argument("--phases", nargs="+", default=["engine", "api", "e2e", "batch", "idle"],
-                        choices=["engine", "api", "e2e", "e2e-python", "batch", "idle"],
+                        choices=["engine", "api", "e2e", "burst", "e2e-python", "batch",
+                                 "idle"],
                         help="which phases to run")
     parser.add_argument("--client", nargs=6, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -359,7 +424,7 @@ def main() -> None:
         url, key, model, tag, num_jobs, in_flight = args.client
         print(asyncio.run(_client(url, key, model, tag, int(num_jobs), int(in_flight))))
         return
-    if {"api", "e2e"} & set(args.phases) and shutil.which("wrk") is None:
+    if {"api", "e2e", "burst"} & set(args.phases) and shutil.which("wrk") is None:
         sys.exit("the api and e2e phases need wrk on PATH (Debian: apt-get install wrk); "
                  "or leave them out: --phases engine e2e-python batch")
     root = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
@@ -386,6 +451,8 @@ def run_phases(args: argparse.Namespace, root: Path) -> None:
                                                                  in_flight)),
                                  ("e2e", 1, lambda up: e2e_phase(up, model, args.e2e_seconds,
                                                                  in_flight)),
+                                 ("burst", 1, lambda up: burst_phase(up, model, args.burst_jobs,
+                                                                     in_flight)),
                                  ("e2e-python", 1,
                                   lambda up: e2e_python_phase(up, model, args.e2e_jobs)),
                                  ("batch", 1, lambda up: batch_phase(up, model,
