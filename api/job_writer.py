@@ -36,6 +36,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Protocol
 
 from kafka import KafkaProducer
@@ -117,9 +118,9 @@ class JobWriter:
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
         self._ackers = ThreadPoolExecutor(NUM_ACK_WAITERS, thread_name_prefix="job-acks")
-        # Ids of refused jobs whose commit raised and so may have stored them anyway;
-        # touched on the writer thread only.
-        self._doubtful: list[str] = []
+        # Ids of refused jobs whose commit raised and so may have stored them anyway, in
+        # the order refused; changed on the writer thread only, read by `is_doubtful`.
+        self._doubtful: dict[str, None] = {}
         self._next_withdrawal_at = 0.0
 
     def write(self, job: Job, producer: ProducerHandle) -> Job:
@@ -131,6 +132,12 @@ class JobWriter:
         """
         producer.get()  # a broker known to be down refuses at once, not behind a group
         return self.enqueue(job, producer).result(timeout=WRITE_TIMEOUT_S)
+
+    def is_doubtful(self, job_id: str) -> bool:
+        """Whether `job_id` was refused after a commit that raised and its row, should
+        that commit have stored it after all, is not withdrawn yet: such a row is no job,
+        and a replay of its Idempotency-Key must not answer with it."""
+        return job_id in self._doubtful
 
     def enqueue(self, job: Job, producer: ProducerHandle) -> Future[Job]:
         """Hand a job to the writer without waiting: its answer comes as `write`'s would.
@@ -277,7 +284,7 @@ class JobWriter:
             logger.debug("a group of %d clashed on a unique key; storing it row by row",
                          len(group))
         except SQLAlchemyError as e:
-            self._doubtful.extend(p.job.id for p in group)
+            self._doubtful.update(dict.fromkeys(p.job.id for p in group))
             for pending in group:
                 pending.answer.set_exception(e)
             return []
@@ -294,7 +301,7 @@ class JobWriter:
                     IdempotencyKeyTaken(f"idempotency key {key!r} is already used") if key
                     else e)
             except SQLAlchemyError as e:
-                self._doubtful.append(pending.job.id)
+                self._doubtful[pending.job.id] = None
                 pending.answer.set_exception(e)
         return stored
 
@@ -306,7 +313,7 @@ class JobWriter:
         while self._doubtful:
             # In slices: a long outage refuses many, and SQLite bounds a statement's
             # parameters.
-            ids = self._doubtful[:MAX_GROUP]
+            ids = list(islice(self._doubtful, MAX_GROUP))
             try:
                 num_deleted += len(self._delete_queued(ids))
             except SQLAlchemyError as e:
@@ -314,7 +321,8 @@ class JobWriter:
                 logger.debug("withdrawing %d refused job(s) must wait for the database: %s",
                              len(self._doubtful), e)
                 break
-            del self._doubtful[:len(ids)]
+            for job_id in ids:
+                del self._doubtful[job_id]
         if num_deleted:
             logger.warning("withdrew %d refused job(s) that their failed commit had stored "
                            "after all", num_deleted)

@@ -264,15 +264,19 @@ def test_a_commit_that_raised_after_storing_leaves_no_row_once_the_database_answ
     event.listen(sessions, "after_commit", answer_lost)
     event.listen(sessions.kw["bind"], "before_cursor_execute", still_down)
     caplog.set_level(logging.WARNING, logger="api.job_writer")
+    refused = _job(tenant_id, 0)
     with pytest.raises(OperationalError):
-        writer.write(_job(tenant_id, 0), producer)
+        writer.write(refused, producer)
     assert producer.records == []
+    # Until withdrawn, its row is no job: an Idempotency-Key replay must not adopt it.
+    assert writer.is_doubtful(refused.id)
     deadline = time.monotonic() + 30
     while "withdrew 1 refused job(s)" not in caplog.text:
         assert time.monotonic() < deadline, "the refused job's stored row was not withdrawn"
         time.sleep(0.05)
     assert failures == {"commit": 0, "delete": 0}
     assert _num_jobs(sessions) == 0
+    assert not writer.is_doubtful(refused.id)
     job = _job(tenant_id, 1)
     assert writer.write(job, producer) == job
     assert _num_jobs(sessions) == 1

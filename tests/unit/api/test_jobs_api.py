@@ -11,6 +11,8 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 from pydantic import TypeAdapter
+from sqlalchemy import event
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 import api.job_state
@@ -435,3 +437,46 @@ def test_unacknowledged_send_is_503_and_the_job_is_withdrawn(
     assert count_jobs(sessions) == 0
     producer.is_down = False
     assert client.post("/v1/jobs", json=VALID, headers=acme.headers).status_code == 202
+
+
+def test_a_replay_of_a_key_whose_commit_failed_waits_for_its_row_to_be_withdrawn(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
+    producer: RecordingProducer,
+) -> None:
+    """The database dies mid-COMMIT yet keeps the row: the request hears 503, and a retry
+    with the same Idempotency-Key must not adopt that row (it is withdrawn as soon as the
+    database answers): 503 again until it is gone, then a job of its own."""
+    resources = client.app.state.resources  # type: ignore[attr-defined]
+    lost = OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
+    failing = {"commit": True, "delete": True}
+
+    def answer_lost(session: Session) -> None:
+        if failing["commit"]:
+            failing["commit"] = False
+            raise lost
+
+    def still_down(conn: object, cursor: object, statement: str, *args: object) -> None:
+        if statement.lstrip().upper().startswith("DELETE") and failing["delete"]:
+            raise lost
+
+    event.listen(resources.sessions, "after_commit", answer_lost)
+    event.listen(resources.sessions.kw["bind"], "before_cursor_execute", still_down)
+    try:
+        headers = acme.headers | {"Idempotency-Key": "order-7"}
+        first = client.post("/v1/jobs", json=VALID, headers=headers)
+        assert first.status_code == 503, first.text
+        assert count_jobs(sessions) == 1, "the failed commit stored the row after all"
+        retry = client.post("/v1/jobs", json=VALID, headers=headers)
+        assert retry.status_code == 503, retry.text
+        assert "Idempotency-Key" in retry.json()["error"]["message"]
+        failing["delete"] = False  # the database answers again
+        deadline = time.monotonic() + 30
+        while count_jobs(sessions):
+            assert time.monotonic() < deadline, "the doubtful row was never withdrawn"
+            time.sleep(0.05)
+        again = client.post("/v1/jobs", json=VALID, headers=headers)
+        assert again.status_code == 202, again.text
+        assert count_jobs(sessions) == 1 and len(producer.records) == 1
+    finally:
+        event.remove(resources.sessions, "after_commit", answer_lost)
+        event.remove(resources.sessions.kw["bind"], "before_cursor_execute", still_down)
