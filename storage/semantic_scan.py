@@ -45,7 +45,7 @@ HALF_ROUNDOFF = 2.0**-11
 BOUND_MARGIN = 1.25
 # Queries of one call scanned in float16 one by one at most; more go through one float32
 # matrix product (on this CPU torch's float16 matrix-matrix product is 10-30x slower than
-# numpy's float32 one, while its matrix-vector product is ~2x faster: it reads half the bytes).
+# the float32 one, while its matrix-vector product is ~2x faster: it reads half the bytes).
 MAX_HALF_QUERIES = 2
 
 
@@ -68,9 +68,10 @@ def exact_similarities(rows: np.ndarray, query: np.ndarray) -> np.ndarray:
 
 
 class RowScorer:
-    """How a process scores every row of a scope approximately: float16 through torch
-    when `half` (on a single thread of its own, so the scan never holds a second core
-    from the engine beside it), else float32 through numpy's BLAS."""
+    """How a process scores every row of a scope approximately: when `half`, through
+    torch on a single thread of its own, so the scan never holds a second core from the
+    engine beside it (float16 for one or two queries, else float32); else float32
+    through numpy's BLAS (which spreads over every core: a process without an engine)."""
 
     def __init__(self, *, half: bool) -> None:
         self.half = half
@@ -90,11 +91,14 @@ class RowScorer:
         (q, d) to `rows` (n, d) float32, read from `half_rows` (their float16 copy)
         where given and the call is small enough to gain from it."""
         dims = queries.shape[1]
-        if half_rows is None or not self.half or len(queries) > MAX_HALF_QUERIES:
+        if not self.half:
             return queries @ rows.T, float_error_bound(dims)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="semantic-scan",
                                             initializer=_one_torch_thread)
+        if half_rows is None or len(queries) > MAX_HALF_QUERIES:
+            scores = self._pool.submit(_float_scores, queries, rows).result()
+            return scores, float_error_bound(dims)
         scores = self._pool.submit(_half_scores, queries, half_rows).result()
         return scores, half_error_bound(dims)
 
@@ -120,6 +124,16 @@ def _half_scores(queries: np.ndarray, half_rows: np.ndarray) -> np.ndarray:
     with torch.inference_mode():
         return np.stack([torch.mv(matrix, torch.from_numpy(q.astype(np.float16))).numpy()
                          for q in queries]).astype(np.float32)
+
+
+def _float_scores(queries: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """(q, n) float32 similarities from one float32 matrix product."""
+    import torch
+
+    with torch.inference_mode():
+        result: np.ndarray = torch.mm(torch.from_numpy(np.ascontiguousarray(queries)),
+                                      torch.from_numpy(rows).T).numpy()
+    return result
 
 
 def best_rows(queries: np.ndarray, rows: np.ndarray, half_rows: np.ndarray | None,

@@ -148,7 +148,8 @@ def test_the_error_bounds_hold_on_adversarial_vectors() -> None:
     rows = np.concatenate([flat, tiny, units(rng, 2000)])
     queries = np.concatenate([flat, tiny, units(rng, 2)])
     exact = np.stack([exact_similarities(rows, q) for q in queries])
-    for scorer, queries_per_call in ((RowScorer(half=True), 1), (RowScorer(half=False), 4)):
+    for scorer, queries_per_call in ((RowScorer(half=True), 1), (RowScorer(half=True), 4),
+                                     (RowScorer(half=False), 4)):
         for first in range(0, len(queries), queries_per_call):
             part = queries[first : first + queries_per_call]
             scores, bound = scorer.scores(part, rows, rows.astype(np.float16))
