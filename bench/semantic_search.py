@@ -53,6 +53,7 @@ from workers.inference.semantic_verifier import Probe, accepts, features_of, loa
 
 DIMS = 384
 FILL_BATCH = 1000
+PHASE_PAUSE_S = 0.5
 # A stand-in for the engine beside the worker's lookups (`--busy`): a loop of float32
 # matrix products on torch's default threads, as a CPU decode step keeps the cores.
 BUSY_LOOP = ("import torch\nx = torch.randn(512, 2048)\nw = torch.randn(2048, 2048)\n"
@@ -149,15 +150,21 @@ def fill(cache: SemanticStore, namespace: str, stored: np.ndarray) -> float:
 
 def measure(readers: dict[str, SemanticStore], namespace: str,
             queries: list[np.ndarray], texts: list[str]) -> dict[str, Timings]:
-    """Cold, warm (alternated across readers) and batched lookups of each reader."""
+    """Cold, warm and batched lookups of each reader. Warm ones run in phases, readers in
+    the order A B B A (load that drifts falls on both alike), with a pause between
+    phases: numpy's BLAS threads spin for a while after a product, and that CPU would
+    otherwise be charged to the other reader's lookups."""
     timings = {name: Timings() for name in readers}
     for name, reader in readers.items():
         start = time.perf_counter()
         reader.nearest_many(namespace, [queries[0]])
         timings[name].cold_s = time.perf_counter() - start
-    for turn, (query, text) in enumerate(zip(queries, texts, strict=True)):
-        names = list(readers) if turn % 2 == 0 else list(reversed(readers))
-        for name in names:
+    names = list(readers)
+    half = len(queries) // 2
+    for phase, name in enumerate([*names, *reversed(names)]):
+        time.sleep(PHASE_PAUSE_S)
+        part = slice(0, half) if phase < len(names) else slice(half, None)
+        for query, text in zip(queries[part], texts[part], strict=True):
             start, start_cpu = time.perf_counter(), time.process_time()
             (match,) = readers[name].nearest_many(namespace, [query],
                                                   min_similarity=SEARCH_FLOOR)
@@ -167,6 +174,7 @@ def measure(readers: dict[str, SemanticStore], namespace: str,
             timings[name].picks.append(match.job_id if match else None)
             timings[name].num_served += served
     for name, reader in readers.items():
+        time.sleep(PHASE_PAUSE_S)
         start = time.perf_counter()
         reader.nearest_many(namespace, queries, min_similarity=SEARCH_FLOOR)
         timings[name].batch_s = time.perf_counter() - start
