@@ -10,6 +10,10 @@ scopes smaller than k.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -50,9 +54,9 @@ def reference(queries: np.ndarray, rows: np.ndarray, k: int,
     best = []
     for query in queries:
         exact = exact_similarities(rows, query)
-        order = sorted(range(len(rows)), key=lambda r: (-exact[r], r))
-        best.append([(r, float(exact[r])) for r in order
-                     if min_similarity <= -1.0 or exact[r] >= min_similarity][:k])
+        order = np.lexsort((np.arange(len(rows)), -exact))  # best first; ties: older
+        best.append([(int(r), float(exact[r])) for r in order[:k]
+                     if min_similarity <= -1.0 or exact[r] >= min_similarity])
     return best
 
 
@@ -215,3 +219,14 @@ def test_no_row_is_missed_by_a_pass_off_by_its_whole_bound(bound: float) -> None
         for bar in (-1.0, 0.9, 0.95):
             assert (best_rows(query[None], rows, None, scorer, k, bar)
                     == reference(query[None], rows, k, bar))
+
+
+def test_a_process_without_torch_scans_in_float32_and_does_not_load_it() -> None:
+    """The API and other processes without an engine keep numpy's scan: the cache never
+    loads torch for them."""
+    probe = ("import sys; from storage.semantic_scan import RowScorer; "
+             "print(RowScorer.for_process().half, 'torch' in sys.modules)")
+    without = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             check=True, cwd=Path(__file__).parents[3])
+    assert without.stdout.split() == ["False", "False"]
+    assert RowScorer.for_process().half  # this process has torch (imported above)
