@@ -8,12 +8,12 @@ asked after another was answered, embedded and verified exactly as a worker does
 - as curves: the same two shares over max_error, and over raw cosine thresholds
   (`cache.threshold`, where the structured checks still apply).
 
-Cost, at `--entries` (100,000) entries in one scope of a real Redis (exact scan backend;
-a `redis-server` started here): the scope is filled with random unit vectors (each
-with a probe, as entries are stored) plus the answered prompts of the pairs, then each
-should-hit question is looked up through the worker's own `SemanticLookup.find`, one job
-per call, timing wall and CPU per job, and apart: the embedding of the prompt, and the
-verifier on a candidate.
+Cost, at `--entries` (100,000) entries in one scope of a real Redis (exact scan backend,
+its float16 pass as in a worker; a `redis-server` started here): the scope is filled
+with random unit vectors (each with a probe, as entries are stored) plus the answered
+prompts of the pairs, then each should-hit question is looked up through the worker's
+own `SemanticLookup.find`, one job per call, timing wall and CPU per job, and apart:
+the embedding of the prompt, and the verifier on a candidate.
 
     .venv/bin/python -m bench.semantic_precision [--max-error 0.01 --entries 100000]
 """
@@ -144,7 +144,8 @@ def report_cost(scored: list[ScoredPair], entries: int) -> None:
         client.close()
     verify_us = _verifier_cost(scored)
     print(f"## Cost at {entries:,} entries in one scope (+{len(answered)} real), "  # noqa: T201
-          f"exact scan, one job per call, {len(asked)} jobs ({num_hits} hits)\n")
+          f"exact scan ({'float16' if cache.scorer.half else 'float32'} pass, exact "
+          f"rescoring), one job per call, {len(asked)} jobs ({num_hits} hits)\n")
     for name, wall, cpu in (("lookup (search + verify)", match_wall, match_cpu),
                             ("embedding the prompt (segments)", embed_wall, embed_cpu)):
         print(f"- {name} per job: wall p50 {percentile_ms(wall, 50):.2f} ms, "  # noqa: T201

@@ -4,8 +4,9 @@ Responsible for: storing answered prompts per scope (vector, prompt, result) wit
 script call per scope, keeping each scope at most `max_entries` long (the oldest go) and
 dropping expired entries from its head, mirroring each searched scope in this process
 (`storage.semantic_mirror`) and bringing the mirror up to date with one script call per
-lookup, scoring all of a poll's queries of a scope with one matrix product, and keeping
-the cache's ledger (`storage.cache_ledger`): bytes held, entries evicted.
+lookup, scoring a poll's queries of a scope in one pass over its vectors (float16 where
+the process runs torch, the few best rescored exactly: `storage.semantic_scan`), and
+keeping the cache's ledger (`storage.cache_ledger`): bytes held, entries evicted.
 
 Layout, per scope `s` = `<namespace>:<dims>` (one hash tag, so each script's keys share
 a Redis Cluster slot; every key is passed in KEYS):
@@ -30,8 +31,9 @@ from the head. Worked example, per_chunk 4, base 8, chunks [4][4][2]: entry 17 i
 
 A scope's keys expire together, each write extending them to its entry's TTL if that is
 later; an entry also carries its own expiry, checked on a hit. Cost per lookup: one
-round trip (nothing new: five small fields come back), a (queries × n) matrix product over
-the n ≤ `max_entries` vectors of the scope, and one HMGET for the results picked.
+round trip (nothing new: five small fields come back), one pass over the n ≤
+`max_entries` vectors of the scope (float16 in a worker: half the bytes of float32) and
+an exact rescoring of the few that may win, and one HMGET for the results picked.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from storage.semantic_cache import (
     unit_vector,
 )
 from storage.semantic_mirror import MirrorSet, ScopeMirror
+from storage.semantic_scan import RowScorer
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +161,10 @@ class ExactSemanticCache:
     def __init__(self, client: redis.Redis, *, prefix: str,
                  max_entries: int = DEFAULT_MAX_ENTRIES,
                  max_mirror_bytes: int = DEFAULT_MAX_MIRROR_BYTES,
-                 per_chunk: int = DEFAULT_PER_CHUNK) -> None:
+                 per_chunk: int = DEFAULT_PER_CHUNK,
+                 scorer: RowScorer | None = None) -> None:
+        """`scorer`: how lookups scan (default: `RowScorer.for_process()`); every scorer
+        serves the same answers, only the time differs."""
         if per_chunk < 1:
             raise ValueError(f"per_chunk must be >= 1, got {per_chunk}")
         if max_entries < per_chunk:
@@ -175,6 +181,7 @@ class ExactSemanticCache:
         self._add = client.register_script(_ADD_SCRIPT)
         self._mirrors = MirrorSet(max_mirror_bytes)
         self._lock = threading.Lock()
+        self.scorer = scorer or RowScorer.for_process()
 
     def scope_keys(self, namespace: str, dims: int) -> list[str]:
         """vec, meta, res and head keys of a scope."""
@@ -255,14 +262,13 @@ class ExactSemanticCache:
         """`nearest_many` for one vector."""
         return self.nearest_many(namespace, [vector])[0]
 
-    @staticmethod
-    def _picks(mirror: ScopeMirror, queries: np.ndarray,
+    def _picks(self, mirror: ScopeMirror, queries: np.ndarray,
                min_similarity: float) -> list[tuple[int, dict[str, Any], float]]:
         """(query index, meta, similarity) of each query's best live candidate."""
         now = time.time()
         picks = []
         for query, ranked in enumerate(mirror.best_rows(queries, NUM_CANDIDATES,
-                                                        min_similarity)):
+                                                        min_similarity, self.scorer)):
             for row, similarity in ranked:
                 meta = mirror.meta(row)
                 if meta["expires_at"] >= now:
@@ -287,7 +293,7 @@ class ExactSemanticCache:
             base, count, per_chunk = (int(f or 0) for f in fields[1:])
             if mirror is None or epoch != mirror.epoch or not base <= mirror.end <= base + count:
                 # A new incarnation of the scope, or one trimmed past all this mirror held.
-                mirror = ScopeMirror(epoch, base, dims)
+                mirror = ScopeMirror(epoch, base, dims, half=self.scorer.half)
                 mirror.reserve(count)
             elif base > mirror.start:
                 mirror.drop_head(base - mirror.start)

@@ -1,11 +1,18 @@
 """A process's copy of semantic-cache scopes: their vectors as one float32 matrix.
 
 Responsible for: holding, per scope, the rows Redis holds (vectors and their raw meta
-JSON, parsed only for the few rows a search picks), growing by appends without copying
-the whole matrix each time (capacity doubles), dropping rows trimmed from the scope's
-head, scoring a batch of queries with one matrix product, and keeping all mirrors of the
-process within a byte budget (the least recently searched scope goes first; it is simply
-read again from Redis when next searched).
+JSON, parsed only for the few rows a search picks) and, where the process scans in
+float16 (`storage.semantic_scan`), a float16 copy of the vectors beside them; growing by
+appends without copying the whole matrix each time (capacity doubles), dropping rows
+trimmed from the scope's head, finding each query's best rows (`semantic_scan.best_rows`:
+an approximate pass over every row, the few that may win rescored exactly from the
+float32 rows), and keeping all mirrors of the process within a byte budget (the least
+recently searched scope goes first; it is simply read again from Redis when next
+searched).
+
+Memory per entry of 384 dimensions: 1,536 bytes of float32, plus 768 of float16 where
+the process scans in float16 (the float32 rows stay: the exact rescoring reads them),
+plus its meta JSON; the budget counts all of it.
 
 Rows are addressed by their absolute index in the scope (entries ever added, counting
 the trimmed ones): the mirror of a scope whose head was trimmed to absolute index 40
@@ -21,6 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from storage import semantic_scan
+from storage.semantic_scan import RowScorer
+
 # Rows a new buffer has room for before its first doubling.
 MIN_CAPACITY = 1024
 # What CPython spends on a bytes object besides its contents.
@@ -34,13 +44,16 @@ class ScopeMirror:
     epoch: bytes  # the scope's incarnation: a scope that expired and began again differs
     start: int  # absolute index of the oldest row held
     dims: int
+    half: bool = False  # keep a float16 copy of the rows for the scan
     _buffer: np.ndarray = field(init=False)  # (capacity, dims) float32; rows first..
+    _half_buffer: np.ndarray | None = field(init=False)  # its float16 copy, row for row
     _first: int = 0
     _metas: list[bytes] = field(default_factory=list)
     _num_meta_bytes: int = 0
 
     def __post_init__(self) -> None:
         self._buffer = np.empty((0, self.dims), dtype=np.float32)
+        self._half_buffer = np.empty((0, self.dims), dtype=np.float16) if self.half else None
 
     def __len__(self) -> int:
         return len(self._metas)
@@ -56,6 +69,13 @@ class ScopeMirror:
         return self._buffer[self._first : self._first + len(self._metas)]
 
     @property
+    def half_vectors(self) -> np.ndarray | None:
+        """(rows, dims) float16 view of the same rows, if this mirror keeps one."""
+        if self._half_buffer is None:
+            return None
+        return self._half_buffer[self._first : self._first + len(self._metas)]
+
+    @property
     def capacity(self) -> int:
         """Rows the buffer holds before it must grow (trimmed head rows included)."""
         return len(self._buffer)
@@ -63,7 +83,9 @@ class ScopeMirror:
     @property
     def num_bytes(self) -> int:
         """Bytes this mirror takes (its buffer and raw metas), roughly."""
-        return self._buffer.nbytes + self._num_meta_bytes + BYTES_OBJECT_OVERHEAD * len(self)
+        half_bytes = 0 if self._half_buffer is None else self._half_buffer.nbytes
+        return (self._buffer.nbytes + half_bytes + self._num_meta_bytes
+                + BYTES_OBJECT_OVERHEAD * len(self))
 
     def reserve(self, num_rows: int) -> None:
         """Make room for `num_rows` rows in all, so a known number of appends copies none."""
@@ -94,6 +116,8 @@ class ScopeMirror:
         for chunk in vector_chunks:  # straight into the buffer: no joined copy
             rows = np.frombuffer(chunk, dtype=np.float32, offset=min(offset, len(chunk)))
             self._buffer[at : at + len(rows) // self.dims] = rows.reshape(-1, self.dims)
+            if self._half_buffer is not None:  # rounded to nearest, as the error bound assumes
+                self._half_buffer[at : at + len(rows) // self.dims] = rows.reshape(-1, self.dims)
             at += len(rows) // self.dims
             offset = max(0, offset - len(chunk))
         self._metas.extend(metas)
@@ -103,6 +127,10 @@ class ScopeMirror:
         """Move the held rows to the front of a new buffer of `capacity` rows."""
         grown = np.empty((capacity, self.dims), dtype=np.float32)
         grown[: len(self)] = self.vectors
+        if self._half_buffer is not None:
+            half_grown = np.empty((capacity, self.dims), dtype=np.float16)
+            half_grown[: len(self)] = self.half_vectors
+            self._half_buffer = half_grown
         self._buffer, self._first = grown, 0
 
     def drop_head(self, num_rows: int) -> None:
@@ -113,31 +141,13 @@ class ScopeMirror:
         self._num_meta_bytes -= sum(len(m) for m in self._metas[:num_rows])
         del self._metas[:num_rows]
 
-    def best_rows(self, queries: np.ndarray, k: int,
-                  min_similarity: float = -1.0) -> list[list[tuple[int, float]]]:
+    def best_rows(self, queries: np.ndarray, k: int, min_similarity: float = -1.0,
+                  scorer: RowScorer | None = None) -> list[list[tuple[int, float]]]:
         """Per query (a row of `queries`, unit vectors): its at most `k` most similar rows
-        at least `min_similarity` alike, best first, as (row position, similarity)."""
-        scores = queries @ self.vectors.T  # (q, rows): one pass over the matrix
-        best: list[list[tuple[int, float]]] = []
-        if min_similarity > -1.0:
-            # A high bar leaves few candidates: find them with one comparison rather than
-            # a partial sort of every row (e.g. 200 queries x 100,000 rows: ~10x faster).
-            query_ids, row_ids = np.nonzero(scores >= min_similarity)
-            per_query: list[list[int]] = [[] for _ in range(len(queries))]
-            for query, row in zip(query_ids.tolist(), row_ids.tolist(), strict=True):
-                per_query[query].append(row)
-            for row_scores, rows in zip(scores, per_query, strict=True):
-                ranked = sorted(rows, key=row_scores.__getitem__, reverse=True)[:k]
-                best.append([(row, float(row_scores[row])) for row in ranked])
-            return best
-        k = min(k, scores.shape[1])
-        if k == 0:
-            return [[] for _ in range(len(queries))]
-        top = np.argpartition(scores, scores.shape[1] - k, axis=1)[:, -k:]
-        for row_scores, rows in zip(scores, top, strict=True):
-            ranked = sorted(rows.tolist(), key=row_scores.__getitem__, reverse=True)
-            best.append([(row, float(row_scores[row])) for row in ranked])
-        return best
+        at least `min_similarity` alike, best first, as (row position, exact similarity);
+        `scorer` makes the approximate pass (default: float32, no float16 copy read)."""
+        return semantic_scan.best_rows(queries, self.vectors, self.half_vectors,
+                                       scorer or RowScorer(half=False), k, min_similarity)
 
     def meta(self, row: int) -> dict[str, Any]:
         """The parsed meta JSON of a held row."""
