@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -48,7 +48,7 @@ def client(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url)
 
 
-def make_cache(client: redis.Redis, prefix: str, **kwargs: int) -> ExactSemanticCache:
+def make_cache(client: redis.Redis, prefix: str, **kwargs: Any) -> ExactSemanticCache:
     """A cache as one process has it (its own mirrors)."""
     return ExactSemanticCache(client, prefix=prefix, **kwargs)
 
