@@ -22,6 +22,7 @@ holds rows 40, 41, ... at buffer rows first, first + 1, ...
 from __future__ import annotations
 
 import json
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,10 +116,11 @@ class ScopeMirror:
         at, offset = self._first + num_rows, skip * row_bytes
         for chunk in vector_chunks:  # straight into the buffer: no joined copy
             rows = np.frombuffer(chunk, dtype=np.float32, offset=min(offset, len(chunk)))
-            self._buffer[at : at + len(rows) // self.dims] = rows.reshape(-1, self.dims)
-            if self._half_buffer is not None:  # rounded to nearest, as the error bound assumes
-                self._half_buffer[at : at + len(rows) // self.dims] = rows.reshape(-1, self.dims)
-            at += len(rows) // self.dims
+            end = at + len(rows) // self.dims
+            self._buffer[at:end] = rows.reshape(-1, self.dims)
+            if self._half_buffer is not None:
+                _round_to_half(self._half_buffer[at:end], self._buffer[at:end])
+            at = end
             offset = max(0, offset - len(chunk))
         self._metas.extend(metas)
         self._num_meta_bytes += sum(len(m) for m in metas)
@@ -183,3 +185,15 @@ class MirrorSet:
     def discard(self, scope: str) -> None:
         """Forget a scope's mirror."""
         self._mirrors.pop(scope, None)
+
+
+def _round_to_half(out: np.ndarray, rows: np.ndarray) -> None:
+    """Write float32 `rows` into float16 `out`, rounded to nearest as the scan's error
+    bound assumes. Through torch where it is loaded (a float16 copy is kept only there):
+    its vectorised conversion took 0.16 s per 100,000 rows of 384 here, numpy's 0.62 s,
+    most of a worker's first lookup of a large scope."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        out[...] = rows
+        return
+    torch.from_numpy(out).copy_(torch.from_numpy(rows))
