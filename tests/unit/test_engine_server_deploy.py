@@ -9,6 +9,7 @@ import yaml
 
 from cli.main import build_parser
 from core.settings import Settings
+from workers.inference import liveness
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,3 +37,17 @@ def test_kubernetes_engine_server_worker() -> None:
     build_parser().parse_args(container["command"][1:])
     settings = _settings({v["name"]: v["value"] for v in container["env"] if "value" in v})
     assert len(settings.engine_urls) == 2 and settings.engine_url_send_priority
+    # The images deploy/Dockerfile builds: this worker runs no model, so the CPU one.
+    assert container["image"] == "batchinfer:cpu"
+    # Probed like the model workers: a frozen loop is restarted, its partitions move.
+    assert str(settings.worker_liveness_file).startswith("/data/")
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert "emptyDir" in volumes[mounts["/data"]]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        command = container[probe]["exec"]["command"]
+        assert command[:3] == ["python", "-m", "workers.inference.liveness"], probe
+        liveness.parser(settings).parse_args(command[3:])
+    alive = container["livenessProbe"]
+    assert alive["exec"]["command"][3:] == []
+    assert alive["periodSeconds"] * alive["failureThreshold"] <= 60
