@@ -65,6 +65,22 @@ AUTOSCALER_JOIN_TIMEOUT_S = 10.0
 BROKER_RESTORE_TIMEOUT_S = 30.0
 # Why submissions are refused once a stop is asked for.
 STOPPING_REASON = "the service is shutting down"
+# Kafka session of `up`'s consumers where none is configured (see embedded_session_timeout).
+EMBEDDED_SESSION_TIMEOUT_MS = 6000
+
+
+def embedded_session_timeout(settings: Settings) -> dict[str, int]:
+    """The Kafka session timeout for the embedded broker, unless one is configured.
+
+    The embedded broker holds every group join for half the session timeout: at the
+    default 10 s a worker took its partitions 5 s after it subscribed, the wait between
+    `up`'s worker starting to consume and "ready". 6 s halves the gap to a worker that
+    died too (its partitions move after that long); the heartbeat, every third of it,
+    runs on kafka-python's own thread, and the test suite runs at 6 s on busy 2-core
+    machines."""
+    if "kafka_session_timeout_ms" in settings.model_fields_set:
+        return {}
+    return {"kafka_session_timeout_ms": EMBEDDED_SESSION_TIMEOUT_MS}
 
 
 def _set_env(**values: object) -> None:
@@ -369,7 +385,8 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
             redis = stack.enter_context(redis_service(port=redis_port,
                                                       data_dir=data_dir / "redis"))
             _set_env(kafka_bootstrap_servers=f"127.0.0.1:{broker_port}",
-                     redis_url=f"redis://127.0.0.1:{redis_port}/0")
+                     redis_url=f"redis://127.0.0.1:{redis_port}/0",
+                     **embedded_session_timeout(get_settings()))
             upgrade(settings.database_url)
             api_key = dev_api_key(data_dir, settings.database_url)
             webhook_secret = dev_webhook_secret(settings.database_url)

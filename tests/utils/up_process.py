@@ -144,10 +144,6 @@ def start_up(data_dir: Path, port: int, *, num_workers: int, log_path: Path,
     if "BATCHINFER_MODELS_DIR" in os.environ:
         env["BATCHINFER_MODELS_DIR"] = os.environ["BATCHINFER_MODELS_DIR"]
     env["PYTHONUNBUFFERED"] = "1"
-    # The embedded broker holds every group join for half the session timeout: a worker
-    # under `up` takes its partitions 3 s after it subscribes rather than 5 s (the default
-    # of 10 s), as with the other integration fixtures' workers.
-    env["BATCHINFER_KAFKA_SESSION_TIMEOUT_MS"] = "6000"
     env.update(extra_env or {})
     argv = [sys.executable, "-m", "cli", "up", "--port", str(port), "--data-dir",
             str(data_dir), "--workers", str(num_workers)]
