@@ -99,7 +99,13 @@ class Submitter:
     def stop(self) -> None:
         """Stop submitting and wait for every answer."""
         self._stop.set()
-        for thread in list(self._threads):
+        # The runner first: until it has returned it may start one more submission,
+        # whose thread a list taken earlier would miss (its job then had a row and, when
+        # read, no answer yet).
+        runner, *_ = self._threads
+        runner.join(SUBMIT_TIMEOUT_S)
+        assert not runner.is_alive(), "the submitter's runner did not stop"
+        for thread in self._threads[1:]:
             thread.join(SUBMIT_TIMEOUT_S + 5)
 
     def accepted_since(self, moment: float) -> int:
