@@ -139,7 +139,7 @@ class Scheduler:
             raise ValueError(f"tenant_step_target must be > 0, got {tenant_step_target}")
         self.tenant_step_target = tenant_step_target
         self.cost_model = cost_model if cost_model is not None else StepCostModel()
-        self.num_held_back_steps = 0  # sequence-steps sat out for a latency class
+        self.num_held_back_steps = 0  # sequence-steps sat out for a latency class or tenant cap
         self.waiting: list[Sequence] = []  # sorted by urgency
         self.tenant_clocks = TenantClocks()
         self.running: list[Sequence] = []
@@ -198,7 +198,7 @@ class Scheduler:
             before = self.cost_model.predict(step.shape) if over else 0.0
             self._schedule_group(group, step)
             if target is not None and over:
-                # Tenants over their share of the level: their most urgent sequence runs
+                # Tenants over their share of the level: their least served sequence runs
                 # whatever the tenant cap (the floor), the rest within it (tenant_share).
                 level_cap = step.cap
                 cap = over_share_cap(target, level_cap, before,
