@@ -289,10 +289,13 @@ def main() -> None:
     add("--mix", choices=["both", "priority", "same"], default="both",
         help="mixed runs: A low with B normal (priority), both low (same), or both")
     add("--timeout", type=float, default=1800.0)
+    add("--tenant-step-target-ms", type=float, default=None,
+        help="BATCHINFER_ENGINE_TENANT_STEP_TARGET_MS for the service (default: its own)")
     add("--window", type=int, default=None,
         help="BATCHINFER_BATCH_MAX_QUEUED_LINES for the service (default: its own, 2000)")
     args = parser.parse_args()
     print(f"load {os.getloadavg()[0]:.1f}, model {args.model}, {args.lines} lines, "
+          f"tenant step target {args.tenant_step_target_ms} ms, "
           f"{args.num_b} B jobs, {args.work_tokens:,} tokens at {args.tokens_per_minute:,}/min")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -306,6 +309,8 @@ def main() -> None:
             env = {"BATCHINFER_LOG_LEVEL": "WARNING"}
             if args.window is not None:
                 env["BATCHINFER_BATCH_MAX_QUEUED_LINES"] = str(args.window)
+            if args.tenant_step_target_ms is not None:
+                env["BATCHINFER_ENGINE_TENANT_STEP_TARGET_MS"] = str(args.tenant_step_target_ms)
             service = start(root / scenario, model, env)
             try:
                 (fairness if scenario == "fairness" else budget)(service, args)

@@ -57,6 +57,9 @@ class EngineConfig:
     # request arriving mid-step waits for the step, so this bounds how long wide prefill
     # of less urgent work keeps it out. None: the token budget alone sizes a step.
     max_prefill_step_time: float | None = None
+    # Seconds a step may take while tenants over their weighted share of a priority's
+    # running sequences join those under it (scheduler, tenant_share). None: no cap.
+    tenant_step_target: float | None = None
     # A quantized checkpoint's projections: "auto" keeps them quantized on CUDA (Triton
     # dequantize-in-GEMM kernels) and dequantizes them at load on the CPU; "packed" or
     # "dequantize" forces one (loader.keeps_packed).
@@ -92,6 +95,9 @@ class EngineConfig:
         if self.max_prefill_step_time is not None and not self.max_prefill_step_time > 0:
             raise ValueError("max_prefill_step_time must be > 0 seconds, got "
                              f"{self.max_prefill_step_time}")
+        if self.tenant_step_target is not None and not self.tenant_step_target > 0:
+            raise ValueError("tenant_step_target must be > 0 seconds, got "
+                             f"{self.tenant_step_target}")
         for priority, seconds in self.step_time_targets.items():
             if not seconds > 0:
                 raise ValueError(

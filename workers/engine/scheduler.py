@@ -13,6 +13,8 @@ Responsibilities:
   step stays within that target; the rest sit the step out keeping their KV blocks
   (a prefill chunk shrinks to fit first). With no urgent work in a step nothing is held
   back, so low priorities never starve for want of a target of their own;
+- within a level, tenants over their weighted share of its running sequences join the
+  step after those under it, within `tenant_step_target` (tenant_share);
 - bound the prefill work of every step (`max_prefill_step_time`): a request that arrives
   while a step runs waits for that step to end, so a step of low-priority prefill
   chunks sized only by the token budget (2,048 tokens: ~25 s of SmolLM2 on a loaded
@@ -41,6 +43,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.step_cost import EMPTY_STEP, StepCostModel, StepShape
 from workers.engine.tenant_clock import TenantClocks
+from workers.engine.tenant_share import over_share_cap, split_by_share
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +110,14 @@ class Scheduler:
         cost_model: StepCostModel | None = None,
         kv_window: int | None = None,
         max_prefill_step_time: float | None = None,
+        tenant_step_target: float | None = None,
     ) -> None:
         """kv_window: the widest sliding window when every layer has one (blocks before it
         are given back as sequences advance), None when any layer attends to everything.
         max_prefill_step_time: seconds the prefill work of one step may add to it, priced
-        by the cost model (None: the token budget alone sizes it)."""
+        by the cost model (None: the token budget alone sizes it).
+        tenant_step_target: seconds a step may take while tenants over their share of a
+        priority join tenants under it (tenant_share; None: tenants are not capped)."""
         self.block_manager = block_manager
         self.kv_window = kv_window
         self.max_num_seqs = max_num_seqs
@@ -129,8 +135,11 @@ class Scheduler:
         if max_prefill_step_time is not None and not max_prefill_step_time > 0:
             raise ValueError(f"max_prefill_step_time must be > 0, got {max_prefill_step_time}")
         self.max_prefill_step_time = max_prefill_step_time
+        if tenant_step_target is not None and not tenant_step_target > 0:
+            raise ValueError(f"tenant_step_target must be > 0, got {tenant_step_target}")
+        self.tenant_step_target = tenant_step_target
         self.cost_model = cost_model if cost_model is not None else StepCostModel()
-        self.num_held_back_steps = 0  # sequence-steps sat out for a latency class
+        self.num_held_back_steps = 0  # sequence-steps sat out for a latency class or tenant cap
         self.waiting: list[Sequence] = []  # sorted by urgency
         self.tenant_clocks = TenantClocks()
         self.running: list[Sequence] = []
@@ -182,18 +191,22 @@ class Scheduler:
             # the first level present never has one, so the most urgent work always runs.
             step.cap = self._cap(step)
             group = running if len(levels) == 1 else [s for s in running if s.priority == level]
-            # Decodes first (one token each, latency-sensitive), then prefill chunks.
-            decodes, chunks = [], []
-            for seq in group:
-                num_uncomputed = len(seq.token_ids) - seq.num_computed_tokens
-                if num_uncomputed == 1:
-                    decodes.append(seq)
-                elif num_uncomputed > 1:
-                    chunks.append(seq)
-            self._schedule_decodes(decodes, step)
-            for seq in chunks:
-                if seq.status is SequenceStatus.RUNNING and step.budget > 0:
-                    self._schedule_running(seq, step)
+            over: list[Sequence] = []
+            target = self.tenant_step_target
+            if target is not None and self.cost_model.is_fitted:
+                group, over = split_by_share(group, self.waiting, level)
+            before = self.cost_model.predict(step.shape) if over else 0.0
+            self._schedule_group(group, step)
+            if target is not None and over:
+                # Tenants over their share of the level: their least served sequence runs
+                # whatever the tenant cap (the floor), the rest within it (tenant_share).
+                level_cap = step.cap
+                cap = over_share_cap(target, level_cap, before,
+                                     self.cost_model.predict(step.shape))
+                self._schedule_group(over[:1], step)
+                step.cap = cap
+                self._schedule_group(over[1:], step)
+                step.cap = level_cap
             self._admit_waiting(step, max_priority=level)
             if any(s.priority == level for s in step.scheduled):
                 step.levels_scheduled.add(level)
@@ -210,6 +223,21 @@ class Scheduler:
             shape=step.shape,
             num_held_back=step.num_held_back,
         )
+
+    def _schedule_group(self, group: list[Sequence], step: _Step) -> None:
+        """Running sequences of one level: decodes first (one token each, latency-sensitive),
+        then prefill chunks."""
+        decodes, chunks = [], []
+        for seq in group:
+            num_uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            if num_uncomputed == 1:
+                decodes.append(seq)
+            elif num_uncomputed > 1:
+                chunks.append(seq)
+        self._schedule_decodes(decodes, step)
+        for seq in chunks:
+            if seq.status is SequenceStatus.RUNNING and step.budget > 0:
+                self._schedule_running(seq, step)
 
     def _cap(self, step: _Step) -> float | None:
         """Seconds the step may take, from the targets of the levels it already holds."""
