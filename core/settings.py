@@ -139,11 +139,11 @@ class Settings(BaseSettings):
     # Within a priority, while tenants over their weighted share of its running jobs run
     # beside tenants under it, the longest a step may take: the over-share tenants' jobs
     # beyond one sit steps out (keeping their KV), so the others' tokens are not paced by
-    # a big batch (docs/tenants.md). The default is below any real step, so the over-share
-    # tenants add what the floor allows, half of the others' part: SmolLM2, 2,000 low lines
-    # of one tenant and 50 of another's, took the 50 from 5.3x to 2.2x their idle time with
-    # no loss to the batch measured. None: no cap.
-    engine_tenant_step_target_ms: float | None = Field(default=1.0, gt=0)
+    # a big batch (docs/tenants.md). None (the default): no cap. Off by default because
+    # the over-share tenant is held to its floor, half of what the others' part of a step
+    # costs, for as long as any under-share tenant runs: one that keeps a few jobs running
+    # all day would cut a big batch beside it to a few sequences a step.
+    engine_tenant_step_target_ms: float | None = Field(default=None, gt=0)
     # API: how often the load behind queue positions and ETAs is read again (once per
     # process, whatever the number of readers).
     estimate_refresh_s: float = Field(default=1.0, gt=0)
