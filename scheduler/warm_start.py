@@ -25,6 +25,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import IO
 
@@ -94,6 +95,18 @@ def warm_start_available() -> bool:
     return "forkserver" in multiprocessing.get_all_start_methods()
 
 
+def start_server() -> multiprocessing.context.ForkServerContext:
+    """Start the warm server now (a no-op once it runs) and return its context.
+
+    It imports PRELOAD on its own: a caller that starts it before other work of its own
+    has the imports done beside that work, and its first fork waits for them to finish.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    forkserver.ensure_running()
+    return context
+
+
 def start_module(
     module: str,
     args: Sequence[str] = (),
@@ -113,8 +126,7 @@ def start_module(
     if not (warm and warm_start_available()):
         return start_command(argv, env=env, log_path=log_path, stderr_path=stderr_path,
                              cwd=cwd, new_session=new_session)
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOAD))
+    context = start_server()
     # Daemonic: should this process exit without stopping it, multiprocessing's exit hook
     # sends SIGTERM (a worker drains) rather than waiting on it forever.
     process = context.Process(

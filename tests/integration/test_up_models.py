@@ -7,6 +7,7 @@ weights revision.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from core.settings import Settings
@@ -172,3 +174,47 @@ def test_a_second_stop_hands_unfinished_jobs_back_at_once(tmp_path: Path) -> Non
     assert sum(counts.values()) == 128
     assert {status.value for status in counts} <= {"queued", "succeeded"}, counts
     assert "released" in run.log_tail(200_000)
+
+
+def test_a_model_only_the_full_check_refuses_stops_what_started_and_exits_2(
+        tmp_path: Path) -> None:
+    """A Llama config (its family is served, so the early read passes) with a quantization
+    the engine does not run: the full check, forked from the warm server once the broker,
+    Redis and the schema are up, refuses it; `up` exits 2 with the engine's reason and
+    leaves no broker, Redis or warm server running."""
+    import subprocess
+    import sys
+
+    from tests.utils.up_process import ROOT
+
+    model_dir = tmp_path / "bnb-llama"
+    tiny_llama_config(quantization_config={"quant_method": "bitsandbytes",
+                                           "load_in_4bit": True}).save_pretrained(model_dir)
+    data_dir = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHINFER_")}
+    env["BATCHINFER_MODELS_DIR"] = str(tmp_path / "models")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "cli", "up", "--port", str(free_port()), "--data-dir",
+         str(data_dir), "--model", str(model_dir), "--served-model-name", "bnb"],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "up.log").open("wb"), env=env, cwd=ROOT)
+    seen: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + within_budget(300)
+    try:
+        while up.poll() is None:
+            assert time.monotonic() < deadline, "up neither refused the model nor stopped"
+            try:
+                seen.update((c.pid, c) for c in psutil.Process(up.pid).children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+            time.sleep(0.1)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    log = (tmp_path / "up.log").read_text(errors="replace")
+    assert up.returncode == 2, log[-3000:]
+    assert f"batchinfer up: {model_dir} cannot be served: model quantization" in log, log[-3000:]
+    assert "started tansu" in log and "started redis" in log, log[-3000:]  # the early read
+    # The warm server ends when `up` has gone, after its interpreter's teardown (seconds
+    # with torch imported, more on a loaded machine); nothing may keep running.
+    _, alive = psutil.wait_procs(list(seen.values()), timeout=within_budget(60))
+    assert alive == [], f"still running after up exited: {[p.cmdline()[:4] for p in alive]}"

@@ -69,3 +69,57 @@ def test_up_refuses_gpt2_before_starting_anything(gpt2_dir: Path, tmp_path: Path
             "supported") in err
     assert not list(data_dir.glob("*.db"))
     assert not (data_dir / "redis").exists()
+
+
+def test_the_served_families_named_without_torch_are_the_registry_s() -> None:
+    """`up`'s early refusal reads a list of names; the engine's registry decides support.
+    A family added to one and not the other would be refused early, or let through to
+    the full check, by mistake."""
+    from workers.engine.model_types import SERVED_MODEL_TYPES
+    from workers.engine.models import SUPPORTED_MODEL_TYPES
+
+    assert SERVED_MODEL_TYPES == SUPPORTED_MODEL_TYPES
+
+
+def _config_dir(path: Path, config: object) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_precheck_refuses_a_family_the_engine_does_not_serve_in_the_full_check_s_words(
+        gpt2_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same sentence whichever check speaks first."""
+    from scheduler.model_precheck import precheck
+
+    with pytest.raises(ValueError) as refused:
+        precheck(str(gpt2_dir), tmp_path / "models")
+    assert main(["models", "prepare", str(gpt2_dir), "--models-dir", str(tmp_path)]) == 2
+    assert f"batchinfer models prepare: {refused.value}\n" in capsys.readouterr().err
+
+
+def test_precheck_passes_what_it_can_read_and_defers_what_only_preparing_can_tell(
+        tmp_path: Path) -> None:
+    """A served family, an encoder, or a name prepared under the models directory pass;
+    a GGUF file, a known name still to pull, a config without model_type or one that is not
+    JSON are left to the full preparation, which has the words for them."""
+    from scheduler.model_precheck import precheck
+
+    models_dir = tmp_path / "models"
+    llama = tiny_llama_config()
+    llama.save_pretrained(tmp_path / "llama")
+    assert precheck(str(tmp_path / "llama"), models_dir)
+    llama.save_pretrained(models_dir / "mine")
+    assert precheck("mine", models_dir)
+    encoder = _config_dir(tmp_path / "encoder", {"model_type": "bert",
+                                                  "architectures": ["BertModel"]})
+    assert precheck(str(encoder), models_dir)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert not precheck(str(gguf), models_dir)
+    assert not precheck("smollm2-135m-instruct", models_dir)
+    assert not precheck(str(_config_dir(tmp_path / "untyped", {"hidden_size": 8})), models_dir)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    assert not precheck(str(broken), models_dir)

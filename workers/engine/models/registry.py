@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from workers.engine.model_types import unsupported_type_reason
 from workers.engine.models.base import CausalLM
 from workers.engine.models.gemma import GemmaForCausalLM
 from workers.engine.models.llama import LlamaForCausalLM
@@ -39,9 +40,6 @@ def check_supported(hf_config: PretrainedConfig) -> None:
     model_type = getattr(hf_config, "model_type", None)
     model_class = MODEL_CLASSES.get(model_type) if isinstance(model_type, str) else None
     if model_class is None:
-        raise ValueError(
-            f"model architecture {model_type!r} is not supported; "
-            f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
-        )
+        raise ValueError(unsupported_type_reason(model_type))
     model_class.check_config(hf_config)  # rope kind, layer types, activation
     quant_scheme_of(hf_config)  # raises for unsupported quantization formats
