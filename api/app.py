@@ -8,6 +8,7 @@ when the client sends one, else by counting the bytes as they stream in.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -50,6 +51,9 @@ logger = logging.getLogger(__name__)
 # File uploads are multipart: the file plus boundaries, part headers and the `purpose`
 # field, which a few KiB cover; 1 MiB leaves room for long file names.
 MULTIPART_OVERHEAD_BYTES = 1 << 20
+# Seconds start-up waits for the served models' tokenizers (under `up`'s 60 s API start
+# limit; `up` starts the load long before the API, beside the warm server's imports).
+CONTEXT_LOAD_WAIT_S = 30.0
 
 
 class ServiceApp(FastAPI):
@@ -82,9 +86,13 @@ def create_app(settings: Settings | None = None, *, serving: bool = False) -> Fa
         resources = Resources.open(app_settings)
         app.state.resources = resources
         resources.done_hub.start(read_views=partial(read_finished_views, resources))
-        # Tokenizers for the context checks load now, not on the first request's time.
-        model_contexts(app_settings.models_dir).warm_up(
+        # Tokenizers for the context checks load before the app takes requests: one that
+        # came meanwhile would wait for the load, on a busy machine past a client's
+        # timeout. Bounded, so a slow load delays start-up at most that long; requests
+        # after it wait as before.
+        loading = model_contexts(app_settings.models_dir).warm_up(
             [m for m in app_settings.served_models if m not in app_settings.embedding_models])
+        await asyncio.to_thread(loading.join, CONTEXT_LOAD_WAIT_S)
         logger.info("API ready: database %s, broker %s, redis %s, models %s",
                     resources.engine.url.render_as_string(hide_password=True),
                     app_settings.kafka_bootstrap_servers, app_settings.redis_url,

@@ -206,16 +206,19 @@ class ModelContexts:
             return context
 
 
-    def warm_up(self, names: list[str]) -> threading.Thread:
+    def warm_up(self, names: list[str],
+                announced_dirs: dict[str, str] | None = None) -> threading.Thread:
         """Load these models' contexts on a daemon thread, so no request waits for it.
 
-        Loading a tokenizer (and importing transformers) takes seconds; a request that
-        arrives meanwhile waits for the same load instead of starting its own.
+        Loading a tokenizer (and importing transformers) takes seconds, a minute on a
+        loaded two-core machine; a request that arrives meanwhile waits for the same load
+        instead of starting its own. `announced_dirs` names the directory of a model
+        served under a name of its own, as `get` takes it.
         """
         def load() -> None:
             for name in names:
                 try:
-                    self.get(name)
+                    self.get(name, announced_dir=(announced_dirs or {}).get(name))
                 except Exception:  # a broken model must not take the process down
                     logger.exception("could not read the context of model %s", name)
 

@@ -50,6 +50,7 @@ from scheduler.service_keeper import ServiceKeeper
 if TYPE_CHECKING:
     from core.settings import Settings
     from scheduler.model_fleet import ModelFleet, ServedModel
+    from scheduler.model_precheck import ReadModel
     from scheduler.model_watch import ModelWatch
     from scheduler.role import SchedulerRole
     from scheduler.supervisor import Supervisor
@@ -330,6 +331,21 @@ def _watch_models(settings: Settings, served: list[ServedModel],
     return watch
 
 
+def _load_contexts(settings: Settings, read: dict[str, ReadModel | None],
+                   served: list[ServedModel]) -> None:
+    """Start loading the chat models' tokenizers for the API's context checks now: the
+    API, in this process, waits for them before it takes requests, and the load (with
+    transformers' import, seconds to a minute by load) runs beside everything before it."""
+    from core.model_context import model_contexts
+
+    dirs = {name: str(model.path) for name, model in read.items()
+            if model is not None and model.kind == "chat"}
+    dirs.update((model.name, model.path) for model in served if not model.is_embedding
+                and not model.engine_urls)
+    # The API's settings name the resolved directory: the same contexts object.
+    model_contexts(settings.models_dir.resolve()).warm_up(list(dirs), announced_dirs=dirs)
+
+
 def _check_port_free(host: str, port: int) -> None:
     if is_port_open(host, port):
         raise ValueError(f"port {port} on {host} is already in use; pick another with --port")
@@ -395,11 +411,13 @@ def run_embedded(*, num_workers: int = 1, max_workers: int | None = None,
             # Every config read (a refused family raises here, before anything starts):
             # the warm server imports beside the broker, Redis and the schema, and the full
             # check forks from it after them. Else the models are prepared first.
-            prepare_later = all(urls.get(name) or precheck(model, settings.models_dir)
-                                for model, name in asked)
+            read = {name: precheck(model, settings.models_dir)
+                    for model, name in asked if not urls.get(name)}
+            prepare_later = None not in read.values()
             if prepare_later and settings.worker_warm_start and warm_start_available():
                 start_server()
             served = [] if prepare_later else prepare()
+            _load_contexts(settings, read, served)
             broker_port, redis_port = free_port(), free_port()
             broker = stack.enter_context(tansu_service(port=broker_port,
                                                        log_dir=data_dir / "logs"))

@@ -12,6 +12,7 @@ before.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from workers.engine.model_card import model_kind, read_config
 from workers.engine.model_types import SERVED_MODEL_TYPES, unsupported_type_reason
@@ -31,22 +32,30 @@ def config_dir(model: str, models_dir: Path) -> Path | None:
     return None
 
 
-def precheck(model: str, models_dir: Path) -> bool:
-    """True when `model`'s config was read and names a family the engine serves (or an
-    encoder); False when only its preparation can tell. ValueError, in the words of the
-    full check, for a config of a family the engine does not serve."""
+class ReadModel(NamedTuple):
+    """A model whose config was read: its directory and kind (`chat` or `embedding`)."""
+
+    path: Path
+    kind: str
+
+
+def precheck(model: str, models_dir: Path) -> ReadModel | None:
+    """The directory and kind of `model` when its config was read and names a family the
+    engine serves (or an encoder); None when only its preparation can tell. ValueError, in
+    the words of the full check, for a config of a family the engine does not serve."""
     model_dir = config_dir(model, models_dir)
     if model_dir is None:
-        return False
+        return None
     try:
         config = read_config(model_dir)
     except ValueError:
-        return False  # unreadable JSON: the full check names what is wrong with it
-    if model_kind(model_dir, config) == "embedding":
-        return True
+        return None  # unreadable JSON: the full check names what is wrong with it
+    kind = model_kind(model_dir, config)
+    if kind == "embedding":
+        return ReadModel(model_dir, kind)
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
-        return False  # transformers' own reading names what is wrong with it
+        return None  # transformers' own reading names what is wrong with it
     if model_type not in SERVED_MODEL_TYPES:
         raise ValueError(f"{model_dir} cannot be served: {unsupported_type_reason(model_type)}")
-    return True
+    return ReadModel(model_dir, kind)

@@ -108,18 +108,19 @@ def test_precheck_passes_what_it_can_read_and_defers_what_only_preparing_can_tel
     models_dir = tmp_path / "models"
     llama = tiny_llama_config()
     llama.save_pretrained(tmp_path / "llama")
-    assert precheck(str(tmp_path / "llama"), models_dir)
+    assert precheck(str(tmp_path / "llama"), models_dir) == (tmp_path / "llama", "chat")
     llama.save_pretrained(models_dir / "mine")
-    assert precheck("mine", models_dir)
+    assert precheck("mine", models_dir) == (models_dir / "mine", "chat")
     encoder = _config_dir(tmp_path / "encoder", {"model_type": "bert",
                                                   "architectures": ["BertModel"]})
-    assert precheck(str(encoder), models_dir)
+    assert precheck(str(encoder), models_dir) == (encoder, "embedding")
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    assert not precheck(str(gguf), models_dir)
-    assert not precheck("smollm2-135m-instruct", models_dir)
-    assert not precheck(str(_config_dir(tmp_path / "untyped", {"hidden_size": 8})), models_dir)
+    assert precheck(str(gguf), models_dir) is None
+    assert precheck("smollm2-135m-instruct", models_dir) is None
+    untyped = _config_dir(tmp_path / "untyped", {"hidden_size": 8})
+    assert precheck(str(untyped), models_dir) is None
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
-    assert not precheck(str(broken), models_dir)
+    assert precheck(str(broken), models_dir) is None
