@@ -19,10 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +35,22 @@ from scheduler.embedded_services import free_port, tansu_service
 from storage.db import create_db_engine, session_factory
 from storage.migrate import upgrade
 from tests.utils.api import count_jobs, make_tenant_key
+from tests.utils.fault_stack import (
+    FINISH_TIMEOUT_S,
+    MODEL,
+    RECOVERY_TIMEOUT_S,
+    RESTART_BACKOFF_S,
+    Stack,
+    check_each_accepted_job_succeeded_once,
+    count_result_writes,
+    job_body,
+    restarts_of,
+    stop_up,
+    survive,
+)
 from tests.utils.postgres import PostgresCluster, create_database, postgres_bin_dir
 from tests.utils.service import running_api
-from tests.utils.up_process import UpProcess, start_up
+from tests.utils.up_process import start_up
 
 # Each test runs `batchinfer up` or a real model, several minutes on a loaded machine; its
 # own waits end first, with their diagnostics.
@@ -47,141 +58,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 logger = logging.getLogger(__name__)
 
-MODEL = "tiny"
-# Each job decodes this many tokens: long enough that a fault lands mid-stream, short
-# enough that a loaded CPU runs a dozen in seconds.
-MAX_TOKENS = 48
-NUM_JOBS_BEFORE = 8
-# A restarted dependency should have the service accepting jobs again well within this.
-RECOVERY_TIMEOUT_S = 90.0
-FINISH_TIMEOUT_S = 150.0
-# Long enough that the client sees the outage; `up` would otherwise restart the broker
-# or Redis in about a second.
-RESTART_BACKOFF_S = 2.0
 # Tokens of each job in the frozen-worker test: long enough that the worker is frozen
 # while it holds some.
 FROZEN_JOB_TOKENS = 400
-# A submission unanswered this long counts as hung (the checks then fail).
-SUBMIT_TIMEOUT_S = 30.0
-# The API checks the broker four times a second; a second covers a loaded machine.
-FAULT_NOTICED_WITHIN_S = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    """One submission's answer, as the client saw it."""
-
-    status_code: int
-    sent_at: float
-    elapsed_s: float
-    job_id: str | None
-    retry_after: str | None
-
-
-@dataclass
-class Submitter:
-    """Submits one distinct job every interval_s, each from its own thread (so one slow
-    answer does not hide the others), recording every answer."""
-
-    client: httpx.Client
-    tag: str
-    interval_s: float = 0.2
-    answers: list[Answer] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
-
-    def start(self) -> None:
-        """Begin submitting."""
-        self._threads.append(threading.Thread(target=self._run, name="submitter",
-                                              daemon=True))
-        self._threads[0].start()
-
-    def stop(self) -> None:
-        """Stop submitting and wait for every answer."""
-        self._stop.set()
-        # The runner first: until it has returned it may start one more submission,
-        # whose thread a list taken earlier would miss (its job then had a row and, when
-        # read, no answer yet).
-        runner, *_ = self._threads
-        runner.join(SUBMIT_TIMEOUT_S)
-        assert not runner.is_alive(), "the submitter's runner did not stop"
-        for thread in self._threads[1:]:
-            thread.join(SUBMIT_TIMEOUT_S + 5)
-
-    def accepted_since(self, moment: float) -> int:
-        """202s for submissions sent after moment."""
-        return sum(a.status_code == 202 for a in self.answers if a.sent_at > moment)
-
-    def _run(self) -> None:
-        i = 0
-        while not self._stop.wait(self.interval_s):
-            thread = threading.Thread(target=self._submit, args=(f"{self.tag}-{i}",),
-                                      daemon=True)
-            self._threads.append(thread)
-            thread.start()
-            i += 1
-
-    def _submit(self, tag: str) -> None:
-        sent_at = time.monotonic()
-        try:
-            response = self.client.post("/v1/jobs", json=_body(tag), timeout=SUBMIT_TIMEOUT_S)
-        except httpx.TransportError:
-            # No answer at all: recorded as status 0, which the checks refuse.
-            self.answers.append(Answer(0, sent_at, time.monotonic() - sent_at, None, None))
-            return
-        job_id = response.json()["id"] if response.status_code == 202 else None
-        self.answers.append(Answer(response.status_code, sent_at, time.monotonic() - sent_at,
-                                   job_id, response.headers.get("retry-after")))
-
-
-def _body(tag: str) -> dict[str, Any]:
-    """A distinct greedy chat request (distinct: no result-cache hits)."""
-    return {"model": MODEL, "messages": [{"role": "user", "content": f"fault test {tag}"}],
-            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-
-
-@dataclass
-class Stack:
-    """A running `batchinfer up`, a client on it, and its database."""
-
-    up: UpProcess
-    client: httpx.Client
-    db: sa.Engine
-
-    def statuses(self) -> dict[str, str]:
-        """Job id → status of every job row."""
-        with self.db.connect() as connection:
-            return dict(connection.execute(sa.text("SELECT id, status FROM jobs")).all())
-
-    def submit(self, n: int, tag: str) -> list[str]:
-        """n jobs that must be accepted (nothing is broken yet); their ids."""
-        ids = []
-        for i in range(n):
-            response = self.client.post("/v1/jobs", json=_body(f"{tag}-{i}"))
-            assert response.status_code == 202, response.text
-            ids.append(response.json()["id"])
-        return ids
-
-    def unfinished(self) -> list[tuple[object, ...]]:
-        """Where each job not yet finished stands: what a stuck run must name."""
-        with self.db.connect() as connection:
-            return [tuple(row) for row in connection.execute(sa.text(
-                "SELECT id, status, priority, attempts, worker_id, queued_at, started_at, "
-                "first_token_at FROM jobs "
-                "WHERE status NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY created_at"))]
-
-    def wait_until(self, what: str, check: Callable[[], bool], timeout: float,
-                   describe: Callable[[], object] | None = None) -> float:
-        """Poll check until true; the seconds it took. Fails with the log (and what describe
-        says) after timeout."""
-        started = time.monotonic()
-        while not check():
-            if time.monotonic() - started > timeout:
-                state = f"\nstate: {describe()}" if describe is not None else ""
-                raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what};"
-                                     f"{state}\nlog:\n{self.up.log_tail(12000)}")
-            time.sleep(0.2)
-        return time.monotonic() - started
 
 
 @pytest.fixture
@@ -208,7 +87,7 @@ def tiny_up(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[..., Stack]]:
         # pre-ping: the PostgreSQL test restarts the server under this pool.
         stack = Stack(up, up.client(), sa.create_engine(database_url, pool_pre_ping=True))
         made.append(stack)
-        _count_result_writes(stack.db)
+        count_result_writes(stack.db)
         return stack
 
     yield start
@@ -217,130 +96,6 @@ def tiny_up(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[..., Stack]]:
         if stack.up.process.poll() is None:
             stack.up.kill_tree()
         stack.db.dispose()
-
-
-def _count_result_writes(db: sa.Engine) -> None:
-    """A trigger that records every UPDATE leaving a job row `succeeded`."""
-    with db.begin() as connection:
-        connection.execute(sa.text("CREATE TABLE result_writes (job_id text NOT NULL)"))
-        connection.execute(sa.text(
-            "CREATE FUNCTION record_result() RETURNS trigger AS $$ BEGIN "
-            "INSERT INTO result_writes (job_id) VALUES (NEW.id); RETURN NEW; END $$ "
-            "LANGUAGE plpgsql"))
-        connection.execute(sa.text(
-            "CREATE TRIGGER jobs_result_writes AFTER UPDATE ON jobs FOR EACH ROW "
-            "WHEN (NEW.status = 'succeeded' AND OLD.status <> 'succeeded') "
-            "EXECUTE FUNCTION record_result()"))
-
-
-def _survive(stack: Stack, *, fault: str, inject: Callable[[], object],
-             restore: Callable[[], object] | None = None,
-             expect_refusals: bool,
-             refused_within_s: float = PUBLISH_TIMEOUT_S / 2) -> dict[str, float]:
-    """Jobs in flight, inject the fault (then restore it), check everything the module
-    docstring promises; the seconds each recovery step took."""
-    before = stack.submit(NUM_JOBS_BEFORE, f"{fault}-before")
-    stack.wait_until("a job to run", lambda: "running" in stack.statuses().values()
-                     or "succeeded" in stack.statuses().values(), RECOVERY_TIMEOUT_S)
-    submitter = Submitter(stack.up.client(), tag=f"{fault}-during")
-    submitter.start()
-    try:
-        injected_at = time.monotonic()
-        inject()
-        if restore is not None:
-            time.sleep(RESTART_BACKOFF_S)  # the same outage `up` leaves itself
-            restore()
-        # Serving again: every dependency answers, and three jobs were accepted after the
-        # last refusal.
-        def accepting() -> bool:
-            refused = [a.sent_at for a in submitter.answers if a.status_code != 202]
-            return submitter.accepted_since(max(refused, default=injected_at)) >= 3
-        stack.wait_until(f"/readyz to answer 200 after the {fault} fault",
-                         lambda: stack.client.get("/readyz").status_code == 200,
-                         RECOVERY_TIMEOUT_S)
-        ready_again_s = time.monotonic() - injected_at
-        stack.wait_until(f"submissions to be accepted again after the {fault} fault",
-                         accepting, RECOVERY_TIMEOUT_S)
-    finally:
-        submitter.stop()
-        submitter.client.close()
-    answers = submitter.answers
-    refused = [a for a in answers if a.status_code != 202]
-    assert all(a.status_code == 503 for a in refused), [a.status_code for a in refused]
-    assert all(a.retry_after is not None and int(a.retry_after) >= 1 for a in refused)
-    # Refused promptly. Only a request whose record was sent before the fault was noticed
-    # may wait for its ack. (An accepted job's answer may take longer: it waits for its ack.)
-    noticed_by = injected_at + FAULT_NOTICED_WITHIN_S
-    slow = [a for a in refused if a.sent_at > noticed_by and a.elapsed_s > refused_within_s]
-    assert not slow, slow
-    if expect_refusals:
-        assert refused, f"no submission was refused while the {fault} was down"
-    last_refusal = max((a.sent_at for a in refused), default=injected_at)
-    after = stack.submit(3, f"{fault}-after")
-    accepted = before + [a.job_id for a in answers if a.job_id is not None] + after
-    finished_in = stack.wait_until(
-        "every accepted job to finish",
-        lambda: all(s in ("succeeded", "failed", "cancelled")
-                    for s in stack.statuses().values()), FINISH_TIMEOUT_S,
-        describe=stack.unfinished)
-    _check_each_accepted_job_succeeded_once(stack, accepted)
-    assert stack.client.get("/readyz").status_code == 200
-    times = {
-        "ready_again_s": ready_again_s,
-        "refused_s": last_refusal - injected_at if refused else 0.0,
-        "accepting_again_s": next(a.sent_at for a in answers
-                                  if a.status_code == 202 and a.sent_at >= last_refusal)
-        - injected_at,
-        "all_done_s": time.monotonic() - injected_at,
-        "num_refused": float(len(refused)),
-        "num_accepted": float(len(accepted)),
-    }
-    logger.warning("%s fault: %s (then %.1fs to finish the rest)", fault,
-                   {k: round(v, 1) for k, v in times.items()}, finished_in)
-    return times
-
-
-def _check_each_accepted_job_succeeded_once(stack: Stack, accepted: list[str]) -> None:
-    statuses = stack.statuses()
-    # A 503 leaves nothing behind: the only rows are the accepted jobs.
-    assert set(statuses) == set(accepted), "rows without a 202, or 202s without a row"
-    assert set(statuses.values()) == {"succeeded"}, statuses
-    with stack.db.connect() as connection:
-        writes: dict[str, int] = dict(connection.execute(sa.text(
-            "SELECT job_id, count(*) FROM result_writes GROUP BY job_id")).all())
-        num_without_result = connection.execute(sa.text(
-            "SELECT count(*) FROM jobs WHERE result IS NULL")).scalar_one()
-    assert writes == dict.fromkeys(accepted, 1), "each result is written exactly once"
-    assert num_without_result == 0
-
-
-def _stop(stack: Stack, timeout: float = 90.0, *, is_broker_up: bool = True) -> float:
-    """SIGTERM `up`: no job is accepted from then on, and a refusal says the service is
-    stopping (unless the broker is down too); it must exit 0; the seconds it took."""
-    started = time.monotonic()
-    stack.up.process.send_signal(signal.SIGTERM)
-    answers = []
-    while stack.up.process.poll() is None and time.monotonic() - started < timeout:
-        try:
-            response = stack.client.post("/v1/jobs", json=_body("while-stopping"), timeout=5)
-        except httpx.TransportError:
-            break  # the API has stopped listening
-        answers.append(response.status_code)
-        if response.status_code == 503 and is_broker_up:  # stopping, not a dependency down
-            assert response.json()["error"]["code"] == "service_stopping", response.text
-        time.sleep(0.1)
-    assert 202 not in answers, f"accepted a job while stopping: {answers}"
-    assert stack.up.stop(timeout) == 0, stack.up.log_tail()
-    return time.monotonic() - started
-
-
-def _restarts(stack: Stack, service: str) -> float:
-    text = stack.client.get("/metrics").text
-    for line in text.splitlines():
-        if line.startswith("batchinfer_embedded_service_restarts_total") and \
-                f'service="{service}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def test_broker_killed_mid_stream(tiny_up: Callable[..., Stack], postgres_url: str) -> None:
@@ -353,22 +108,22 @@ def test_broker_killed_mid_stream(tiny_up: Callable[..., Stack], postgres_url: s
     # it. So a short outage may be all 202s, a little late, and a refusal may take up to
     # the publish timeout; test_api_refuses_at_once_while_the_broker_is_down shows the
     # refusal itself is immediate.
-    times = _survive(stack, fault="broker", inject=lambda: stack.up.kill_child("tansu"),
+    times = survive(stack, fault="broker", inject=lambda: stack.up.kill_child("tansu"),
                      expect_refusals=False, refused_within_s=PUBLISH_TIMEOUT_S + 2)
-    assert _restarts(stack, "tansu") == 1
+    assert restarts_of(stack, "tansu") == 1
     log = stack.up.log_tail(200_000)
     assert "restarted tansu" in log and "broker restored" in log
     assert times["accepting_again_s"] < RECOVERY_TIMEOUT_S
-    _stop(stack)
+    stop_up(stack)
 
 
 def test_redis_killed_mid_stream(tiny_up: Callable[..., Stack], postgres_url: str) -> None:
     """SIGKILL Redis: submissions go on (it is a cache), `up` restarts it, jobs finish."""
     stack = tiny_up(postgres_url)
-    _survive(stack, fault="redis", inject=lambda: stack.up.kill_child("redis-server"),
+    survive(stack, fault="redis", inject=lambda: stack.up.kill_child("redis-server"),
              expect_refusals=False)
-    assert _restarts(stack, "redis") == 1
-    _stop(stack)
+    assert restarts_of(stack, "redis") == 1
+    stop_up(stack)
 
 
 def test_worker_killed_mid_stream(tiny_up: Callable[..., Stack], postgres_url: str) -> None:
@@ -376,11 +131,11 @@ def test_worker_killed_mid_stream(tiny_up: Callable[..., Stack], postgres_url: s
     jobs the dead one held."""
     stack = tiny_up(postgres_url)
     killed: list[int] = []
-    _survive(stack, fault="worker",
+    survive(stack, fault="worker",
              inject=lambda: killed.append(stack.up.kill_child("workers.inference")),
              expect_refusals=False)
     assert stack.up.child("workers.inference").pid not in killed
-    _stop(stack)
+    stop_up(stack)
 
 
 def _pid_of(worker_id: str) -> int:
@@ -408,7 +163,7 @@ def test_a_frozen_worker_is_killed_and_replaced_and_its_jobs_finish_elsewhere(
     first = {p.pid for p in _workers_of(stack)}
     job_ids = []
     for i in range(12):
-        body = {**_body(f"frozen-{i}"), "max_tokens": FROZEN_JOB_TOKENS}
+        body = {**job_body(f"frozen-{i}"), "max_tokens": FROZEN_JOB_TOKENS}
         response = stack.client.post("/v1/jobs", json=body)
         assert response.status_code == 202, response.text
         job_ids.append(response.json()["id"])
@@ -435,7 +190,7 @@ def test_a_frozen_worker_is_killed_and_replaced_and_its_jobs_finish_elsewhere(
     finally:
         if not _is_gone(frozen_pid):
             os.kill(frozen_pid, signal.SIGKILL)
-    _check_each_accepted_job_succeeded_once(stack, job_ids)
+    check_each_accepted_job_succeeded_once(stack, job_ids)
     with stack.db.connect() as connection:
         finished_by: dict[str, str] = dict(connection.execute(sa.text(
             "SELECT id, worker_id FROM jobs WHERE id = ANY(:ids)"), {"ids": held}).all())
@@ -448,7 +203,7 @@ def test_a_frozen_worker_is_killed_and_replaced_and_its_jobs_finish_elsewhere(
     logger.warning("frozen worker (heartbeat timeout %.0fs): killed after %.1fs, its %d "
                    "job(s) and the rest done after %.1fs", timeout_s, killed_s, len(held),
                    done_s)
-    _stop(stack)
+    stop_up(stack)
 
 
 def _workers_of(stack: Stack) -> list[psutil.Process]:
@@ -484,13 +239,13 @@ def test_postgres_killed_mid_stream(tiny_up: Callable[..., Stack],
     loaded, never restarted."""
     stack = tiny_up(create_database(own_postgres.admin_url))
     worker = stack.up.child("workers.inference")
-    _survive(
+    survive(
         stack, fault="postgres",
         inject=lambda: own_postgres.pg_ctl("-m", "immediate", "stop"),
         restore=own_postgres.start_durable,
         expect_refusals=True)
     assert stack.up.child("workers.inference").pid == worker.pid, stack.up.log_tail(12000)
-    _stop(stack)
+    stop_up(stack)
 
 
 def test_stop_with_a_dead_broker_takes_seconds(tiny_up: Callable[..., Stack],
@@ -503,7 +258,7 @@ def test_stop_with_a_dead_broker_takes_seconds(tiny_up: Callable[..., Stack],
                      lambda: set(stack.statuses().values()) == {"succeeded"}, FINISH_TIMEOUT_S,
                      describe=stack.unfinished)
     stack.up.kill_child("tansu")
-    stopped_in = _stop(stack, is_broker_up=False)
+    stopped_in = stop_up(stack, is_broker_up=False)
     logger.warning("stop with a dead broker took %.1fs", stopped_in)
     assert stopped_in < 30, stack.up.log_tail()
 
