@@ -11,12 +11,14 @@ Functions take a connection and never write.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from sqlalchemy import Connection, func, select
 
+from storage.batches import Batch
 from storage.models import Job, JobStatus, WorkerHeartbeat
 
 # Finished jobs per model the work means are taken over.
@@ -36,6 +38,47 @@ class WorkerWork:
     tokens_per_s: float | None
     num_claimed_since: int = 0
     num_claimed_before: int = 0  # its running jobs claimed at or before the beat
+    # When the first of the jobs claimed since the beat was claimed (None: none was).
+    first_claimed_since: datetime | None = None
+
+    @property
+    def is_idle_at_beat(self) -> bool:
+        """Whether the worker held nothing at its beat (its engine empty, nothing claimed):
+        its pace then did nothing until it claimed a job."""
+        return self.num_requests == 0 and self.num_claimed_before == 0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTail:
+    """A batch's unfinished jobs, as its estimate needs them."""
+
+    num_queued: int
+    num_running: int
+    # The queued job workers will take last (latest deadline, then creation).
+    last_deadline: datetime | None
+    last_created_at: datetime | None
+    # The running job that started last.
+    last_started_at: datetime | None
+
+    @property
+    def num_unfinished(self) -> int:
+        """Its jobs queued or running."""
+        return self.num_queued + self.num_running
+
+    def with_job(self, *, is_queued: bool, deadline: datetime | None, created_at: datetime,
+                 started_at: datetime) -> BatchTail:
+        """This tail with one more queued (or running) job."""
+        if not is_queued:
+            last = self.last_started_at
+            return replace(self, num_running=self.num_running + 1,
+                           last_started_at=started_at if last is None or started_at > last
+                           else last)
+        # Workers take the latest deadline (none: last of all), then the latest created, last.
+        is_last = self.last_created_at is None or _order(deadline, created_at) > _order(
+            self.last_deadline, self.last_created_at)
+        return replace(self, num_queued=self.num_queued + 1,
+                       last_deadline=deadline if is_last else self.last_deadline,
+                       last_created_at=created_at if is_last else self.last_created_at)
 
 
 @dataclass(slots=True)
@@ -59,6 +102,9 @@ class LoadReading:
     # Running jobs of workers that report no work left (a remote engine, an older worker,
     # a dead one).
     num_running_unreported: int = 0
+    # Batch id -> its queued and running jobs in this reading: a batch's estimate places
+    # them in this reading's queue, never a fresher count of its own (see api.estimates).
+    batch_tails: dict[str, BatchTail] = field(default_factory=dict)
 
 
 def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, LoadReading]:
@@ -89,11 +135,16 @@ def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, Lo
         loads[model].step_s = sum(values) / len(values)
     active = connection.execute(
         select(Job.model, Job.status, Job.priority, Job.deadline, Job.created_at,
-               Job.started_at, Job.worker_id)
+               Job.started_at, Job.worker_id, Job.batch_id)
         .where(Job.status.in_((JobStatus.QUEUED, JobStatus.RUNNING)))
     )  # fmt: skip
-    for model, status, priority, deadline, created_at, started_at, owner in active:
+    for model, status, priority, deadline, created_at, started_at, owner, batch_id in active:
         load = loads[model]
+        if batch_id is not None:
+            tail = load.batch_tails.get(batch_id) or BatchTail(0, 0, None, None, None)
+            load.batch_tails[batch_id] = tail.with_job(
+                is_queued=status == JobStatus.QUEUED, deadline=deadline,
+                created_at=created_at, started_at=started_at or created_at)
         if status == JobStatus.QUEUED:
             load.queued.append((priority, deadline, created_at))
             continue
@@ -103,6 +154,8 @@ def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, Lo
             load.num_running_unreported += 1
         elif started_at is not None and started_at > report.reported_at:
             report.num_claimed_since += 1
+            if report.first_claimed_since is None or started_at < report.first_claimed_since:
+                report.first_claimed_since = started_at
         else:
             report.num_claimed_before += 1
     for model, load in loads.items():
@@ -144,26 +197,25 @@ def _read_work(connection: Connection, model: str, load: LoadReading) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class BatchTail:
-    """A batch's unfinished jobs, as its estimate needs them."""
+class BatchLeft:
+    """What a batch has left, counted at one moment."""
 
-    num_queued: int
-    num_running: int
-    # The queued job workers will take last (latest deadline, then creation).
-    last_deadline: datetime | None
-    last_created_at: datetime | None
-    # The running job that started last.
-    last_started_at: datetime | None
+    num_unqueued: int  # lines not yet jobs (the fan-out's cursor behind the file's end)
+    num_unfinished: int  # its jobs queued or running
 
 
-def read_batch_tail(connection: Connection, *, batch_id: str) -> BatchTail:
-    """Counts and the last job of a batch's queued and running jobs (ix_jobs_batch)."""
-    queued = connection.execute(
-        select(func.count(), func.max(Job.deadline), func.max(Job.created_at))
-        .where(Job.batch_id == batch_id, Job.status == JobStatus.QUEUED)
-    ).one()  # fmt: skip
-    running = connection.execute(
-        select(func.count(), func.max(Job.started_at))
-        .where(Job.batch_id == batch_id, Job.status == JobStatus.RUNNING)
-    ).one()  # fmt: skip
-    return BatchTail(queued[0], running[0], queued[1], queued[2], running[1])
+def read_batch_left(connection: Connection, *, batch_id: str) -> BatchLeft:
+    """A batch's lines not yet enqueued and its unfinished jobs (ix_jobs_batch)."""
+    num_unqueued = connection.execute(
+        select(Batch.num_requests - Batch.num_enqueued).where(Batch.id == batch_id)
+    ).scalar_one_or_none()  # fmt: skip
+    num_unfinished = connection.execute(
+        select(func.count())
+        .where(Job.batch_id == batch_id,
+               Job.status.in_((JobStatus.QUEUED, JobStatus.RUNNING)))
+    ).scalar_one()  # fmt: skip
+    return BatchLeft(max(0, num_unqueued or 0), num_unfinished)
+
+
+def _order(deadline: datetime | None, created_at: datetime) -> tuple[float, float]:
+    return (math.inf if deadline is None else deadline.timestamp(), created_at.timestamp())

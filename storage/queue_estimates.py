@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from core.topics import PRIORITIES
-from storage.estimates import LoadReading, WorkerWork
+from storage.estimates import BatchTail, LoadReading, WorkerWork
 
 # Before a model has finished anything: what a job is assumed to be.
 DEFAULT_PROMPT_TOKENS = 64.0
@@ -71,6 +71,8 @@ class ModelQueue:
     # Engine tokens the running jobs have left (None: no worker reports it; each then
     # counts as a whole job's work).
     running_work: float | None = None
+    # Batch id -> its queued and running jobs as this reading has them.
+    batch_tails: dict[str, BatchTail] = field(default_factory=dict)
 
     @classmethod
     def of(cls, reading: LoadReading, at: float) -> ModelQueue:
@@ -103,6 +105,7 @@ class ModelQueue:
                                       num_unreported=reading.num_running_unreported,
                                       work_per_job=(prompt + completion) * cost_share,
                                       output_fill=reading.mean_output_fill),
+            batch_tails=reading.batch_tails,
         )
 
     @property
@@ -182,12 +185,13 @@ class ModelQueue:
         return Estimate(0, started_at, completion)
 
     def finish_unqueued(self, after: float | None, now: float, *, num_unqueued: int,
-                        num_ahead: int = 0,
+                        num_ahead: int = 0, num_unread: int = 0,
                         budget_tokens_per_s: float | None = None) -> float | None:
         """When `num_unqueued` more jobs (a batch's lines not yet enqueued) finish, run
-        after `after` (now when None) and `num_ahead` other lines the fan-out serves
-        first, at the model's pace, and no sooner than a token budget of
-        `budget_tokens_per_s` lets their own work through.
+        after `after` (now when None), `num_unread` jobs this reading does not hold yet
+        (queued since it was read) and `num_ahead` other lines the fan-out serves first,
+        at the model's pace, and no sooner than a token budget of `budget_tokens_per_s`
+        lets the unqueued lines' own work through.
 
         Example: 100 lines of 50 tokens at 500 tokens/s take 10 s (20 s behind 100 lines
         of a nearer deadline); under a budget of 20,000 tokens a minute (333 tokens/s)
@@ -196,8 +200,8 @@ class ModelQueue:
         if not self.tokens_per_s:
             return None
         tokens = num_unqueued * self.work_per_job
-        finish = (max(after or now, now)
-                  + (num_unqueued + num_ahead) * self.work_per_job / self.tokens_per_s)
+        num_jobs = num_unqueued + num_unread + num_ahead
+        finish = max(after or now, now) + num_jobs * self.work_per_job / self.tokens_per_s
         if budget_tokens_per_s:
             finish = max(finish, now + tokens / budget_tokens_per_s)
         return finish
@@ -238,6 +242,8 @@ def running_work(work_left: list[WorkerWork], at: float, *, num_unreported: int,
     Example: a worker beat 2 s ago with 180 requests, 9,000 tokens to compute of which
     6,000 output, at 1,000 tokens/s, and claimed 20 jobs since; jobs use 0.5 of
     max_tokens and are 50 tokens: 9,000 - 0.5 x 6,000 + 20 x 50 - 2 x 1,000 = 5,000 tokens.
+    Had it held nothing at that beat and claimed the 20 jobs 0.5 s ago: 20 x 50 - 0.5 x
+    1,000 = 500 tokens (its pace ran only since the claim).
     """
     if not work_left:
         return None
@@ -245,6 +251,12 @@ def running_work(work_left: list[WorkerWork], at: float, *, num_unreported: int,
     work = 0.0
     for worker in work_left:
         since_s = max(0.0, at - worker.reported_at.timestamp())
+        if worker.is_idle_at_beat:
+            # It did nothing between an idle beat and its first claim: a beat up to an
+            # interval old would otherwise take that many seconds of its pace off the
+            # jobs it claimed since (a batch's first wave counted half done).
+            first = worker.first_claimed_since
+            since_s = 0.0 if first is None else max(0.0, at - first.timestamp())
         left = (worker.num_tokens_to_compute - (1 - fill) * worker.num_output_tokens
                 + worker.num_claimed_since * work_per_job
                 + max(0, worker.num_claimed_before - worker.num_requests) * work_per_job

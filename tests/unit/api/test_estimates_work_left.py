@@ -136,3 +136,22 @@ def test_jobs_claimed_before_the_beat_but_not_yet_in_the_engine_count_whole() ->
     finished = WorkerWork(at(100), 164, 1000, 500, 1000.0, num_claimed_before=100)
     assert running_work([finished], NOW, num_unreported=0, work_per_job=200.0,
                         output_fill=None) == pytest.approx(1000)
+
+
+def test_a_worker_idle_at_its_beat_works_only_since_its_first_claim() -> None:
+    """It beat 4 s ago holding nothing, and claimed 100 jobs of 200 tokens 0.5 s ago: at
+    1,000 tokens/s it got through 500 tokens of them, not the 4,000 that 4 s of its pace
+    would take off (which put a batch's first wave a fifth done before it started)."""
+    claimed_at = at(100 - 0.5)
+    idle = WorkerWork(at(100 - 4.0), 0, 0, 0, 1000.0, num_claimed_since=100,
+                      first_claimed_since=claimed_at)
+    assert running_work([idle], NOW, num_unreported=0, work_per_job=200.0,
+                        output_fill=None) == pytest.approx(20_000 - 500)
+    # Busy at its beat: its pace ran all along, on its reported jobs and the new ones.
+    busy = WorkerWork(at(100 - 4.0), 10, 1000, 500, 1000.0, num_claimed_since=100,
+                      num_claimed_before=10, first_claimed_since=claimed_at)
+    assert running_work([busy], NOW, num_unreported=0, work_per_job=200.0,
+                        output_fill=None) == pytest.approx(1000 + 20_000 - 4000)
+    # Idle and nothing claimed since: nothing left, nothing taken off.
+    assert running_work([WorkerWork(at(90), 0, 0, 0, 1000.0)], NOW, num_unreported=0,
+                        work_per_job=200.0, output_fill=None) == 0.0
