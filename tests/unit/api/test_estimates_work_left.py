@@ -23,10 +23,10 @@ def test_the_docstring_example() -> None:
                                   work_left=[work(2, 300, 200)]), NOW)
     assert queue.work_running() == pytest.approx(300)
     estimate = queue.estimate_queued(1, queue_key(None, at(8)), NOW)
-    assert estimate.estimated_completion_at == pytest.approx(NOW + 3.0)
+    assert estimate.estimated_completion_at == pytest.approx(NOW + 3.0, abs=1e-6)
     queue.step_s = 0.0  # without the floor: the work ahead
     estimate = queue.estimate_queued(1, queue_key(None, at(8)), NOW)
-    assert estimate.estimated_completion_at == pytest.approx(NOW + 2.1)
+    assert estimate.estimated_completion_at == pytest.approx(NOW + 2.1, abs=1e-6)
 
 
 def test_running_work_example() -> None:
@@ -56,13 +56,14 @@ def test_a_wave_nearly_done_leaves_only_its_tail() -> None:
     queue = ModelQueue.of(reading(running_started=running, work_left=reported,
                                   step_s=0.0), NOW)
     last = queue.estimate_running(at(0).timestamp(), NOW, is_last=True)
-    assert last.estimated_completion_at == pytest.approx(NOW + 9.312)
+    assert last.estimated_completion_at == pytest.approx(NOW + 9.312, abs=1e-6)
     whole = ModelQueue.of(reading(running_started=running, step_s=0.0), NOW)
     assert whole.estimate_running(at(0).timestamp(), NOW, is_last=True) \
-        .estimated_completion_at == pytest.approx(NOW + 60.0)
+        .estimated_completion_at == pytest.approx(NOW + 60.0, abs=1e-6)
     # Any one line of them: on average behind half the others, each worth the mean left.
     some = queue.estimate_running(at(0).timestamp(), NOW)
-    assert some.estimated_completion_at == pytest.approx(NOW + (149.5 + 1) * 9.312 / 300)
+    assert some.estimated_completion_at == pytest.approx(NOW + (149.5 + 1) * 9.312 / 300,
+                                                         abs=1e-6)
     assert queue.seconds_to_drain() == pytest.approx(9.312)
 
 
@@ -123,7 +124,7 @@ def test_a_reading_ages_by_the_fleets_pace() -> None:
     assert queue.work_running(NOW + 5) == 0.0
     for now in (NOW, NOW + 1, NOW + 2):
         last = queue.estimate_running(at(0).timestamp(), now, is_last=True)
-        assert last.estimated_completion_at == pytest.approx(NOW + 3.0)
+        assert last.estimated_completion_at == pytest.approx(NOW + 3.0, abs=1e-6)
 
 
 def test_jobs_claimed_before_the_beat_but_not_yet_in_the_engine_count_whole() -> None:
