@@ -18,7 +18,7 @@ from datetime import datetime
 
 from sqlalchemy import Connection, func, select
 
-from storage.batches import Batch
+from storage.batches import Batch, BatchStatus
 from storage.models import Job, JobStatus, WorkerHeartbeat
 
 # Finished jobs per model the work means are taken over.
@@ -88,6 +88,8 @@ class LoadReading:
     num_workers: int = 0
     tokens_per_s: float | None = None  # summed over its live workers
     step_s: float | None = None  # the mean over its live workers
+    # A decode step of one sequence alone, the mean over the live workers that report it.
+    solo_step_s: float | None = None
     # (priority, deadline or None, created_at) of each queued job.
     queued: list[tuple[str, datetime | None, datetime]] = field(default_factory=list)
     # started_at of each running job.
@@ -105,6 +107,8 @@ class LoadReading:
     # Batch id -> its queued and running jobs in this reading: a batch's estimate places
     # them in this reading's queue, never a fresher count of its own (see api.estimates).
     batch_tails: dict[str, BatchTail] = field(default_factory=dict)
+    # Lines of its batches in progress that are not jobs yet (the fan-out's window).
+    num_unqueued_lines: int = 0
 
 
 def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, LoadReading]:
@@ -113,13 +117,14 @@ def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, Lo
     w = WorkerHeartbeat
     workers = connection.execute(
         select(w.id, w.model, w.tokens_per_s, w.step_s, w.heartbeat_at, w.num_requests_left,
-               w.num_tokens_to_compute, w.num_output_tokens_left)
+               w.num_tokens_to_compute, w.num_output_tokens_left, w.solo_step_s)
         .where(w.heartbeat_at >= dead_before, w.model.is_not(None))
     )  # fmt: skip
     steps: dict[str, list[float]] = defaultdict(list)
+    solo_steps: dict[str, list[float]] = defaultdict(list)
     reports: dict[str, WorkerWork] = {}
-    for worker_id, model, tokens_per_s, step_s, beat_at, num_left, num_to_compute, num_output \
-            in workers:
+    for worker_id, model, tokens_per_s, step_s, beat_at, num_left, num_to_compute, num_output, \
+            solo_step_s in workers:
         assert model is not None  # filtered above
         load = loads[model]
         load.num_workers += 1
@@ -127,12 +132,16 @@ def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, Lo
             load.tokens_per_s = (load.tokens_per_s or 0.0) + tokens_per_s
         if step_s:
             steps[model].append(step_s)
+        if solo_step_s:
+            solo_steps[model].append(solo_step_s)
         if num_left is not None and num_to_compute is not None and num_output is not None:
             reports[worker_id] = WorkerWork(beat_at, num_left, num_to_compute, num_output,
                                             tokens_per_s)
             load.work_left.append(reports[worker_id])
     for model, values in steps.items():
         loads[model].step_s = sum(values) / len(values)
+    for model, values in solo_steps.items():
+        loads[model].solo_step_s = sum(values) / len(values)
     active = connection.execute(
         select(Job.model, Job.status, Job.priority, Job.deadline, Job.created_at,
                Job.started_at, Job.worker_id, Job.batch_id)
@@ -158,6 +167,15 @@ def read_loads(connection: Connection, *, dead_before: datetime) -> dict[str, Lo
                 report.first_claimed_since = started_at
         else:
             report.num_claimed_before += 1
+    unqueued = connection.execute(
+        select(Batch.model, func.sum(Batch.num_requests - Batch.num_enqueued))
+        .where(Batch.status == BatchStatus.IN_PROGRESS, Batch.model.is_not(None),
+               Batch.num_enqueued < Batch.num_requests)
+        .group_by(Batch.model)
+    )  # fmt: skip
+    for model, num_lines in unqueued:
+        if model in loads:  # a model without workers or jobs has no estimates to make
+            loads[model].num_unqueued_lines = int(num_lines or 0)
     for model, load in loads.items():
         _read_work(connection, model, load)
     return dict(loads)

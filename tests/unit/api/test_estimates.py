@@ -176,3 +176,39 @@ def test_a_jobs_own_output_follows_its_max_tokens() -> None:
     assert unknown.expected_output(1000) == 150 and unknown.expected_output(16) == 16
     assert unknown.expected_output(None) == 150
 
+
+def test_a_job_longer_than_the_mean_finishes_its_extra_steps_after_the_work_ahead() -> None:
+    """200 queued jobs of 200 tokens (150 out, all of max_tokens) at 1,000 tokens/s, 0.1 s
+    a step. A mean job behind them: done when their 40 s of work is (plus its own
+    0.2 s). One of 600 tokens starts as the jobs beside it started, 40 - 15 = 25 s from
+    now, and decodes 600 steps: 85 s (its own work at the fleet's pace put it at 60 s,
+    its bare run)."""
+    queued = [("normal", None, at(i)) for i in range(200)]
+    queue = ModelQueue.of(reading(queued=queued, step_s=0.1, mean_output_fill=1.0), NOW)
+    key = queue_key(None, at(500))
+    mean = queue.estimate_queued(1, key, NOW, max_tokens=150)
+    assert mean.estimated_completion_at is not None
+    assert mean.estimated_completion_at - NOW == pytest.approx(40.2)
+    long = queue.estimate_queued(1, key, NOW, max_tokens=600)
+    assert long.estimated_start_at is not None and long.estimated_completion_at is not None
+    assert long.estimated_start_at - NOW == pytest.approx(25.0)
+    assert long.estimated_completion_at - NOW == pytest.approx(85.0)
+
+
+def test_steps_after_the_other_work_drains_run_alone() -> None:
+    """As above with a one-sequence step of 10 ms reported: the 600-token job runs 150
+    steps beside the others until their 40 s of work is drained, the other 450 alone in
+    4.5 s: 44.5 s. 100 batch lines not enqueued yet keep the batch wide 20 s more: 350
+    steps wide, 250 alone: 62.5 s. Alone on an idle fleet: 600 x 10 ms."""
+    queued = [("normal", None, at(i)) for i in range(200)]
+    base = {"step_s": 0.1, "mean_output_fill": 1.0, "solo_step_s": 0.01}
+    key = queue_key(None, at(500))
+    queue = ModelQueue.of(reading(queued=queued, **base), NOW)
+    done = queue.estimate_queued(1, key, NOW, max_tokens=600).estimated_completion_at
+    assert done is not None and done - NOW == pytest.approx(44.5)
+    fanning_out = ModelQueue.of(reading(queued=queued, num_unqueued_lines=100, **base), NOW)
+    done = fanning_out.estimate_queued(1, key, NOW, max_tokens=600).estimated_completion_at
+    assert done is not None and done - NOW == pytest.approx(62.5)
+    idle = ModelQueue.of(reading(**base), NOW)
+    done = idle.estimate_queued(1, key, NOW, max_tokens=600).estimated_completion_at
+    assert done is not None and done - NOW == pytest.approx(6.0)

@@ -42,7 +42,8 @@ def test_the_share_of_max_tokens_used_is_learned_from_jobs_that_ran(
 def test_the_work_live_workers_report_is_read_with_their_beat(session: Session) -> None:
     now = utcnow()
     record_heartbeat(session, worker_id="reports", now=now, model="m", tokens_per_s=500.0,
-                     num_requests_left=3, num_tokens_to_compute=90, num_output_tokens_left=60)
+                     num_requests_left=3, num_tokens_to_compute=90, num_output_tokens_left=60,
+                     solo_step_s=0.004)
     record_heartbeat(session, worker_id="silent", now=now, model="m", tokens_per_s=100.0)
     record_heartbeat(session, worker_id="dead", now=now - timedelta(minutes=5), model="m",
                      num_requests_left=1, num_tokens_to_compute=9, num_output_tokens_left=9)
@@ -51,6 +52,7 @@ def test_the_work_live_workers_report_is_read_with_their_beat(session: Session) 
     session.commit()
     reading = read_loads(session.connection(), dead_before=now - timedelta(seconds=30))["m"]
     assert reading.num_workers == 2 and reading.tokens_per_s == pytest.approx(600.0)
+    assert reading.solo_step_s == pytest.approx(0.004)  # of those that report one
     assert [(w.num_requests, w.num_tokens_to_compute, w.num_output_tokens, w.tokens_per_s)
             for w in reading.work_left] == [(3, 90, 60, 500.0)]
     assert reading.work_left[0].reported_at == now
