@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from api.resources import Resources
 from storage.batch_room import unqueued_lines_ahead
 from storage.batches import Batch, BatchStatus, batch_object, get_batch
-from storage.estimates import read_batch_tail
+from storage.estimates import BatchLeft, read_batch_left
 from storage.events import wait_batch_done
 from storage.models import utcnow
 from storage.tenant_limits import budgets_of, limits_of_tenant
@@ -37,18 +37,24 @@ def batch_view(resources: Resources, session: Session, batch: Batch) -> dict[str
     """The batch object, with `estimated_completion_at` while it is in progress."""
     view = batch_object(batch)
     if batch.status == BatchStatus.IN_PROGRESS and batch.model:
-        tail = read_batch_tail(session.connection(), batch_id=batch.id)
-        num_unqueued = max(0, batch.num_requests - batch.num_enqueued)
+        is_fanning_out = batch.num_enqueued < batch.num_requests
         # The fan-out gives room to nearer deadlines first: their lines still in files go
         # before this batch's (scheduler.fanout_plan).
-        num_ahead = unqueued_lines_ahead(session, batch, now=utcnow()) if num_unqueued else 0
+        num_ahead = unqueued_lines_ahead(session, batch, now=utcnow()) if is_fanning_out else 0
         at = resources.estimates.batch_completion(
-            model=batch.model, priority=batch.priority, tail=tail,
-            num_unqueued=num_unqueued, num_unqueued_ahead=num_ahead,
+            model=batch.model, priority=batch.priority, batch_id=batch.id,
+            deadline=batch.expires_at, read_left=lambda: _read_left(resources, batch.id),
+            num_unqueued_ahead=num_ahead,
             budget_tokens_per_s=_budget_pace(session, batch.tenant_id, batch.model)
-            if num_unqueued else None)
+            if is_fanning_out else None)
         view["estimated_completion_at"] = None if at is None else round(at)
     return view
+
+
+def _read_left(resources: Resources, batch_id: str) -> BatchLeft:
+    """What the batch has left, in a transaction begun now (see batch_completion)."""
+    with resources.sessions() as session:
+        return read_batch_left(session.connection(), batch_id=batch_id)
 
 
 def _budget_pace(session: Session, tenant_id: str, model: str) -> float | None:

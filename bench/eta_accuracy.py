@@ -188,7 +188,7 @@ def batch_phase(service: Service, args: argparse.Namespace) -> None:
 
 def jobs_phase(service: Service, args: argparse.Namespace) -> None:
     """Single jobs behind a running batch: ETA at submission against their finish."""
-    probes: list[tuple[str, int, float, float | None]] = []
+    probes: list[tuple[str, int, float, float | None, float | None]] = []
     with service.client(service.a_key) as client:
         file_id = upload_batch(client, service.model, "backlog", args.backlog, args.max_tokens)
         created = create_batch(client, file_id, "24h")
@@ -203,7 +203,8 @@ def jobs_phase(service: Service, args: argparse.Namespace) -> None:
             job.raise_for_status()
             job_id = job.json()["id"]
             view = client.get(f"/v1/jobs/{job_id}").json()
-            probes.append((job_id, max_tokens, submitted, view.get("estimated_completion_at")))
+            probes.append((job_id, max_tokens, submitted, view.get("estimated_completion_at"),
+                           view.get("estimated_start_at")))
             time.sleep(args.probe_every)
         wait_batch(service, batch_id, args.timeout)
         for job_id, *_ in probes:
@@ -211,14 +212,15 @@ def jobs_phase(service: Service, args: argparse.Namespace) -> None:
                     "status"] in ("queued", "running"):
                 pass
     # The stored time, not the API's whole seconds: a job may take only a few seconds.
-    ends = {j.id: j.finished_at.timestamp() for j in service.jobs(id=[p[0] for p in probes])
-            if j.finished_at is not None}
+    rows = service.jobs(id=[p[0] for p in probes])
+    ends = {j.id: j.finished_at.timestamp() for j in rows if j.finished_at is not None}
+    starts = {j.id: j.started_at.timestamp() for j in rows if j.started_at is not None}
     backlog_end = max(j.finished_at.timestamp() for j in service.jobs(batch_id=batch_id)
                       if j.finished_at is not None)
     print(f"jobs: {args.num_probes} jobs behind a {args.backlog}-line batch, one every "
           f"{args.probe_every:.1f} s; load {os.getloadavg()[0]:.1f}")
     errors: dict[int, list[float]] = {}
-    for job_id, max_tokens, submitted, estimated in probes:
+    for job_id, max_tokens, submitted, estimated, estimated_start in probes:
         finished = ends[job_id]
         if submitted >= backlog_end:
             print(f"  {max_tokens:>3} tokens: submitted after the backlog ended (not counted)")
@@ -228,9 +230,14 @@ def jobs_phase(service: Service, args: argparse.Namespace) -> None:
             continue
         e = error(estimated, finished, submitted)
         errors.setdefault(max_tokens, []).append(e)
+        # Where the error lies: the wait for a place (start) or the job's own run.
+        started = starts.get(job_id, finished)
+        start_at = submitted if estimated_start is None else max(estimated_start, submitted)
         print(f"  {max_tokens:>3} tokens: ETA {estimated - submitted:.1f} s, took "
-              f"{finished - submitted:.1f} s, backlog done {backlog_end - submitted:.1f} s "
-              f"after submission: error {e:+.0%}")
+              f"{finished - submitted:.1f} s (start {start_at - submitted:.1f} s estimated, "
+              f"{started - submitted:.1f} s actual; own run {estimated - start_at:.1f} s "
+              f"estimated, {finished - started:.1f} s actual), backlog done "
+              f"{backlog_end - submitted:.1f} s after submission: error {e:+.0%}")
     for max_tokens, values in sorted(errors.items()):
         worst = max(values, key=abs)
         print(f"  {max_tokens} tokens: worst error {worst:+.0%}, mean "

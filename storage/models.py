@@ -199,6 +199,9 @@ class WorkerHeartbeat(Base):
     num_requests_left: Mapped[int | None] = mapped_column(Integer, default=None)
     num_tokens_to_compute: Mapped[int | None] = mapped_column(Integer, default=None)
     num_output_tokens_left: Mapped[int | None] = mapped_column(Integer, default=None)
+    # Seconds of a decode step of one sequence alone, by its engine's fitted step cost:
+    # what a job that outlasts the others waits per token.
+    solo_step_s: Mapped[float | None] = mapped_column(Float, default=None)
 
 
 class TenantLimit(Base):

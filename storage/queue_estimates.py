@@ -12,15 +12,17 @@ remote engine, jobs claimed since) count whole. Counting every running job whole
 wrong by a factor of two to three for batches of a few engine batches: the engine runs
 hundreds of sequences at once, so lines finish in waves, and when a wave's first lines
 finish the rest of it is nearly done (bench/eta_accuracy.py, SmolLM2, 300 lines).
-A job finishes once that work and its own are done at the model's measured rate (tokens/s
-summed over its live workers), and not before its own output has been decoded one step
-at a time; it starts that long before. Its own output is its `max_tokens` times the share
-of `max_tokens` finished jobs used, where both are known.
+A job starts once that work is done at the model's measured rate (tokens/s summed over its
+live workers), less what the jobs that start beside it have left then (about a mean job's
+run), and finishes its own output after that, one token a step: at the step time of the
+width the fleet runs now while other work lasts, alone after it is drained. No sooner,
+either, than the work ahead and its own at the model's rate. Its own output is its
+`max_tokens` times the share of `max_tokens` finished jobs used, where both are known.
 
 Worked example: rate 1,000 tokens/s, expected work 200 tokens (150 out), step 20 ms,
 2 running with 300 tokens left between them, job 9th in line: ahead = 8 x 200 + 300 =
-1,900 tokens; completion = now + (1,900 + 200) / 1,000 = now + 2.1 s (< its own
-150 x 0.02 = 3.0 s, so now + 3.0 s); start = completion - 3.0 s = now.
+1,900 tokens, 1.9 s, less a mean job's 150 x 0.02 = 3.0 s: start = now; its own run
+ends at now + 3.0 s, after the (1,900 + 200) / 1,000 = 2.1 s of work: now + 3.0 s.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from core.topics import PRIORITIES
-from storage.estimates import LoadReading, WorkerWork
+from storage.estimates import BatchTail, LoadReading, WorkerWork
 
 # Before a model has finished anything: what a job is assumed to be.
 DEFAULT_PROMPT_TOKENS = 64.0
@@ -71,6 +73,12 @@ class ModelQueue:
     # Engine tokens the running jobs have left (None: no worker reports it; each then
     # counts as a whole job's work).
     running_work: float | None = None
+    # Batch id -> its queued and running jobs as this reading has them.
+    batch_tails: dict[str, BatchTail] = field(default_factory=dict)
+    # Lines of the model's batches in progress not yet enqueued as jobs.
+    num_unqueued_lines: int = 0
+    # A decode step of one sequence alone (None: no worker reports it).
+    solo_step_s: float | None = None
 
     @classmethod
     def of(cls, reading: LoadReading, at: float) -> ModelQueue:
@@ -103,6 +111,9 @@ class ModelQueue:
                                       num_unreported=reading.num_running_unreported,
                                       work_per_job=(prompt + completion) * cost_share,
                                       output_fill=reading.mean_output_fill),
+            batch_tails=reading.batch_tails,
+            num_unqueued_lines=reading.num_unqueued_lines,
+            solo_step_s=reading.solo_step_s,
         )
 
     @property
@@ -148,17 +159,60 @@ class ModelQueue:
         """Engine tokens of one job with this `max_tokens` (its prompt and its output)."""
         return (self.prompt_tokens + self.expected_output(max_tokens)) * self.cost_share
 
+    def seconds_to_drain_all(self, now: float) -> float | None:
+        """How long the fleet has work, counting the batches' lines not yet enqueued (they
+        keep the engine's batch as wide as the queued jobs do)."""
+        if not self.tokens_per_s:
+            return None
+        num_queued = sum(len(keys) for keys in self.queued) + self.num_unqueued_lines
+        return (num_queued * self.work_per_job + self.work_running(now)) / self.tokens_per_s
+
+    def run_end(self, start: float, now: float, max_tokens: int | None = None) -> float:
+        """When a job that starts at `start` has decoded its output, one token a step.
+
+        While the fleet has other work, a step takes `step_s` (the width it runs at now);
+        once that work is drained the job decodes alone, a step taking `solo_step_s` (the
+        workers' fitted cost of a one-sequence step; without it, every step at `step_s`).
+        A 256-token job that starts near the end of a backlog of 64-token lines spends
+        most of its steps alone: counting all of them at the backlog's width put it +27%
+        late (bench/eta_accuracy.py, tiny model).
+
+        Example: step 0.1 s, alone 0.01 s, 200 tokens out, starting now with 5 s of other
+        work: 50 steps by then, the other 150 alone in 1.5 s: now + 6.5 s.
+        """
+        step_s = self.step_s or 0.0
+        num_steps = self.expected_output(max_tokens)
+        end = start + num_steps * step_s
+        drain_s = self.seconds_to_drain_all(now)
+        if drain_s is None or not step_s or self.solo_step_s is None:
+            return end
+        drained_at = now + drain_s
+        if end <= drained_at:
+            return end
+        num_wide = max(0.0, drained_at - start) / step_s
+        return max(start, drained_at) + (num_steps - num_wide) * self.solo_step_s
+
     def estimate_queued(self, rank: int, key: QueueKey, now: float,
                         max_tokens: int | None = None) -> Estimate:
-        """A queued job's (or a new one's) position and times."""
+        """A queued job's (or a new one's) position and times.
+
+        It starts once the work ahead of it is done, less what the jobs that start beside
+        it have left then (about one mean job's run at the current width: the engine
+        admits it as they leave their slots), and finishes its own run after that. So a
+        job longer than the mean finishes later than the work ahead says, by its extra
+        steps: counting its own work at the fleet's pace, as if it shared each step's
+        time with the rest, put 256-token jobs behind 64-token lines up to 41% early
+        (bench/eta_accuracy.py). No sooner, either, than the work ahead and its own work
+        at the fleet's pace.
+        """
         ahead = self.jobs_ahead(rank, key)
         if not self.tokens_per_s:
             return Estimate(ahead, None, None)
-        own_s = self.own_seconds(max_tokens)
-        work = ahead * self.work_per_job + self.work_running(now) + self.own_work(max_tokens)
-        completion = max(now + work / self.tokens_per_s, now + own_s)
-        start = max(now, completion - own_s)
-        return Estimate(ahead, start, completion)
+        work_ahead = ahead * self.work_per_job + self.work_running(now)
+        start = now + max(0.0, work_ahead / self.tokens_per_s - self.own_seconds())
+        completion = max(self.run_end(start, now, max_tokens),
+                         now + (work_ahead + self.own_work(max_tokens)) / self.tokens_per_s)
+        return Estimate(ahead, min(start, completion), completion)
 
     def estimate_running(self, started_at: float, now: float,
                          max_tokens: int | None = None, *, is_last: bool = False) -> Estimate:
@@ -178,16 +232,17 @@ class ModelQueue:
         else:
             work = (before + 1) * self.work_per_running_job(now)
         completion = max(now + work / self.tokens_per_s,
-                         started_at + self.own_seconds(max_tokens), now + (self.step_s or 0.0))
+                         self.run_end(started_at, now, max_tokens), now + (self.step_s or 0.0))
         return Estimate(0, started_at, completion)
 
     def finish_unqueued(self, after: float | None, now: float, *, num_unqueued: int,
-                        num_ahead: int = 0,
+                        num_ahead: int = 0, num_unread: int = 0,
                         budget_tokens_per_s: float | None = None) -> float | None:
         """When `num_unqueued` more jobs (a batch's lines not yet enqueued) finish, run
-        after `after` (now when None) and `num_ahead` other lines the fan-out serves
-        first, at the model's pace, and no sooner than a token budget of
-        `budget_tokens_per_s` lets their own work through.
+        after `after` (now when None), `num_unread` jobs this reading does not hold yet
+        (queued since it was read) and `num_ahead` other lines the fan-out serves first,
+        at the model's pace, and no sooner than a token budget of `budget_tokens_per_s`
+        lets the unqueued lines' own work through.
 
         Example: 100 lines of 50 tokens at 500 tokens/s take 10 s (20 s behind 100 lines
         of a nearer deadline); under a budget of 20,000 tokens a minute (333 tokens/s)
@@ -196,8 +251,8 @@ class ModelQueue:
         if not self.tokens_per_s:
             return None
         tokens = num_unqueued * self.work_per_job
-        finish = (max(after or now, now)
-                  + (num_unqueued + num_ahead) * self.work_per_job / self.tokens_per_s)
+        num_jobs = num_unqueued + num_unread + num_ahead
+        finish = max(after or now, now) + num_jobs * self.work_per_job / self.tokens_per_s
         if budget_tokens_per_s:
             finish = max(finish, now + tokens / budget_tokens_per_s)
         return finish
@@ -238,6 +293,8 @@ def running_work(work_left: list[WorkerWork], at: float, *, num_unreported: int,
     Example: a worker beat 2 s ago with 180 requests, 9,000 tokens to compute of which
     6,000 output, at 1,000 tokens/s, and claimed 20 jobs since; jobs use 0.5 of
     max_tokens and are 50 tokens: 9,000 - 0.5 x 6,000 + 20 x 50 - 2 x 1,000 = 5,000 tokens.
+    Had it held nothing at that beat and claimed the 20 jobs 0.5 s ago: 20 x 50 - 0.5 x
+    1,000 = 500 tokens (its pace ran only since the claim).
     """
     if not work_left:
         return None
@@ -245,6 +302,12 @@ def running_work(work_left: list[WorkerWork], at: float, *, num_unreported: int,
     work = 0.0
     for worker in work_left:
         since_s = max(0.0, at - worker.reported_at.timestamp())
+        if worker.is_idle_at_beat:
+            # It did nothing between an idle beat and its first claim: a beat up to an
+            # interval old would otherwise take that many seconds of its pace off the
+            # jobs it claimed since (a batch's first wave counted half done).
+            first = worker.first_claimed_since
+            since_s = 0.0 if first is None else max(0.0, at - first.timestamp())
         left = (worker.num_tokens_to_compute - (1 - fill) * worker.num_output_tokens
                 + worker.num_claimed_since * work_per_job
                 + max(0, worker.num_claimed_before - worker.num_requests) * work_per_job

@@ -37,13 +37,14 @@ def record_heartbeat(
     num_requests_left: int | None = None,
     num_tokens_to_compute: int | None = None,
     num_output_tokens_left: int | None = None,
+    solo_step_s: float | None = None,
 ) -> None:
     """Stamp the worker alive now; the first beat (or one after a prune) inserts its row.
 
-    `model`, `tokens_per_s` and `step_s` (its served model and measured pace) and the work
-    its engine's live requests have left (`num_*_left`, `num_tokens_to_compute`: see
-    storage.models.WorkerHeartbeat) are stored when given, for the estimates; a figure
-    not given leaves the stored one.
+    `model`, `tokens_per_s`, `step_s` and `solo_step_s` (its served model and measured
+    pace) and the work its engine's live requests have left (`num_*_left`,
+    `num_tokens_to_compute`: see storage.models.WorkerHeartbeat) are stored when given,
+    for the estimates; a figure not given leaves the stored one.
     """
     if not worker_id:
         raise ValueError("worker_id must be a non-empty string, e.g. '<host>-<pid>'")
@@ -52,7 +53,8 @@ def record_heartbeat(
             (("model", model), ("tokens_per_s", tokens_per_s), ("step_s", step_s),
              ("num_requests_left", num_requests_left),
              ("num_tokens_to_compute", num_tokens_to_compute),
-             ("num_output_tokens_left", num_output_tokens_left))
+             ("num_output_tokens_left", num_output_tokens_left),
+             ("solo_step_s", solo_step_s))
             if value is not None}  # fmt: skip
     result = session.execute(
         update(WorkerHeartbeat)

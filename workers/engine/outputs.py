@@ -87,6 +87,9 @@ class EngineStats:
     # steps the engine's batch width needs (see work_left); None until the cost is fitted.
     predicted_seconds_left: float | None = None
     num_output_tokens_left: int = 0
+    # A decode step of one of those requests alone, by the fitted step cost (None until
+    # it is fitted or while nothing is left).
+    solo_step_seconds: float | None = None
 
     @property
     def tokens_per_s(self) -> float:

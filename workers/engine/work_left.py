@@ -57,7 +57,9 @@ def live_work_left(seqs: Sequence[tuple[Seq, bool]], *, cached_share: float,
     """`EngineStats`' work-left fields, summed over live sequences given as (sequence,
     whether it was ever scheduled). One not scheduled yet is expected to find
     `cached_share` of its prompt in the prefix cache, as the admitted ones did; with
-    `coefficients` (a fitted step cost) the seconds left are predicted too."""
+    `coefficients` (a fitted step cost) the seconds left are predicted too, and the
+    seconds of a decode step that runs one of them alone (what a job that outlasts the
+    others waits per token)."""
     num_requests = num_to_compute = num_output_left = num_kv_reads = 0
     running_outputs: list[int] = []
     waiting_outputs: list[int] = []
@@ -80,11 +82,17 @@ def live_work_left(seqs: Sequence[tuple[Seq, bool]], *, cached_share: float,
         is_running = seq.status == SequenceStatus.RUNNING
         (running_outputs if is_running else waiting_outputs).append(output_left)
     predicted: float | None = None
+    solo_step: float | None = None
     if coefficients is not None and num_requests:
         predicted = seconds_left(
             num_steps=num_steps_left(running_outputs, waiting_outputs, max_num_seqs),
             num_tokens=num_to_compute, num_kv_reads=num_kv_reads,
             num_seq_steps=num_output_left, coefficients=coefficients)
+        if num_output_left:
+            # A step of one sequence, reading the mean context of the steps left.
+            solo_step = seconds_left(num_steps=1, num_tokens=1,
+                                     num_kv_reads=round(num_kv_reads / num_output_left),
+                                     num_seq_steps=1, coefficients=coefficients)
     return {"num_requests_left": num_requests, "num_tokens_to_compute": num_to_compute,
             "num_output_tokens_left": num_output_left,
-            "predicted_seconds_left": predicted}
+            "predicted_seconds_left": predicted, "solo_step_seconds": solo_step}

@@ -98,7 +98,8 @@ class Heartbeat:
                              num_requests_left=left.num_requests if left else None,
                              num_tokens_to_compute=(left.num_tokens_to_compute if left
                                                     else None),
-                             num_output_tokens_left=left.num_output_tokens if left else None)
+                             num_output_tokens_left=left.num_output_tokens if left else None,
+                             solo_step_s=pace.solo_step_s)
             session.commit()
 
     def stop(self, timeout_s: float = 10.0) -> None:

@@ -67,6 +67,9 @@ class Pace:
     # run (workers.engine.work_left), stretched by the measured share of time between
     # steps. None while it holds nothing or its cost is not fitted.
     tokens_per_s_ahead: float | None = None
+    # A decode step of one sequence alone (the engine's fitted cost, stretched as the
+    # pace ahead is); the last one known while the engine holds nothing.
+    solo_step_s: float | None = None
 
     @property
     def reported_tokens_per_s(self) -> float | None:
@@ -91,7 +94,8 @@ class ServiceRate:
         stats = self._stats()
         with self._lock:
             self._pace = replace(self._pace, work_left=WorkLeft.of(stats),
-                                 tokens_per_s_ahead=self._pace_ahead(stats))
+                                 tokens_per_s_ahead=self._pace_ahead(stats),
+                                 solo_step_s=self._solo_step(stats))
             last, self._last = self._last, stats
             if last is None:
                 self._last = stats
@@ -116,6 +120,7 @@ class ServiceRate:
                 _smooth(self._pace.step_s, step_s, weight),
                 self._pace.work_left,
                 self._pace_ahead(stats),
+                self._solo_step(stats),
             )
             return self._pace
 
@@ -124,6 +129,12 @@ class ServiceRate:
         if not seconds or seconds <= 0 or stats.num_tokens_to_compute <= 0:
             return None
         return stats.num_tokens_to_compute / (seconds * self._overhead)
+
+    def _solo_step(self, stats: EngineStats) -> float | None:
+        seconds = stats.solo_step_seconds
+        if not seconds or seconds <= 0:
+            return self._pace.solo_step_s  # holding nothing: the step it last knew
+        return seconds * self._overhead
 
 
 def _smooth(old: float | None, new: float | None, weight: float) -> float | None:

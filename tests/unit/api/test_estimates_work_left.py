@@ -23,10 +23,10 @@ def test_the_docstring_example() -> None:
                                   work_left=[work(2, 300, 200)]), NOW)
     assert queue.work_running() == pytest.approx(300)
     estimate = queue.estimate_queued(1, queue_key(None, at(8)), NOW)
-    assert estimate.estimated_completion_at == pytest.approx(NOW + 3.0)
+    assert estimate.estimated_completion_at == pytest.approx(NOW + 3.0, abs=1e-6)
     queue.step_s = 0.0  # without the floor: the work ahead
     estimate = queue.estimate_queued(1, queue_key(None, at(8)), NOW)
-    assert estimate.estimated_completion_at == pytest.approx(NOW + 2.1)
+    assert estimate.estimated_completion_at == pytest.approx(NOW + 2.1, abs=1e-6)
 
 
 def test_running_work_example() -> None:
@@ -56,13 +56,14 @@ def test_a_wave_nearly_done_leaves_only_its_tail() -> None:
     queue = ModelQueue.of(reading(running_started=running, work_left=reported,
                                   step_s=0.0), NOW)
     last = queue.estimate_running(at(0).timestamp(), NOW, is_last=True)
-    assert last.estimated_completion_at == pytest.approx(NOW + 9.312)
+    assert last.estimated_completion_at == pytest.approx(NOW + 9.312, abs=1e-6)
     whole = ModelQueue.of(reading(running_started=running, step_s=0.0), NOW)
     assert whole.estimate_running(at(0).timestamp(), NOW, is_last=True) \
-        .estimated_completion_at == pytest.approx(NOW + 60.0)
+        .estimated_completion_at == pytest.approx(NOW + 60.0, abs=1e-6)
     # Any one line of them: on average behind half the others, each worth the mean left.
     some = queue.estimate_running(at(0).timestamp(), NOW)
-    assert some.estimated_completion_at == pytest.approx(NOW + (149.5 + 1) * 9.312 / 300)
+    assert some.estimated_completion_at == pytest.approx(NOW + (149.5 + 1) * 9.312 / 300,
+                                                         abs=1e-6)
     assert queue.seconds_to_drain() == pytest.approx(9.312)
 
 
@@ -123,7 +124,7 @@ def test_a_reading_ages_by_the_fleets_pace() -> None:
     assert queue.work_running(NOW + 5) == 0.0
     for now in (NOW, NOW + 1, NOW + 2):
         last = queue.estimate_running(at(0).timestamp(), now, is_last=True)
-        assert last.estimated_completion_at == pytest.approx(NOW + 3.0)
+        assert last.estimated_completion_at == pytest.approx(NOW + 3.0, abs=1e-6)
 
 
 def test_jobs_claimed_before_the_beat_but_not_yet_in_the_engine_count_whole() -> None:
@@ -136,3 +137,22 @@ def test_jobs_claimed_before_the_beat_but_not_yet_in_the_engine_count_whole() ->
     finished = WorkerWork(at(100), 164, 1000, 500, 1000.0, num_claimed_before=100)
     assert running_work([finished], NOW, num_unreported=0, work_per_job=200.0,
                         output_fill=None) == pytest.approx(1000)
+
+
+def test_a_worker_idle_at_its_beat_works_only_since_its_first_claim() -> None:
+    """It beat 4 s ago holding nothing, and claimed 100 jobs of 200 tokens 0.5 s ago: at
+    1,000 tokens/s it got through 500 tokens of them, not the 4,000 that 4 s of its pace
+    would take off (which put a batch's first wave a fifth done before it started)."""
+    claimed_at = at(100 - 0.5)
+    idle = WorkerWork(at(100 - 4.0), 0, 0, 0, 1000.0, num_claimed_since=100,
+                      first_claimed_since=claimed_at)
+    assert running_work([idle], NOW, num_unreported=0, work_per_job=200.0,
+                        output_fill=None) == pytest.approx(20_000 - 500)
+    # Busy at its beat: its pace ran all along, on its reported jobs and the new ones.
+    busy = WorkerWork(at(100 - 4.0), 10, 1000, 500, 1000.0, num_claimed_since=100,
+                      num_claimed_before=10, first_claimed_since=claimed_at)
+    assert running_work([busy], NOW, num_unreported=0, work_per_job=200.0,
+                        output_fill=None) == pytest.approx(1000 + 20_000 - 4000)
+    # Idle and nothing claimed since: nothing left, nothing taken off.
+    assert running_work([WorkerWork(at(90), 0, 0, 0, 1000.0)], NOW, num_unreported=0,
+                        work_per_job=200.0, output_fill=None) == 0.0

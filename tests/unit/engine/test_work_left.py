@@ -108,10 +108,15 @@ def test_once_its_step_cost_is_fitted_the_engine_predicts_the_time_left(
     for i in range(4):
         engine.add_request(f"r{i}", random_prompt(rng, 12), greedy(40))
     assert engine.stats().predicted_seconds_left is None
+    assert engine.stats().solo_step_seconds is None
     while not engine.scheduler.cost_model.is_fitted:
         engine.step()
     first = engine.stats().predicted_seconds_left
     assert first is not None and first > 0
+    # A step of one of them alone costs less than a step of all four.
+    solo = engine.stats().solo_step_seconds
+    coefficients = engine.scheduler.cost_model.coefficients()
+    assert solo is not None and coefficients[0] <= solo < first
     for _ in range(10):
         engine.step()
     later = engine.stats().predicted_seconds_left

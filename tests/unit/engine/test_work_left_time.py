@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from workers.engine.work_left import num_steps_left, seconds_left
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import Sequence as Seq
+from workers.engine.work_left import live_work_left, num_steps_left, seconds_left
 
 
 def test_the_docstring_example() -> None:
@@ -34,3 +36,16 @@ def test_the_per_step_cost_is_what_makes_the_tail_slow() -> None:
                         coefficients=coefficients) == pytest.approx(57.6)
     assert seconds_left(num_steps=1, num_tokens=1000, num_kv_reads=100_000, num_seq_steps=0,
                         coefficients=(0.0, 1e-4, 1e-6, 0.0)) == pytest.approx(0.2)
+
+
+def test_a_step_alone_reads_the_mean_context_left() -> None:
+    """One request of 10 tokens with 4 outputs left reads 10 + 11 + 12 + 13 = 46 KV
+    positions over its 4 steps: a step alone reads 11.5 (12) of them: 0.3 + 1e-4 + 12 x
+    1e-6 + 0.005 s."""
+    seq = Seq("r", list(range(10)), SamplingParams(max_tokens=4))
+    left = live_work_left([(seq, False)], cached_share=0.0, max_model_len=100,
+                          max_num_seqs=8, coefficients=(0.3, 1e-4, 1e-6, 0.005))
+    assert left["solo_step_seconds"] == pytest.approx(0.3 + 1e-4 + 12e-6 + 0.005)
+    none = live_work_left([(seq, False)], cached_share=0.0, max_model_len=100,
+                          max_num_seqs=8, coefficients=None)
+    assert none["solo_step_seconds"] is None

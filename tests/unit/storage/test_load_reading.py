@@ -42,7 +42,8 @@ def test_the_share_of_max_tokens_used_is_learned_from_jobs_that_ran(
 def test_the_work_live_workers_report_is_read_with_their_beat(session: Session) -> None:
     now = utcnow()
     record_heartbeat(session, worker_id="reports", now=now, model="m", tokens_per_s=500.0,
-                     num_requests_left=3, num_tokens_to_compute=90, num_output_tokens_left=60)
+                     num_requests_left=3, num_tokens_to_compute=90, num_output_tokens_left=60,
+                     solo_step_s=0.004)
     record_heartbeat(session, worker_id="silent", now=now, model="m", tokens_per_s=100.0)
     record_heartbeat(session, worker_id="dead", now=now - timedelta(minutes=5), model="m",
                      num_requests_left=1, num_tokens_to_compute=9, num_output_tokens_left=9)
@@ -51,6 +52,7 @@ def test_the_work_live_workers_report_is_read_with_their_beat(session: Session) 
     session.commit()
     reading = read_loads(session.connection(), dead_before=now - timedelta(seconds=30))["m"]
     assert reading.num_workers == 2 and reading.tokens_per_s == pytest.approx(600.0)
+    assert reading.solo_step_s == pytest.approx(0.004)  # of those that report one
     assert [(w.num_requests, w.num_tokens_to_compute, w.num_output_tokens, w.tokens_per_s)
             for w in reading.work_left] == [(3, 90, 60, 500.0)]
     assert reading.work_left[0].reported_at == now
@@ -80,3 +82,37 @@ def test_running_jobs_are_told_apart_by_their_workers_report(
     assert [(w.num_claimed_before, w.num_claimed_since) for w in reading.work_left] \
         == [(1, 1)]
     assert reading.num_running_unreported == 1
+
+
+def test_each_batchs_jobs_are_read_with_the_queue(session: Session, tenant: Tenant) -> None:
+    """Per batch: its queued jobs and the one workers take last (latest deadline, then
+    latest created), its running ones and the last started; single jobs in no batch. The
+    first claim since a worker's beat is kept (an idle worker's pace starts there)."""
+    t0 = utcnow() - timedelta(minutes=1)
+    record_heartbeat(session, worker_id="w", now=t0, model="m", num_requests_left=0,
+                     num_tokens_to_compute=0, num_output_tokens_left=0)
+    rows = [("a", JobStatus.QUEUED, t0 + timedelta(hours=2), 1, None),
+            ("a", JobStatus.QUEUED, t0 + timedelta(hours=1), 9, None),
+            ("a", JobStatus.RUNNING, t0 + timedelta(hours=2), 0, 5),
+            ("a", JobStatus.RUNNING, t0 + timedelta(hours=2), 0, 3),
+            ("b", JobStatus.QUEUED, None, 2, None),
+            (None, JobStatus.QUEUED, None, 3, None)]
+    for batch_id, status, deadline, created_s, started_s in rows:
+        job = create_job(session, tenant_id=tenant.id, priority="normal", model="m",
+                         kind="chat.completion", request={"model": "m", "messages": []},
+                         batch_id=batch_id, deadline=deadline)
+        job.status, job.created_at = status, t0 + timedelta(seconds=created_s)
+        if started_s is not None:
+            job.worker_id, job.started_at = "w", t0 + timedelta(seconds=started_s)
+    session.commit()
+    reading = read_loads(session.connection(), dead_before=t0 - timedelta(seconds=30))["m"]
+    a, b = reading.batch_tails["a"], reading.batch_tails["b"]
+    assert (a.num_queued, a.num_running, a.num_unfinished) == (2, 2, 4)
+    assert a.last_deadline == t0 + timedelta(hours=2)  # not the later-created one
+    assert a.last_created_at == t0 + timedelta(seconds=1)
+    assert a.last_started_at == t0 + timedelta(seconds=5)
+    assert (b.num_queued, b.num_running, b.last_deadline) == (1, 0, None)
+    assert set(reading.batch_tails) == {"a", "b"}
+    [worker] = reading.work_left
+    assert worker.is_idle_at_beat and worker.num_claimed_since == 2
+    assert worker.first_claimed_since == t0 + timedelta(seconds=3)

@@ -149,11 +149,11 @@ def test_a_stalled_poll_loop_stops_the_beats_and_the_liveness_file(
 def test_each_beat_carries_the_pace_and_the_work_left(sessions: sessionmaker[Session]) -> None:
     left = [WorkLeft(2, 50, 30)]
     heartbeat = Heartbeat(sessions, worker_id="host-1", interval_s=0.05, model="m",
-                          pace=lambda: Pace(100.0, 0.01, left[0]))
+                          pace=lambda: Pace(100.0, 0.01, left[0], solo_step_s=0.004))
     with heartbeat:
         (row,) = rows(sessions)
         assert (row.model, row.tokens_per_s, row.num_requests_left, row.num_tokens_to_compute,
-                row.num_output_tokens_left) == ("m", 100.0, 2, 50, 30)
+                row.num_output_tokens_left, row.solo_step_s) == ("m", 100.0, 2, 50, 30, 0.004)
         left[0] = WorkLeft(0, 0, 0)
         wait_until("a beat with nothing left", lambda: rows(sessions)[0].num_requests_left == 0)
         assert rows(sessions)[0].num_tokens_to_compute == 0

@@ -116,3 +116,17 @@ def test_the_pace_ahead_is_the_work_held_over_its_predicted_time() -> None:
     totals.stats.num_tokens_to_compute, totals.stats.predicted_seconds_left = 0, None
     pace = rate.sample()
     assert pace.tokens_per_s_ahead is None and pace.reported_tokens_per_s == pace.tokens_per_s
+
+
+def test_the_step_alone_is_stretched_as_the_pace_and_kept_while_idle() -> None:
+    """The engine's fitted one-sequence step of 8 ms, with a quarter more time between
+    steps measured: 10 ms; holding nothing later, the 10 ms it last knew."""
+    totals = Totals()
+    rate = ServiceRate(totals)
+    rate.sample()
+    totals.run(num_steps=1000, tokens=1000, seconds=1.0)
+    totals.stats.loaded_seconds += 1.25
+    totals.stats.solo_step_seconds = 0.008
+    assert rate.sample().solo_step_s == pytest.approx(0.010, rel=1e-3)
+    totals.stats.solo_step_seconds = None
+    assert rate.sample().solo_step_s == pytest.approx(0.010, rel=1e-3)
