@@ -291,3 +291,39 @@ def test_greedy_outputs_do_not_depend_on_the_tenant_cap(model_dir: Path) -> None
         held = engine.stats().num_held_back_steps
         assert (held > 0) == (max_loss is not None)
     assert outputs[0] == outputs[1]
+
+
+def sustained_run(max_loss: float | None, credit_s: float) -> tuple[float, float]:
+    """A's 24 long sequences beside B keeping 2 short ones running, 120 steps on a machine
+    following light_law: (A's tokens per simulated second, B's seconds per step)."""
+    sched = scheduler(tenant_max_loss=max_loss, cost_model=light_model(),
+                      step_time_targets={})
+    if sched.tenant_share is not None:
+        sched.tenant_share.credit_s = credit_s
+    driver = SchedulerDriver(sched)
+    reqs = Requests()
+    a = start(sched, driver, reqs, "a", 24, max_tokens=1000)
+    b: list[Sequence] = []
+    clock = 0.0
+    num_a_tokens = 0
+    for _ in range(120):
+        b = [s for s in b if not s.is_finished]
+        while len(b) < 2:
+            b.append(reqs.add(sched, [40 + reqs.count, 4, 5, 6], priority=LOW, tenant="b",
+                              max_tokens=6))
+        out, _ = driver.step()
+        clock += light_law(out.shape)
+        num_a_tokens += sum(1 for s in out.seqs if s in a)
+    return num_a_tokens / clock, clock / 120
+
+
+def test_a_sustained_small_tenant_costs_the_big_one_at_most_max_loss() -> None:
+    """Over a long run (no credit left), B's steps are much shorter with the cap, and A's
+    rate stays within max_loss of its rate without it (as the cost model prices steps)."""
+    a_rate, b_step_s = sustained_run(None, 0.0)
+    a_rate_capped, b_step_capped_s = sustained_run(0.1, 0.0)
+    assert a_rate_capped >= 0.9 * a_rate * 0.98
+    assert b_step_capped_s < 0.7 * b_step_s
+    # With credit (a burst), deeper: B's steps shorter still, A pays more for a while.
+    a_rate_burst, b_step_burst_s = sustained_run(0.1, 1.0)
+    assert b_step_burst_s < 0.8 * b_step_capped_s and a_rate_burst < a_rate_capped
