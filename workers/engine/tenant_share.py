@@ -69,6 +69,12 @@ def split_by_share(group: list[Sequence], waiting: Iterable[Sequence],
                    level: int) -> ShareSplit:
     """Split `group` (one level's running sequences) by share. `over` is empty, and `under`
     is `group` itself, while fewer than two tenants run at the level or nobody is over."""
+    if not group:
+        return ShareSplit(group, [])
+    # The common case, one tenant (or none named): this runs every step, so no dicts.
+    first = group[0].tenant
+    if all(s.tenant == first for s in group):
+        return ShareSplit(group, [])
     counts: dict[str | None, int] = {}
     weights: dict[str | None, float] = {}
     for seq in group:
