@@ -141,8 +141,11 @@ class Settings(BaseSettings):
     # (keeping their KV) so the others' tokens are not paced by a big batch; the cap is set
     # from the engine's cost model so that they lose at most this fraction of their
     # throughput over a long run (a short burst of the others' may take its fair share of
-    # step time first; docs/tenants.md). 0: no cap.
-    engine_tenant_max_loss: float = Field(default=0.1, ge=0, lt=1)
+    # step time first; docs/tenants.md). 0 (the default): no cap. Off by default: the cap
+    # prices the over-share tenants' decodes before the step's admissions, so where their
+    # admitted prefill sets the step time (a batch of short lines) it holds their decodes
+    # back for little gain and the loss it charges them is understated.
+    engine_tenant_max_loss: float = Field(default=0.0, ge=0, lt=1)
     # API: how often the load behind queue positions and ETAs is read again (once per
     # process, whatever the number of readers).
     estimate_refresh_s: float = Field(default=1.0, gt=0)

@@ -60,7 +60,7 @@ class EngineConfig:
     # Within a priority, tenants over their weighted share of its running sequences sit
     # steps out so that tenants under it take shorter steps, losing at most this fraction
     # of their throughput over a long run (tenant_share). None: no cap.
-    tenant_max_loss: float | None = 0.1
+    tenant_max_loss: float | None = None
     # A quantized checkpoint's projections: "auto" keeps them quantized on CUDA (Triton
     # dequantize-in-GEMM kernels) and dequantizes them at load on the CPU; "packed" or
     # "dequantize" forces one (loader.keeps_packed).
