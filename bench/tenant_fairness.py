@@ -1,6 +1,6 @@
 """Tenants sharing one worker: fair share under a big batch, and a token budget held.
 
-Two scenarios on `batchinfer up` (embedded broker, Redis, SQLite) with one worker and the
+Three scenarios on `batchinfer up` (embedded broker, Redis, SQLite) with one worker and the
 tiny random-weight Llama (tests.unit.engine.tiny_models) or any model given:
 
   fairness  B's --num-b normal jobs alone (idle); A's --lines-line low-priority batch
@@ -10,12 +10,21 @@ tiny random-weight Llama (tests.unit.engine.tiny_models) or any model given:
             Then the same mixed run with A's batch and B's jobs at the same priority,
             which fair share alone has to handle (`--mix same` runs only that one,
             `--mix priority` only the first).
+  sustained B keeps --b-inflight normal-sized jobs running, one submitted as soon as one
+            ends, for the whole of A's --lines-line batch at the same priority (low).
+            Reported: B's job latency (median/p90) beside A against B alone, and A's
+            lines/s beside B; across --tenant-max-loss values, what the cap costs A.
   budget    tenant A limited to --tokens-per-minute runs a batch of about --work-tokens
             tokens; every job must complete, and no UTC minute of stored usage (prompt +
             completion by finished_at) may hold more than the budget plus one job.
 
     .venv/bin/python -m bench.tenant_fairness                         # shortened scale
     .venv/bin/python -m bench.tenant_fairness --lines 5000 --work-tokens 100000  # the issue's
+    .venv/bin/python -m bench.tenant_fairness --scenario sustained fairness --mix same \
+        --tenant-max-loss 0 0.1 --rounds 2   # cap off and on, alternated, one service each
+
+With several --tenant-max-loss values each round starts one service per value, in an
+order that alternates between rounds, so that the values see the same drift of load.
 
 The issue's full scale is 5,000 lines and 100,000 tokens at 20,000 tokens/minute (five
 minutes for the budget scenario alone); the defaults are shortened, and say so.
@@ -30,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -202,7 +212,7 @@ def batch_rate(service: Service, batch_id: str) -> tuple[float, float]:
     return len(rows) / span, span
 
 
-def fairness(service: Service, args: argparse.Namespace) -> None:
+def fairness(service: Service, args: argparse.Namespace) -> str:
     """Idle B, solo A, then mixed (B low-vs-normal, then same priority)."""
     run_b_jobs(service, "warm-up", argparse.Namespace(num_b=4, max_tokens=4), "normal")
     idle_s = run_b_jobs(service, "idle", args, "normal")
@@ -233,12 +243,78 @@ def fairness(service: Service, args: argparse.Namespace) -> None:
         print(f"  {num_between} of A's lines started between B's first submission and B's "
               f"last start; {num_queued_then} of A's were queued when B submitted")
         b_share = args.num_b / (args.lines + args.num_b)
-        print(f"mixed ({name}): B's jobs in {b_s:.2f} s = {b_s / idle_s:.2f}x idle; "
-              f"A at {rate:.1f} lines/s over {span:.1f} s = {1 - rate / solo_rate:.1%} below "
-              f"solo (B's own share of the work {b_share:.1%}); load {os.getloadavg()[0]:.1f}")
+        line = (f"mixed ({name}): B's jobs in {b_s:.2f} s = {b_s / idle_s:.2f}x idle; "
+                f"A at {rate:.1f} lines/s over {span:.1f} s = {1 - rate / solo_rate:.1%} below "
+                f"solo (B's own share of the work {b_share:.1%}); load {os.getloadavg()[0]:.1f}")
+        print(line)
+    return line
 
 
-def budget(service: Service, args: argparse.Namespace) -> None:
+def keep_b_running(service: Service, args: argparse.Namespace, tag: str,
+                   stop: threading.Event, ids: list[str]) -> list[threading.Thread]:
+    """--b-inflight threads, each submitting B's next low job as soon as its last one ends,
+    until `stop`; every job's id goes into `ids`."""
+    def loop(slot: int) -> None:
+        with service.client(service.b_key) as client:
+            i = 0
+            while not stop.is_set():
+                response = client.post("/v1/jobs", json=chat(
+                    service.model, f"{tag} tenant B slot {slot} question {i}",
+                    args.max_tokens, "low"))
+                response.raise_for_status()
+                job_id = response.json()["id"]
+                ids.append(job_id)
+                while client.get(f"/v1/jobs/{job_id}", params={"wait": 30}).json()[
+                        "status"] in ("queued", "running"):
+                    pass
+                i += 1
+    threads = [threading.Thread(target=loop, args=(slot,), daemon=True)
+               for slot in range(args.b_inflight)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def b_latencies(service: Service, ids: list[str]) -> list[float]:
+    """Seconds from acceptance to the end of each of these finished jobs."""
+    return [(j.finished_at - j.created_at).total_seconds() for j in service.jobs(id=ids)
+            if j.finished_at is not None]
+
+
+def sustained(service: Service, args: argparse.Namespace) -> str:
+    """B alone with --b-inflight jobs running, then beside A's batch for the whole of it."""
+    run_b_jobs(service, "warm-up", argparse.Namespace(num_b=4, max_tokens=4), "normal")
+    stop = threading.Event()
+    idle_ids: list[str] = []
+    threads = keep_b_running(service, args, "sustained-idle", stop, idle_ids)
+    time.sleep(args.b_idle_s)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    idle = b_latencies(service, idle_ids)
+    batch_id = start_batch(service, "sustained", args.lines, args.max_tokens, "low")
+    stop = threading.Event()
+    mixed_ids: list[str] = []
+    threads = keep_b_running(service, args, "sustained-mixed", stop, mixed_ids)
+    wait_batch(service, batch_id, args.timeout)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    rate, span = batch_rate(service, batch_id)
+    a_rows = service.jobs(batch_id=batch_id)
+    a_end = max(j.finished_at for j in a_rows if j.finished_at is not None)
+    # B's jobs that ran wholly beside A's batch (the last few may end after it).
+    mixed = [(j.finished_at - j.created_at).total_seconds() for j in service.jobs(id=mixed_ids)
+             if j.finished_at is not None and j.finished_at <= a_end]
+    line = (f"sustained (A and B low, B {args.b_inflight} in flight): B alone {len(idle)} jobs "
+            f"median/p90 {_quantiles(idle)} ms; beside A {len(mixed)} jobs {_quantiles(mixed)}"
+            f" ms = {statistics.median(mixed) / statistics.median(idle):.2f}x idle (median); "
+            f"A at {rate:.1f} lines/s over {span:.1f} s; load {os.getloadavg()[0]:.1f}")
+    print(line)
+    return line
+
+
+def budget(service: Service, args: argparse.Namespace) -> str:
     """A batch of about --work-tokens tokens under --tokens-per-minute."""
     service.cli("tenants", "set-limits", "--tenant", "dev",
                 "--tokens-per-minute", str(args.tokens_per_minute))
@@ -271,6 +347,10 @@ def budget(service: Service, args: argparse.Namespace) -> None:
     usage = batch.get("usage") or {}
     print(f"  batch usage {usage.get('total_tokens')} vs stored jobs {total:,}: "
           f"{'equal' if usage.get('total_tokens') == total else 'DIFFER'}")
+    return f"budget: {took:.0f} s"
+
+
+SCENARIOS = {"fairness": fairness, "sustained": sustained, "budget": budget}
 
 
 def main() -> None:
@@ -278,10 +358,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--model", default="tiny", help="`tiny` (random-weight Llama) or a model name/dir")
-    add("--scenario", choices=["fairness", "budget", "both"], default="both")
+    add("--scenario", nargs="+", choices=[*SCENARIOS, "both"], default=["both"],
+        help="`both`: fairness and budget")
     add("--lines", type=int, default=1000, help="A's batch lines (the issue: 5,000)")
     add("--num-b", type=int, default=50, help="B's jobs")
     add("--b-after", type=float, default=3.0, help="seconds between A's batch and B's jobs")
+    add("--b-inflight", type=int, default=8, help="B's jobs kept running (sustained)")
+    add("--b-idle-s", type=float, default=10.0, help="seconds B runs alone (sustained)")
     add("--max-tokens", type=int, default=8, help="output tokens per job (fairness)")
     add("--tokens-per-minute", type=int, default=20_000)
     add("--work-tokens", type=int, default=50_000, help="the issue: 100,000")
@@ -289,33 +372,46 @@ def main() -> None:
     add("--mix", choices=["both", "priority", "same"], default="both",
         help="mixed runs: A low with B normal (priority), both low (same), or both")
     add("--timeout", type=float, default=1800.0)
-    add("--tenant-step-target-ms", type=float, default=None,
-        help="BATCHINFER_ENGINE_TENANT_STEP_TARGET_MS for the service (default: its own)")
+    add("--tenant-max-loss", nargs="+", default=[None],
+        help="BATCHINFER_ENGINE_TENANT_MAX_LOSS values, one service each (default: its own)")
+    add("--rounds", type=int, default=1, help="rounds over the --tenant-max-loss values")
     add("--window", type=int, default=None,
         help="BATCHINFER_BATCH_MAX_QUEUED_LINES for the service (default: its own, 2000)")
     args = parser.parse_args()
+    scenarios = [s for s in SCENARIOS if s in args.scenario
+                 or ("both" in args.scenario and s in ("fairness", "budget"))]
     print(f"load {os.getloadavg()[0]:.1f}, model {args.model}, {args.lines} lines, "
-          f"tenant step target {args.tenant_step_target_ms} ms, "
-          f"{args.num_b} B jobs, {args.work_tokens:,} tokens at {args.tokens_per_minute:,}/min")
+          f"tenant max loss {args.tenant_max_loss}, {args.num_b} B jobs, {args.b_inflight} "
+          f"B in flight, {args.work_tokens:,} tokens at {args.tokens_per_minute:,}/min")
+    summary: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = args.model
         if model == "tiny":
             model = str(root / "tiny")
             save_tiny_llama(Path(model))
-        for scenario in ("fairness", "budget"):
-            if args.scenario not in (scenario, "both"):
-                continue
-            env = {"BATCHINFER_LOG_LEVEL": "WARNING"}
-            if args.window is not None:
-                env["BATCHINFER_BATCH_MAX_QUEUED_LINES"] = str(args.window)
-            if args.tenant_step_target_ms is not None:
-                env["BATCHINFER_ENGINE_TENANT_STEP_TARGET_MS"] = str(args.tenant_step_target_ms)
-            service = start(root / scenario, model, env)
-            try:
-                (fairness if scenario == "fairness" else budget)(service, args)
-            finally:
-                service.up.stop(timeout=120.0)
+        for round_no in range(args.rounds):
+            values = args.tenant_max_loss if round_no % 2 == 0 else args.tenant_max_loss[::-1]
+            for value in values:
+                for scenario in scenarios:
+                    env = {"BATCHINFER_LOG_LEVEL": "WARNING"}
+                    if args.window is not None:
+                        env["BATCHINFER_BATCH_MAX_QUEUED_LINES"] = str(args.window)
+                    if value is not None:
+                        env["BATCHINFER_ENGINE_TENANT_MAX_LOSS"] = value
+                    print(f"--- round {round_no + 1}, tenant max loss {value}, {scenario}, "
+                          f"{time.strftime('%H:%M:%S', time.gmtime())} UTC, load "
+                          f"{os.getloadavg()[0]:.1f}", flush=True)
+                    name = f"{scenario}-{round_no}-{value}"
+                    service = start(root / name, model, env)
+                    try:
+                        line = SCENARIOS[scenario](service, args)
+                        summary.append(f"round {round_no + 1}, max loss {value}: {line}")
+                    finally:
+                        service.up.stop(timeout=120.0)
+    print("summary:")
+    for line in summary:
+        print(f"  {line}")
 
 
 if __name__ == "__main__":

@@ -137,13 +137,15 @@ class Settings(BaseSettings):
     # alone sizes the step. Decodes are never held back for it.
     engine_max_prefill_step_ms: float | None = Field(default=2000.0, gt=0)
     # Within a priority, while tenants over their weighted share of its running jobs run
-    # beside tenants under it, the longest a step may take: the over-share tenants' jobs
-    # beyond one sit steps out (keeping their KV), so the others' tokens are not paced by
-    # a big batch (docs/tenants.md). None (the default): no cap. Off by default because
-    # the over-share tenant is held to its floor, half of what the others' part of a step
-    # costs, for as long as any under-share tenant runs: one that keeps a few jobs running
-    # all day would cut a big batch beside it to a few sequences a step.
-    engine_tenant_step_target_ms: float | None = Field(default=None, gt=0)
+    # beside tenants under it, the over-share tenants' jobs beyond one sit steps out
+    # (keeping their KV) so the others' tokens are not paced by a big batch; the cap is set
+    # from the engine's cost model so that they lose at most this fraction of their
+    # throughput over a long run (a short burst of the others' may take its fair share of
+    # step time first; docs/tenants.md). 0 (the default): no cap. Off by default: the cap
+    # prices the over-share tenants' decodes before the step's admissions, so where their
+    # admitted prefill sets the step time (a batch of short lines) it holds their decodes
+    # back for little gain and the loss it charges them is understated.
+    engine_tenant_max_loss: float = Field(default=0.0, ge=0, lt=1)
     # API: how often the load behind queue positions and ETAs is read again (once per
     # process, whatever the number of readers).
     estimate_refresh_s: float = Field(default=1.0, gt=0)

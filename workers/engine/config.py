@@ -57,9 +57,10 @@ class EngineConfig:
     # request arriving mid-step waits for the step, so this bounds how long wide prefill
     # of less urgent work keeps it out. None: the token budget alone sizes a step.
     max_prefill_step_time: float | None = None
-    # Seconds a step may take while tenants over their weighted share of a priority's
-    # running sequences join those under it (scheduler, tenant_share). None: no cap.
-    tenant_step_target: float | None = None
+    # Within a priority, tenants over their weighted share of its running sequences sit
+    # steps out so that tenants under it take shorter steps, losing at most this fraction
+    # of their throughput over a long run (tenant_share). None: no cap.
+    tenant_max_loss: float | None = None
     # A quantized checkpoint's projections: "auto" keeps them quantized on CUDA (Triton
     # dequantize-in-GEMM kernels) and dequantizes them at load on the CPU; "packed" or
     # "dequantize" forces one (loader.keeps_packed).
@@ -95,9 +96,8 @@ class EngineConfig:
         if self.max_prefill_step_time is not None and not self.max_prefill_step_time > 0:
             raise ValueError("max_prefill_step_time must be > 0 seconds, got "
                              f"{self.max_prefill_step_time}")
-        if self.tenant_step_target is not None and not self.tenant_step_target > 0:
-            raise ValueError("tenant_step_target must be > 0 seconds, got "
-                             f"{self.tenant_step_target}")
+        if self.tenant_max_loss is not None and not 0 < self.tenant_max_loss < 1:
+            raise ValueError(f"tenant_max_loss must be in (0, 1), got {self.tenant_max_loss}")
         for priority, seconds in self.step_time_targets.items():
             if not seconds > 0:
                 raise ValueError(

@@ -102,7 +102,7 @@ class LLMEngine:
             watermark=config.watermark,
             step_time_targets=config.step_time_targets,
             max_prefill_step_time=config.max_prefill_step_time,
-            tenant_step_target=config.tenant_step_target,
+            tenant_max_loss=config.tenant_max_loss,
             kv_window=kv_window(self.runner.hf_config),
         )
         self._requests: dict[str, _Request] = {}

@@ -14,7 +14,8 @@ Responsibilities:
   (a prefill chunk shrinks to fit first). With no urgent work in a step nothing is held
   back, so low priorities never starve for want of a target of their own;
 - within a level, tenants over their weighted share of its running sequences join the
-  step after those under it, within `tenant_step_target` (tenant_share);
+  step after those under it, within a cap bounded by their loss (`tenant_max_loss`,
+  tenant_share);
 - bound the prefill work of every step (`max_prefill_step_time`): a request that arrives
   while a step runs waits for that step to end, so a step of low-priority prefill
   chunks sized only by the token budget (2,048 tokens: ~25 s of SmolLM2 on a loaded
@@ -32,6 +33,7 @@ Responsibilities:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -42,8 +44,15 @@ from typing import Protocol
 from workers.engine.block_manager import BlockManager
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.step_cost import EMPTY_STEP, StepCostModel, StepShape
+from workers.engine.step_draft import StepDraft
 from workers.engine.tenant_clock import TenantClocks
-from workers.engine.tenant_share import over_share_cap, split_by_share
+from workers.engine.tenant_share import (
+    ShareSplit,
+    TenantShare,
+    lost_seconds,
+    running_shape,
+    split_by_share,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,14 +119,14 @@ class Scheduler:
         cost_model: StepCostModel | None = None,
         kv_window: int | None = None,
         max_prefill_step_time: float | None = None,
-        tenant_step_target: float | None = None,
+        tenant_max_loss: float | None = None,
     ) -> None:
         """kv_window: the widest sliding window when every layer has one (blocks before it
         are given back as sequences advance), None when any layer attends to everything.
         max_prefill_step_time: seconds the prefill work of one step may add to it, priced
         by the cost model (None: the token budget alone sizes it).
-        tenant_step_target: seconds a step may take while tenants over their share of a
-        priority join tenants under it (tenant_share; None: tenants are not capped)."""
+        tenant_max_loss: the throughput tenants over their share of a priority may lose
+        so that tenants under it take shorter steps (tenant_share; None: not capped)."""
         self.block_manager = block_manager
         self.kv_window = kv_window
         self.max_num_seqs = max_num_seqs
@@ -135,9 +144,7 @@ class Scheduler:
         if max_prefill_step_time is not None and not max_prefill_step_time > 0:
             raise ValueError(f"max_prefill_step_time must be > 0, got {max_prefill_step_time}")
         self.max_prefill_step_time = max_prefill_step_time
-        if tenant_step_target is not None and not tenant_step_target > 0:
-            raise ValueError(f"tenant_step_target must be > 0, got {tenant_step_target}")
-        self.tenant_step_target = tenant_step_target
+        self.tenant_share = None if tenant_max_loss is None else TenantShare(tenant_max_loss)
         self.cost_model = cost_model if cost_model is not None else StepCostModel()
         self.num_held_back_steps = 0  # sequence-steps sat out for a latency class or tenant cap
         self.waiting: list[Sequence] = []  # sorted by urgency
@@ -183,30 +190,21 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch within the token budget and the sequence cap."""
-        step = _Step(self.max_num_batched_tokens)
+        step = StepDraft(self.max_num_batched_tokens)
         running = sorted(self.running, key=urgency)
         levels = sorted({s.priority for s in running} | {s.priority for s in self.waiting})
+        tenant_lost_s = 0.0
         for level in levels:
             # The tightest target among the more urgent sequences already in this step;
             # the first level present never has one, so the most urgent work always runs.
             step.cap = self._cap(step)
             group = running if len(levels) == 1 else [s for s in running if s.priority == level]
-            over: list[Sequence] = []
-            target = self.tenant_step_target
-            if target is not None and self.cost_model.is_fitted:
-                group, over = split_by_share(group, self.waiting, level)
-            before = self.cost_model.predict(step.shape) if over else 0.0
-            self._schedule_group(group, step)
-            if target is not None and over:
-                # Tenants over their share of the level: their least served sequence runs
-                # whatever the tenant cap (the floor), the rest within it (tenant_share).
-                level_cap = step.cap
-                cap = over_share_cap(target, level_cap, before,
-                                     self.cost_model.predict(step.shape))
-                self._schedule_group(over[:1], step)
-                step.cap = cap
-                self._schedule_group(over[1:], step)
-                step.cap = level_cap
+            split = ShareSplit(group, [])
+            if self.tenant_share is not None and self.cost_model.is_fitted:
+                split = split_by_share(group, self.waiting, level)
+            self._schedule_group(split.under, step)
+            if split.over:
+                tenant_lost_s += self._schedule_over_share(split, step)
             self._admit_waiting(step, max_priority=level)
             if any(s.priority == level for s in step.scheduled):
                 step.levels_scheduled.add(level)
@@ -216,6 +214,8 @@ class Scheduler:
         assert step.scheduled or not self.has_unfinished(), "scheduler stalled"
         seqs = list(step.scheduled)
         self.num_held_back_steps += step.num_held_back
+        if self.tenant_share is not None and self.cost_model.is_fitted:
+            self.tenant_share.settle(self.cost_model.predict(step.shape), tenant_lost_s)
         return SchedulerOutput(
             seqs,
             [step.scheduled[s] for s in seqs],
@@ -224,7 +224,7 @@ class Scheduler:
             num_held_back=step.num_held_back,
         )
 
-    def _schedule_group(self, group: list[Sequence], step: _Step) -> None:
+    def _schedule_group(self, group: list[Sequence], step: StepDraft) -> None:
         """Running sequences of one level: decodes first (one token each, latency-sensitive),
         then prefill chunks."""
         decodes, chunks = [], []
@@ -239,7 +239,35 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING and step.budget > 0:
                 self._schedule_running(seq, step)
 
-    def _cap(self, step: _Step) -> float | None:
+    def _schedule_over_share(self, split: ShareSplit, step: StepDraft) -> float:
+        """Tenants over their share of a level: the least served sequence of each runs
+        whatever the cap (the floor), then their decodes while the step is below the cap
+        (the one that crosses it joins too: rounded down, two sequences of which one sat
+        out lost half their rate, far beyond the loss bound), then their prefill chunks
+        shrunk to fit. Returns the seconds of their throughput the step gave up."""
+        assert self.tenant_share is not None
+        level_cap, predict = step.cap, self.cost_model.predict
+        under_s = predict(step.shape)
+        full = step.shape.plus(*dataclasses.astuple(running_shape(split.over, step.budget)))
+        full_s = predict(full) if level_cap is None else min(predict(full), level_cap)
+        cap = self.tenant_share.cap(under_s, full_s, split.over_weight_fraction)
+        self._schedule_group(split.over[:split.num_floor], step)
+        rest = split.over[split.num_floor:]
+        decodes = [s for s in rest if s.num_uncomputed_tokens == 1]
+        a, per_token, per_kv, per_seq = self.cost_model.coefficients()
+        for i, seq in enumerate(decodes):
+            shape = step.shape  # predict() inlined: a numpy call per sequence costs ~5 us
+            if (a + per_token * shape.num_tokens + per_kv * shape.num_kv_tokens
+                    + per_seq * shape.num_seqs) >= cap:
+                step.num_held_back += len(decodes) - i
+                break
+            self._schedule_group([seq], step)
+        step.cap = cap if level_cap is None else min(cap, level_cap)
+        self._schedule_group([s for s in rest if s.num_uncomputed_tokens > 1], step)
+        step.cap = level_cap
+        return lost_seconds(under_s, full_s, predict(step.shape))
+
+    def _cap(self, step: StepDraft) -> float | None:
         """Seconds the step may take, from the targets of the levels it already holds."""
         if not self.cost_model.is_fitted:
             return None
@@ -248,14 +276,14 @@ class Scheduler:
         ]
         return min(targets) if targets else None
 
-    def _num_within_cap(self, step: _Step, num_context_tokens: int, num_new: int) -> int:
+    def _num_within_cap(self, step: StepDraft, num_context_tokens: int, num_new: int) -> int:
         """How many of `num_new` tokens fit the step's cap (all of them with no cap)."""
         if step.cap is None:
             return num_new
         fits = self.cost_model.max_new_tokens_within(step.shape, num_context_tokens, step.cap)
         return min(num_new, fits)
 
-    def _num_prefill_within_bound(self, step: _Step, num_context_tokens: int,
+    def _num_prefill_within_bound(self, step: StepDraft, num_context_tokens: int,
                                   num_new: int) -> int:
         """How many of a prefill's `num_new` tokens fit `max_prefill_step_time`, priced at
         what the step's prefill adds to it (the step's fixed cost is paid anyway: counted
@@ -331,7 +359,7 @@ class Scheduler:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def _schedule_decodes(self, decodes: list[Sequence], step: _Step) -> None:
+    def _schedule_decodes(self, decodes: list[Sequence], step: StepDraft) -> None:
         """One token for each running decode, in order, while the budget lasts.
 
         A decode whose next position lies in a block it holds needs no allocation and, with
@@ -361,7 +389,7 @@ class Scheduler:
                 step.completing_hashes.update(self.block_manager.hashes_completed_by(seq, 1))
         step.shape = step.shape.plus(num_fast, num_fast_kv, num_fast)
 
-    def _schedule_running(self, seq: Sequence, step: _Step) -> None:
+    def _schedule_running(self, seq: Sequence, step: StepDraft) -> None:
         num_new = min(seq.num_uncomputed_tokens, step.budget)
         assert num_new > 0
         if num_new < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
@@ -385,7 +413,7 @@ class Scheduler:
         step.add(seq, num_new, self.block_manager.hashes_completed_by(seq, num_new),
                  is_prefill=seq.num_uncomputed_tokens > 1)
 
-    def _admit_waiting(self, step: _Step, *, max_priority: int) -> None:
+    def _admit_waiting(self, step: StepDraft, *, max_priority: int) -> None:
         bm = self.block_manager
         while self.waiting and step.budget > 0:
             seq = self.waiting[0]
@@ -425,7 +453,7 @@ class Scheduler:
             self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
             step.add(seq, num_new, bm.hashes_completed_by(seq, num_new), is_prefill=True)
 
-    def _displace_for(self, seq: Sequence, step: _Step, *, num_blocks_needed: int) -> bool:
+    def _displace_for(self, seq: Sequence, step: StepDraft, *, num_blocks_needed: int) -> bool:
         """Preempt the least urgent running sequence if strictly less urgent than `seq`.
 
         With `num_blocks_needed`, only when preempting every strictly less urgent sequence
@@ -442,7 +470,7 @@ class Scheduler:
         self._preempt(max(victims, key=urgency), step)
         return True
 
-    def _preempt(self, seq: Sequence, step: _Step) -> None:
+    def _preempt(self, seq: Sequence, step: StepDraft) -> None:
         logger.debug("preempting %s (priority %d)", seq.request_id, seq.priority)
         step.remove(seq)  # before free(): it resets the progress the step priced
         self.running.remove(seq)
@@ -452,44 +480,3 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=urgency)
         step.preempted.append(seq)
-
-
-@dataclass(slots=True)
-class _Step:
-    """The batch being assembled in one `schedule()` call."""
-
-    budget: int
-    scheduled: dict[Sequence, int] = field(default_factory=dict)  # in batch order
-    preempted: list[Sequence] = field(default_factory=list)
-    # Hashes of blocks this step completes, so an admission can wait to share them.
-    completing_hashes: set[bytes] = field(default_factory=set)
-    shape: StepShape = EMPTY_STEP
-    # Priority levels with a sequence in this step, and the time cap they impose.
-    levels_scheduled: set[int] = field(default_factory=set)
-    cap: float | None = None
-    num_held_back: int = 0
-    # The prefill chunks of this step alone, priced against `max_prefill_step_time`
-    # (a chunk of a sequence preempted later in the step stays counted: the bound errs
-    # on the short side).
-    prefill_shape: StepShape = EMPTY_STEP
-
-    def add(self, seq: Sequence, num_new_tokens: int, completed: list[bytes], *,
-            is_prefill: bool = False) -> None:
-        """Schedule `num_new_tokens` of `seq`."""
-        self.scheduled[seq] = num_new_tokens
-        self.budget -= num_new_tokens
-        self.completing_hashes.update(completed)
-        # Attention reads every position up to the last new one.
-        kv = seq.num_computed_tokens + num_new_tokens
-        self.shape = self.shape.plus(num_new_tokens, kv)
-        if is_prefill:
-            self.prefill_shape = self.prefill_shape.plus(num_new_tokens, kv)
-
-    def remove(self, seq: Sequence) -> None:
-        """Take back a sequence scheduled earlier in this step (it was preempted)."""
-        num_new_tokens = self.scheduled.pop(seq, None)
-        if num_new_tokens is None:
-            return
-        self.budget += num_new_tokens
-        kv = seq.num_computed_tokens + num_new_tokens
-        self.shape = self.shape.plus(-num_new_tokens, -kv, -1)

@@ -74,8 +74,7 @@ def build_engine(settings: Settings) -> LLMEngine:
         step_time_targets=step_time_targets(settings),
         max_prefill_step_time=(None if settings.engine_max_prefill_step_ms is None
                                else settings.engine_max_prefill_step_ms / 1000),
-        tenant_step_target=(None if settings.engine_tenant_step_target_ms is None
-                            else settings.engine_tenant_step_target_ms / 1000),
+        tenant_max_loss=settings.engine_tenant_max_loss or None,
         quantized_weights=settings.engine_quantized_weights,
     )
     if settings.engine_max_num_seqs is not None:

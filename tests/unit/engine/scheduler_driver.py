@@ -125,7 +125,7 @@ def make_scheduler(
     step_time_targets: dict[int, float] | None = None,
     cost_model: StepCostModel | None = None,
     max_prefill_step_time: float | None = None,
-    tenant_step_target: float | None = None,
+    tenant_max_loss: float | None = None,
 ) -> Scheduler:
     """A scheduler over a fresh block manager."""
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
@@ -140,7 +140,7 @@ def make_scheduler(
         step_time_targets=step_time_targets,
         cost_model=cost_model,
         max_prefill_step_time=max_prefill_step_time,
-        tenant_step_target=tenant_step_target,
+        tenant_max_loss=tenant_max_loss,
     )
 
 
