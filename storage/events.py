@@ -37,6 +37,7 @@ import redis.asyncio as aioredis
 from redis.client import PubSub
 
 from storage.models import JobStatus
+from storage.redis_batch import Outcome, RedisBatch
 from storage.token_streams import follow_channel
 
 logger = logging.getLogger(__name__)
@@ -94,9 +95,13 @@ def publish_job_done(
     redis_client: redis.Redis, *, prefix: str, job_id: str, status: JobStatus | str
 ) -> None:
     """Announce that a job reached a final status (after its row is committed)."""
-    status_value = status.value if isinstance(status, JobStatus) else status
-    payload = json.dumps({"job_id": job_id, "status": status_value})
-    _publish(redis_client, job_done_channel(prefix, job_id), payload)
+    _publish(redis_client, job_done_channel(prefix, job_id), _job_done_payload(job_id, status))
+
+
+def queue_job_done(batch: RedisBatch, *, prefix: str, job_id: str,
+                   status: JobStatus | str) -> None:
+    """`publish_job_done` sent with the other writes of `batch`."""
+    _queue_publish(batch, job_done_channel(prefix, job_id), _job_done_payload(job_id, status))
 
 
 def publish_jobs_done(
@@ -108,11 +113,26 @@ def publish_jobs_done(
     ~80 us of CPU per job (its pipeline's replies parsed one by one) and cost each
     listening API a message to read per job; one message per write costs both one.
     """
-    if not statuses:
-        return
-    payload = json.dumps({"jobs": {job_id: status.value for job_id, status in statuses.items()}},
-                         separators=(",", ":"))
-    _publish(redis_client, jobs_done_channel(prefix), payload)
+    if statuses:
+        _publish(redis_client, jobs_done_channel(prefix), _jobs_done_payload(statuses))
+
+
+def queue_jobs_done(batch: RedisBatch, *, prefix: str,
+                    statuses: dict[str, JobStatus]) -> None:
+    """`publish_jobs_done` sent with the other writes of `batch` (the worker's store of a
+    step's results: its cache fill, this, and the token settling in one round trip)."""
+    if statuses:
+        _queue_publish(batch, jobs_done_channel(prefix), _jobs_done_payload(statuses))
+
+
+def _job_done_payload(job_id: str, status: JobStatus | str) -> str:
+    status_value = status.value if isinstance(status, JobStatus) else status
+    return json.dumps({"job_id": job_id, "status": status_value})
+
+
+def _jobs_done_payload(statuses: dict[str, JobStatus]) -> str:
+    return json.dumps({"jobs": {job_id: status.value for job_id, status in statuses.items()}},
+                      separators=(",", ":"))
 
 
 def announced_job_ids(data: bytes | str) -> list[str]:
@@ -134,7 +154,21 @@ def _publish(redis_client: redis.Redis, channel: str, payload: str) -> None:
     try:
         redis_client.publish(channel, payload)
     except redis.RedisError as e:
-        logger.warning("could not publish to %s (%s); waiters fall back to timeouts", channel, e)
+        _publish_failed(channel, e)
+
+
+def _queue_publish(batch: RedisBatch, channel: str, payload: str) -> None:
+    """`_publish` as part of `batch`: a failure is logged when the batch executes."""
+    def done(outcome: Outcome) -> None:
+        if isinstance(outcome, redis.RedisError):
+            _publish_failed(channel, outcome)
+
+    batch.add(lambda pipe: pipe.publish(channel, payload), done)
+
+
+def _publish_failed(channel: str, error: redis.RedisError) -> None:
+    logger.warning("could not publish to %s (%s); waiters fall back to timeouts", channel,
+                   error)
 
 
 class JobDoneSubscription:

@@ -16,9 +16,10 @@ import redis
 from redis.exceptions import NoScriptError
 
 
-def execute(pipe: redis.client.Pipeline) -> list[Any]:
+def execute(pipe: redis.client.Pipeline, *, raise_on_error: bool = True) -> list[Any]:
     """`pipe.execute()` of a pipeline without a transaction, without the SCRIPT EXISTS
-    round trip; raises the first error reply as it would."""
+    round trip; raises the first error reply as it would, or with `raise_on_error=False`
+    leaves each error reply in its command's place (a lost connection still raises)."""
     if pipe.transaction is True:  # the flag Pipeline sets, not Redis.transaction()
         raise ValueError("a transaction's NOSCRIPT aborts all of it: use pipe.execute()")
     scripts = {script.sha: script for script in pipe.scripts}
@@ -36,7 +37,8 @@ def execute(pipe: redis.client.Pipeline) -> list[Any]:
             again.execute_command(*args, **options)
         for i, reply in zip(missing, again.execute(raise_on_error=False), strict=True):
             replies[i] = reply
-    for reply in replies:
-        if isinstance(reply, redis.RedisError):
-            raise reply
+    if raise_on_error:
+        for reply in replies:
+            if isinstance(reply, redis.RedisError):
+                raise reply
     return replies

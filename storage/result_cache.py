@@ -24,9 +24,9 @@ import orjson
 import redis
 
 from core import metrics
-from storage import redis_scripts
 from storage.cache_ledger import CacheLedger, LedgerChange
 from storage.db import ORJSON_OPTIONS, stdlib_json_default
+from storage.redis_batch import Outcome, RedisBatch
 
 logger = logging.getLogger(__name__)
 
@@ -163,29 +163,40 @@ class ResultCache:
 
     def put_many(self, entries: list[tuple[str | None, dict[str, Any], int]]) -> None:
         """`put` for each (key, result, ttl) in one round trip (a pipeline, with the ledger)."""
+        batch = RedisBatch(self._redis)
+        self.queue_puts(batch, entries)
+        batch.execute()
+
+    def queue_puts(self, batch: RedisBatch,
+                   entries: list[tuple[str | None, dict[str, Any], int]]) -> None:
+        """`put_many`'s writes added to `batch`: sent, and their outcome counted, when it
+        executes (a failure is logged and counted there, as `put_many`'s is)."""
         if any(ttl < 0 for _, _, ttl in entries):
             raise ValueError("ttl must be >= 0 seconds (0 disables caching)")
         payloads = {key: (_payload(value), ttl)
                     for key, value, ttl in entries if key is not None and ttl}
         if not payloads:
             return
-        pipe = self._redis.pipeline(transaction=False)
-        for key, (payload, ttl) in payloads.items():
-            pipe.set(self.redis_key(key), payload, ex=ttl)
-        self.ledger.queue(pipe, [LedgerChange("set", key, len(payload), 1, ttl)
-                                 for key, (payload, ttl) in payloads.items()])
-        try:
-            replies = redis_scripts.execute(pipe)
-        except redis.RedisError as e:
-            metrics.CACHE_ERRORS.labels(self.KIND).inc()
-            logger.warning("result cache write failed (%s); %d results not cached", e,
-                           len(payloads))
-            return
-        metrics.CACHE_BYTES.labels(self.KIND, "stored").inc(
-            sum(len(payload) for payload, _ in payloads.values()))
-        report = self.ledger.report(replies[-1])
-        metrics.CACHE_EVICTIONS.labels(self.KIND).inc(report.num_evicted)
-        metrics.CACHE_RESIDENT_BYTES.labels(self.KIND).set(report.resident_bytes)
+
+        def queue(pipe: redis.client.Pipeline) -> None:
+            for key, (payload, ttl) in payloads.items():
+                pipe.set(self.redis_key(key), payload, ex=ttl)
+            self.ledger.queue(pipe, [LedgerChange("set", key, len(payload), 1, ttl)
+                                     for key, (payload, ttl) in payloads.items()])
+
+        def done(outcome: Outcome) -> None:
+            if isinstance(outcome, redis.RedisError):
+                metrics.CACHE_ERRORS.labels(self.KIND).inc()
+                logger.warning("result cache write failed (%s); %d results not cached",
+                               outcome, len(payloads))
+                return
+            metrics.CACHE_BYTES.labels(self.KIND, "stored").inc(
+                sum(len(payload) for payload, _ in payloads.values()))
+            report = self.ledger.report(outcome[-1])
+            metrics.CACHE_EVICTIONS.labels(self.KIND).inc(report.num_evicted)
+            metrics.CACHE_RESIDENT_BYTES.labels(self.KIND).set(report.resident_bytes)
+
+        batch.add(queue, done)
 
     def put(self, key: str | None, value: dict[str, Any], ttl: int) -> None:
         """Store a result for `ttl` seconds; nothing for a None key or a ttl of 0."""

@@ -36,6 +36,7 @@ from typing import Any
 
 import redis
 
+from storage.redis_batch import Outcome, RedisBatch
 from storage.tenant_limits import Budget
 
 logger = logging.getLogger(__name__)
@@ -217,14 +218,30 @@ class TokenBudgets:
         jobs had a reservation. A Redis error is logged: the estimate then stands."""
         if not used:
             return 0
+        try:
+            return int(self._settle(keys=[], args=self._settle_args(used)))
+        except redis.RedisError as e:
+            _settle_failed(len(used), e)
+            return 0
+
+    def queue_settle(self, batch: RedisBatch, used: Sequence[tuple[str, int]]) -> None:
+        """`settle` sent with the other writes of `batch` (a sync client's); the script
+        runs atomically as `settle`'s call does, and a failure is logged the same way."""
+        if not used:
+            return
+        args = self._settle_args(used)
+
+        def done(outcome: Outcome) -> None:
+            if isinstance(outcome, redis.RedisError):
+                _settle_failed(len(used), outcome)
+
+        batch.add(lambda pipe: self._settle(keys=[], args=args, client=pipe), done)
+
+    def _settle_args(self, used: Sequence[tuple[str, int]]) -> list[Any]:
         args: list[Any] = [self.reservation_prefix]
         for job_id, tokens in used:
             args += [job_id, max(0, int(tokens))]
-        try:
-            return int(self._settle(keys=[], args=args))
-        except redis.RedisError as e:
-            logger.warning("settling %d job(s)' token usage failed: %s", len(used), e)
-            return 0
+        return args
 
     def used(self, *, tenant_id: str, budget: Budget, at: float) -> int:
         """Tokens counted now against a fixed-window (per day) budget in the window
@@ -233,6 +250,10 @@ class TokenBudgets:
         raw = self._redis.get(
             f"{self.counter_base(tenant_id, budget)}:{math.floor(at / budget.window_s)}")
         return int(raw or 0)
+
+
+def _settle_failed(num_jobs: int, error: redis.RedisError) -> None:
+    logger.warning("settling %d job(s)' token usage failed: %s", num_jobs, error)
 
 
 def _verdict(reply: Sequence[Any], budgets: Sequence[Budget]) -> Verdict:

@@ -8,7 +8,8 @@ transaction as the status write, so a crash keeps both or neither.
 
 Work is done per batch where the worker has one: the jobs of a poll are loaded with one
 SELECT and claimed with one UPDATE, the results of an engine step are stored in one
-transaction, and Redis hears of them in one pipeline. Every write is committed before
+transaction, and Redis hears of them in one round trip (the cache fill, the
+announcement and the token settling share one pipeline). Every write is committed before
 its Kafka offset is acknowledged, which is what makes the offset commit safe.
 """
 
@@ -29,8 +30,9 @@ from core.messages import JobMessage
 from core.tenant_metrics import TenantLabels, count_finished
 from storage import job_batches, jobs
 from storage.cache_policy import CachePolicy
-from storage.events import publish_job_done, publish_jobs_done
+from storage.events import queue_job_done, queue_jobs_done
 from storage.models import Job, JobStatus
+from storage.redis_batch import RedisBatch
 from storage.result_cache import ResultCache, result_cache_key
 from storage.tenant_limits import tenant_weights
 from storage.token_budget import TokenBudgets
@@ -178,7 +180,10 @@ class JobStore:
             logger.info("%d result(s) dropped: their jobs were already finished", dropped)
         filled = [s for s in successes if s.fill_cache and s.message.job_id in finished
                   and CachePolicy.of(s.message.body).fills]
-        self._cache.put_many([
+        # The cache fill, the announcement and the token settling: one round trip, in
+        # that order (a client woken by the announcement finds the result cached).
+        batch = RedisBatch(self._redis)
+        self._cache.queue_puts(batch, [
             (self._cache_key(s.message), s.result,
              CachePolicy.of(s.message.body).ttl_or(self._cache_ttl_s) if self._cache_ttl_s
              else 0)
@@ -188,14 +193,17 @@ class JobStore:
             self._cache_keys.pop(success.message.job_id, None)
         if self.semantic is not None:
             self.semantic.remember_many([(s.message, s.result) for s in filled])
-        publish_jobs_done(self._redis, prefix=self._prefix,
-                          statuses=dict.fromkeys(finished, JobStatus.SUCCEEDED))
-        self._account([(s.message, c) for s, c in zip(successes, completions, strict=True)
-                       if s.message.job_id in finished])
+        queue_jobs_done(batch, prefix=self._prefix,
+                        statuses=dict.fromkeys(finished, JobStatus.SUCCEEDED))
+        self._account(batch, [(s.message, c) for s, c in zip(successes, completions,
+                                                             strict=True)
+                              if s.message.job_id in finished])
+        batch.execute()
         return finished
 
-    def _account(self, done: list[tuple[JobMessage, job_batches.Completion]]) -> None:
-        """Settle the finished jobs' token reservations and count them per tenant.
+    def _account(self, batch: RedisBatch,
+                 done: list[tuple[JobMessage, job_batches.Completion]]) -> None:
+        """Settle the finished jobs' token reservations (in `batch`); count them per tenant.
 
         A budget counts the tokens computed, prompt plus completion; an answer from the
         result cache computed none and is charged nothing (its usage shows as cached).
@@ -211,7 +219,7 @@ class JobStore:
                            prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
                            cached_tokens=c.prompt_tokens if is_cached_answer
                            else c.cached_tokens)
-        self.budgets.settle(used)
+        self.budgets.queue_settle(batch, used)
 
     def fail(self, message: JobMessage, *, error: dict[str, Any]) -> bool:
         """Store the error; True only if this call finished the job (then announce)."""
@@ -221,11 +229,12 @@ class JobStore:
             if finished:
                 self._enqueue_webhook(session, message.job_id)
             session.commit()
-        if finished:
-            publish_job_done(
-                self._redis, prefix=self._prefix, job_id=message.job_id, status=JobStatus.FAILED
-            )
-            self.budgets.settle([(message.job_id, 0)])
+        if finished:  # announced and settled in one round trip
+            batch = RedisBatch(self._redis)
+            queue_job_done(batch, prefix=self._prefix, job_id=message.job_id,
+                           status=JobStatus.FAILED)
+            self.budgets.queue_settle(batch, [(message.job_id, 0)])
+            batch.execute()
             count_finished(self.tenant_labels, tenant_id=message.tenant_id,
                            model=message.model, outcome="failed")
         return finished
