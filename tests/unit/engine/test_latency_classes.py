@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -20,15 +21,16 @@ def law(shape: StepShape) -> float:
     return 0.002 + 50e-6 * shape.num_tokens + 0.2e-6 * shape.num_kv_tokens + 30e-6 * shape.num_seqs
 
 
-def fitted_model() -> StepCostModel:
-    """A cost model that has watched a few hundred steps of a machine following `law`."""
+def fitted_model(step_law: Callable[[StepShape], float] = law) -> StepCostModel:
+    """A cost model that has watched a few hundred steps of a machine following
+    `step_law` (`law` by default)."""
     rng = random.Random(0)
     model = StepCostModel()
     for _ in range(200):
         num_seqs = rng.randint(1, 64)
         num_tokens = num_seqs + rng.choice([0, rng.randint(1, 256)])
         shape = StepShape(num_tokens, num_tokens + num_seqs * rng.randint(4, 200), num_seqs)
-        model.observe(shape, law(shape))
+        model.observe(shape, step_law(shape))
     return model
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.unit.engine.scheduler_driver import Requests, SchedulerDriver
 from tests.unit.engine.test_engine import greedy, make_engine, run_all
-from tests.unit.engine.test_latency_classes import LOW, NORMAL, law, scheduler
+from tests.unit.engine.test_latency_classes import LOW, NORMAL, fitted_model, law, scheduler
 from tests.unit.engine.tiny_models import save_tiny_llama
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
@@ -177,14 +177,7 @@ def light_law(shape: StepShape) -> float:
 
 def light_model() -> StepCostModel:
     """A cost model that has watched a few hundred steps of a machine following light_law."""
-    rng = random.Random(0)
-    model = StepCostModel()
-    for _ in range(200):
-        num_seqs = rng.randint(1, 64)
-        num_tokens = num_seqs + rng.choice([0, rng.randint(1, 256)])
-        shape = StepShape(num_tokens, num_tokens + num_seqs * rng.randint(4, 200), num_seqs)
-        model.observe(shape, light_law(shape))
-    return model
+    return fitted_model(light_law)
 
 
 def test_with_credit_the_over_share_tenant_gets_its_fair_share_of_the_step_time() -> None:
