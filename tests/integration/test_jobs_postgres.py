@@ -28,10 +28,11 @@ from storage.jobs import (
 )
 from storage.migrate import upgrade
 from storage.models import Job, JobStatus, Tenant
-from storage.tenants import create_api_key, create_tenant, tenant_for_api_key
+from storage.tenants import create_api_key, tenant_for_api_key
 from storage.webhooks import Delivery
 from tests.unit.storage.test_executemany import check_many_statement_stores_what_sqlalchemy_stores
 from tests.unit.storage.test_job_batches import check_complete_jobs
+from tests.utils.api import committed_tenant
 from workers.inference.job_store import JobStore, Success
 
 # Seconds the racers wait for each other at the start line: far above a loaded start.
@@ -52,10 +53,7 @@ def sessions(postgres_url: str) -> Iterator[sessionmaker[Session]]:
 @pytest.fixture
 def tenant(sessions: sessionmaker[Session]) -> Tenant:
     """A committed tenant."""
-    with sessions() as session:
-        tenant = create_tenant(session, name="acme")
-        session.commit()
-        return tenant
+    return committed_tenant(sessions)
 
 
 def new_job(session: Session, tenant_id: str, idempotency_key: str | None = None) -> Job:

@@ -31,8 +31,8 @@ from storage.jobs import create_job, get_job, job_message
 from storage.models import Base, JobStatus, Tenant
 from storage.result_cache import ResultCache
 from storage.tenant_limits import ALL_MODELS, Budget
-from storage.tenants import create_tenant
 from storage.token_budget import TokenBudgets
+from tests.utils.api import committed_tenant
 from workers.inference.job_store import JobStore, Success
 
 DAY = Budget(ALL_MODELS, 86_400, 1_000_000)
@@ -54,10 +54,7 @@ def sessions(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
 @pytest.fixture
 def tenant(sessions: sessionmaker[Session]) -> Tenant:
     """A committed tenant."""
-    with sessions() as session:
-        tenant = create_tenant(session, name="acme")
-        session.commit()
-        return tenant
+    return committed_tenant(sessions)
 
 
 class _Trips:

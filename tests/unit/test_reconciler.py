@@ -30,9 +30,9 @@ from scheduler.reconciler import Reconciler
 from storage.db import create_db_engine, session_factory
 from storage.jobs import create_job, get_job, mark_published, mark_running
 from storage.models import Base, Job, JobStatus, Tenant, utcnow
-from storage.tenants import create_tenant
 from storage.webhooks import Delivery
 from storage.workers import record_heartbeat, worker_ids
+from tests.utils.api import committed_tenant
 
 POISON = "x\ud800y"  # a lone surrogate: valid in a Python str, not encodable as UTF-8
 
@@ -57,10 +57,7 @@ def sessions(settings: Settings) -> Iterator[sessionmaker[Session]]:
 @pytest.fixture
 def tenant(sessions: sessionmaker[Session]) -> Tenant:
     """A committed tenant."""
-    with sessions() as session:
-        tenant = create_tenant(session, name="acme")
-        session.commit()
-        return tenant
+    return committed_tenant(sessions)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from kafka.errors import KafkaTimeoutError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from storage.models import Job
+from storage.models import Job, Tenant
 from storage.tenants import create_api_key, create_tenant
 
 CHAT_BODY: dict[str, Any] = {
@@ -32,6 +32,14 @@ class TenantKey:
     def headers(self) -> dict[str, str]:
         """The Authorization header for this key."""
         return {"Authorization": f"Bearer {self.key}"}
+
+
+def committed_tenant(sessions: sessionmaker[Session], name: str = "acme") -> Tenant:
+    """A tenant created and committed in a session of its own."""
+    with sessions() as session:
+        tenant = create_tenant(session, name=name)
+        session.commit()
+        return tenant
 
 
 def make_tenant_key(sessions: sessionmaker[Session], name: str) -> TenantKey:
