@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, PretrainedConfig
 
+from workers.engine import cpu_int4
 from workers.engine.attention import AttentionBackend
 from workers.engine.models import CausalLM, model_class_for
 from workers.engine.models.experts import ExpertWeights
@@ -109,6 +110,10 @@ def load_model(
         loaded: set[tuple[str, int | None]] = set()
         if scheme is not None:
             load_packed(model, plans, scheme, get, present)
+            if device.type == "cpu" and cpu_int4.has_kernel():
+                for module in model.modules():
+                    if isinstance(module, QuantLinear):
+                        module.prepare_int4(dtype)
         taken = packed_source_names(plans, present)
         for name, tensor in dequantized_tensors(scheme, [n for n in file_of if n not in taken],
                                                 get):
@@ -134,8 +139,9 @@ def keeps_packed(mode: str, method: str, device: torch.device) -> bool:
 
     "auto": on CUDA, where the Triton kernels run (FP8 from compute capability 8.9, the
     first with e4m3 conversions); the CPU dequantizes at load, since its oneDNN GEMMs on the
-    dequantized matrices outrun any dequantize-per-call path. "packed": always (on the CPU,
-    under Triton's interpreter). "dequantize": never.
+    dequantized matrices outrun the rest beyond a row or two (`cpu_int4`). "packed":
+    always (on the CPU: 4 bits through torch's int4 GEMM in bf16/fp16, else dequantized per
+    call, or Triton's interpreter). "dequantize": never.
     """
     if mode not in ("auto", "packed", "dequantize"):
         raise ValueError(f"quantized_weights {mode!r} is not one of auto, packed, dequantize")

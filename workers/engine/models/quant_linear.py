@@ -1,6 +1,7 @@
 """A projection whose weight stays quantized in memory (int4/int8 or FP8), run by the
-dequantize-in-GEMM kernels; its output rows may stack several checkpoint matrices
-(q/k/v, gate/up) as FusedLinear's do."""
+dequantize-in-GEMM kernels (Triton; on the CPU, torch's int4 GEMM for 4 bits where it runs,
+see `cpu_int4`); its output rows may stack several checkpoint matrices (q/k/v, gate/up)
+as FusedLinear's do."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.engine import cpu_int4
 from workers.engine.kernels.interpreter import is_interpreting
 from workers.engine.kernels.quant_gemm import fp8_weight_gemm, int_weight_gemm
 from workers.engine.quantization import QuantScheme
@@ -50,6 +52,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("weight", torch.empty(n, in_features, dtype=torch.float8_e4m3fn))
             self.register_buffer("scale", torch.empty(-(-n // block_n), -(-in_features // block_k)))
         self.bias = nn.Parameter(torch.empty(n, dtype=dtype)) if bias else None
+        self.int4: cpu_int4.Int4Weights | None = None  # the CPU kernel's copy (prepare_int4)
 
     def device(self) -> torch.device:
         """Where this projection's tensors live."""
@@ -85,10 +88,26 @@ class QuantLinear(nn.Module):
         _copy(self.weight, 0, start, size, w.weight)
         _copy(self.scale, 0, start // self.block_n, -(-size // self.block_n), w.scale)
 
+    def prepare_int4(self, dtype: torch.dtype) -> None:
+        """Keep the CPU int4 kernel's copy of the weights for activations of `dtype`, where
+        the kernel takes this projection (`cpu_int4`); the int layout stays beside it for
+        `dequantized` and Triton's interpreter."""
+        if (self.method not in ("gptq", "awq") or self.bits != 4 or dtype not in cpu_int4.DTYPES
+                or not cpu_int4.fits(self.in_features, self.out_features, self.group_size)):
+            return
+        self.int4 = cpu_int4.pack(self._values(), self.scales, self.zeros, self.group_size,
+                                  dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., out) in x's dtype."""
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu" and not is_interpreting():
+        if flat.device.type == "cpu" and not is_interpreting() and self.int4 is not None:
+            if self.has_perm:
+                flat = flat.index_select(1, self.perm)  # inputs in sorted (group) order
+            out = cpu_int4.matmul(flat, self.int4)
+            if self.bias is not None:
+                out = out + self.bias
+        elif flat.device.type == "cpu" and not is_interpreting():
             out = F.linear(flat, self.dequantized().to(flat.dtype), self.bias)
         elif self.method == "fp8":
             out = fp8_weight_gemm(flat, self.weight, self.scale, block_n=self.block_n,
@@ -106,15 +125,19 @@ class QuantLinear(nn.Module):
             scale = self.scale.repeat_interleave(self.block_n, 0)[: self.out_features]
             scale = scale.repeat_interleave(self.block_k, 1)[:, : self.in_features]
             return self.weight.float() * scale
-        per_word = 32 // self.bits
-        shifts = torch.arange(0, 32, self.bits, dtype=torch.int32, device=self.qweight.device)
-        q = ((self.qweight.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << self.bits) - 1))
-        q = q.reshape(self.qweight.shape[0] * per_word, -1).float()  # (in, out), sorted inputs
+        q = self._values().float()  # (in, out), sorted inputs
         groups = torch.arange(self.in_features, device=q.device) // self.group_size
         w = (q - self.zeros[groups]) * self.scales[groups]
         if self.has_perm:
             w = torch.empty_like(w).index_copy_(0, self.perm, w)  # back to checkpoint order
         return w.t()
+
+    def _values(self) -> torch.Tensor:
+        """The (in, out) integer values of the int layout, inputs in sorted order."""
+        per_word = 32 // self.bits
+        shifts = torch.arange(0, 32, self.bits, dtype=torch.int32, device=self.qweight.device)
+        q = ((self.qweight.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << self.bits) - 1))
+        return q.reshape(self.qweight.shape[0] * per_word, -1)
 
 
 def _copy(target: torch.Tensor, dim: int, start: int, size: int, source: torch.Tensor) -> None:
