@@ -116,13 +116,19 @@ def _subscribed(client: redis.Redis, channel: str) -> redis.client.PubSub:
     return pubsub
 
 
+def _counted_store(sessions: sessionmaker[Session], redis_url: str, redis_client: redis.Redis,
+                   name: str) -> tuple[str, _Trips, JobStore, TokenBudgets]:
+    """A store under a fresh prefix whose Redis round trips are counted, and the budgets."""
+    prefix = f"t-{name}-{uuid.uuid4().hex[:8]}"
+    trips = _Trips(redis_url)
+    store = JobStore(sessions, trips.client, prefix=prefix, result_cache_ttl_s=CACHE_TTL_S)
+    return prefix, trips, store, TokenBudgets(redis_client, prefix=prefix)
+
+
 def test_a_steps_results_reach_redis_in_one_round_trip(
         sessions: sessionmaker[Session], tenant: Tenant, redis_url: str,
         redis_client: redis.Redis) -> None:
-    prefix = f"t-store-{uuid.uuid4().hex[:8]}"
-    trips = _Trips(redis_url)
-    store = JobStore(sessions, trips.client, prefix=prefix, result_cache_ttl_s=CACHE_TTL_S)
-    budgets = TokenBudgets(redis_client, prefix=prefix)
+    prefix, trips, store, budgets = _counted_store(sessions, redis_url, redis_client, "store")
     # Three deterministic jobs (cached) and one sampled one (never cached), after a first
     # store that loads the scripts and opens the connection.
     first, *step = _messages(sessions, tenant, [
@@ -169,10 +175,7 @@ def test_a_steps_results_reach_redis_in_one_round_trip(
 def test_a_failed_job_is_announced_and_settled_in_one_round_trip(
         sessions: sessionmaker[Session], tenant: Tenant, redis_url: str,
         redis_client: redis.Redis) -> None:
-    prefix = f"t-fail-{uuid.uuid4().hex[:8]}"
-    trips = _Trips(redis_url)
-    store = JobStore(sessions, trips.client, prefix=prefix, result_cache_ttl_s=CACHE_TTL_S)
-    budgets = TokenBudgets(redis_client, prefix=prefix)
+    prefix, trips, store, budgets = _counted_store(sessions, redis_url, redis_client, "fail")
     warm, message = _messages(sessions, tenant, [{"prompt": "a"}, {"prompt": "b"}])
     budgets.reserve(tenant_id=tenant.id, budgets=[DAY],
                     jobs=[(warm.job_id, ESTIMATE), (message.job_id, ESTIMATE)])

@@ -101,14 +101,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., out) in x's dtype."""
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu" and not is_interpreting() and self.int4 is not None:
-            if self.has_perm:
-                flat = flat.index_select(1, self.perm)  # inputs in sorted (group) order
-            out = cpu_int4.matmul(flat, self.int4)
-            if self.bias is not None:
-                out = out + self.bias
-        elif flat.device.type == "cpu" and not is_interpreting():
-            out = F.linear(flat, self.dequantized().to(flat.dtype), self.bias)
+        if flat.device.type == "cpu" and not is_interpreting():
+            out = self._forward_cpu(flat)
         elif self.method == "fp8":
             out = fp8_weight_gemm(flat, self.weight, self.scale, block_n=self.block_n,
                                   block_k=self.block_k, bias=self.bias)
@@ -117,6 +111,15 @@ class QuantLinear(nn.Module):
                                   group_size=self.group_size, bias=self.bias,
                                   perm=self.perm if self.has_perm else None)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _forward_cpu(self, flat: torch.Tensor) -> torch.Tensor:
+        """Without Triton: torch's int4 GEMM where prepared, else the dequantized matrix."""
+        if self.int4 is None:
+            return F.linear(flat, self.dequantized().to(flat.dtype), self.bias)
+        if self.has_perm:
+            flat = flat.index_select(1, self.perm)  # inputs in sorted (group) order
+        out = cpu_int4.matmul(flat, self.int4)
+        return out if self.bias is None else out + self.bias
 
     def dequantized(self) -> torch.Tensor:
         """The (out, in) float32 matrix the packed weight stands for (reference, and the CPU
