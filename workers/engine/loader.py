@@ -26,7 +26,7 @@ from workers.engine.models import CausalLM, model_class_for
 from workers.engine.models.experts import ExpertWeights
 from workers.engine.models.linear import FusedLinear
 from workers.engine.models.quant_linear import QuantLinear
-from workers.engine.quantization import dequantized_tensors, quant_scheme_of
+from workers.engine.quantization import QuantScheme, dequantized_tensors, quant_scheme_of
 from workers.engine.quantized_loading import (
     load_packed,
     packed_source_names,
@@ -99,7 +99,7 @@ def load_model(
 
         present = set(file_of)
         plans = []
-        if scheme is not None and keeps_packed(quantized_weights, scheme.method, device):
+        if scheme is not None and keeps_packed(quantized_weights, scheme, device, dtype):
             plans = plan_packed(model, scheme, list(file_of), get,
                                 lambda n: file_of[n].get_slice(n).get_dtype(),
                                 lambda n: _target_of(n, model))
@@ -110,10 +110,8 @@ def load_model(
         loaded: set[tuple[str, int | None]] = set()
         if scheme is not None:
             load_packed(model, plans, scheme, get, present)
-            if device.type == "cpu" and cpu_int4.has_kernel():
-                for module in model.modules():
-                    if isinstance(module, QuantLinear):
-                        module.prepare_int4(dtype)
+            if device.type == "cpu":
+                prepare_cpu_projections(model, dtype, keep_memory=quantized_weights == "packed")
         taken = packed_source_names(plans, present)
         for name, tensor in dequantized_tensors(scheme, [n for n in file_of if n not in taken],
                                                 get):
@@ -134,22 +132,37 @@ def load_model(
     return model
 
 
-def keeps_packed(mode: str, method: str, device: torch.device) -> bool:
+def keeps_packed(mode: str, scheme: QuantScheme, device: torch.device,
+                 dtype: torch.dtype) -> bool:
     """Whether a quantized checkpoint's projections stay quantized in memory.
 
     "auto": on CUDA, where the Triton kernels run (FP8 from compute capability 8.9, the
-    first with e4m3 conversions); the CPU dequantizes at load, since its oneDNN GEMMs on the
-    dequantized matrices outrun the rest beyond a row or two (`cpu_int4`). "packed":
-    always (on the CPU: 4 bits through torch's int4 GEMM in bf16/fp16, else dequantized per
+    first with e4m3 conversions); on the CPU, 4-bit GPTQ/AWQ in bf16 where our int4 kernel
+    is built (AVX512-BF16), which outruns oneDNN's bf16 GEMM on the dequantized matrices up
+    to a few dozen rows; otherwise the CPU dequantizes at load (`cpu_int4`). "packed":
+    always (on the CPU: 4 bits through an int4 GEMM in bf16/fp16, else dequantized per
     call, or Triton's interpreter). "dequantize": never.
     """
     if mode not in ("auto", "packed", "dequantize"):
         raise ValueError(f"quantized_weights {mode!r} is not one of auto, packed, dequantize")
     if mode != "auto":
         return mode == "packed"
+    if device.type == "cpu":
+        return (scheme.method in ("gptq", "awq") and scheme.bits == 4
+                and dtype == torch.bfloat16 and cpu_int4.has_tile_kernel())
     if device.type != "cuda":
         return False
-    return method != "fp8" or torch.cuda.get_device_capability(device) >= (8, 9)
+    return scheme.method != "fp8" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def prepare_cpu_projections(model: torch.nn.Module, dtype: torch.dtype, *,
+                             keep_memory: bool) -> None:
+    """Give each packed projection an int4 kernel's copy where one takes it; the others
+    dequantize on every call where the user asked for the memory (`keep_memory`), else
+    keep their dequantized matrix."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear) and not module.prepare_int4(dtype) and not keep_memory:
+            module.keep_dequantized(dtype)
 
 
 def _target_of(name: str, model: CausalLM) -> tuple[str, int | None] | None:

@@ -14,7 +14,7 @@ import logging
 import torch
 from transformers import PretrainedConfig
 
-from workers.engine import cpu_kernels
+from workers.engine import cpu_int4, cpu_kernels
 from workers.engine.attention import AttentionBackend, TorchAttentionBackend
 from workers.engine.cpu_attention import CpuAttentionBackend
 from workers.engine.flash_attention import (
@@ -24,6 +24,7 @@ from workers.engine.flash_attention import (
 )
 from workers.engine.kernels.interpreter import is_interpreting
 from workers.engine.models import head_dim_of
+from workers.engine.quantization import quant_scheme_of
 from workers.engine.triton_attention import HAS_TRITON, TritonAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -47,10 +48,16 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    """auto: fp32 on CPU; on CUDA the checkpoint's half type, else bfloat16."""
+    """auto: fp32 on CPU, but bf16 for a 4-bit GPTQ/AWQ checkpoint where our int4 kernel
+    runs (it keeps such a model at half a byte a weight and decodes faster than bf16, see
+    `cpu_int4`); on CUDA the checkpoint's half type, else bfloat16."""
     if name != "auto":
         return _DTYPES[name]
     if device.type != "cuda":
+        scheme = quant_scheme_of(hf_config)
+        if (scheme is not None and scheme.method in ("gptq", "awq") and scheme.bits == 4
+                and cpu_int4.has_tile_kernel()):
+            return torch.bfloat16
         return torch.float32
     saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(saved, str):

@@ -1,5 +1,5 @@
 """A projection whose weight stays quantized in memory (int4/int8 or FP8), run by the
-dequantize-in-GEMM kernels (Triton; on the CPU, torch's int4 GEMM for 4 bits where it runs,
+dequantize-in-GEMM kernels (Triton; on the CPU, an int4 GEMM for 4 bits where one runs,
 see `cpu_int4`); its output rows may stack several checkpoint matrices (q/k/v, gate/up)
 as FusedLinear's do."""
 
@@ -52,7 +52,9 @@ class QuantLinear(nn.Module):
             self.register_buffer("weight", torch.empty(n, in_features, dtype=torch.float8_e4m3fn))
             self.register_buffer("scale", torch.empty(-(-n // block_n), -(-in_features // block_k)))
         self.bias = nn.Parameter(torch.empty(n, dtype=dtype)) if bias else None
-        self.int4: cpu_int4.Int4Weights | None = None  # the CPU kernel's copy (prepare_int4)
+        # The CPU int4 kernel's copy (prepare_int4), or the dequantized matrix (keep_dequantized).
+        self.int4: cpu_int4.Int4Weights | cpu_int4.TileInt4Weights | None = None
+        self.dense: torch.Tensor | None = None
 
     def device(self) -> torch.device:
         """Where this projection's tensors live."""
@@ -88,15 +90,23 @@ class QuantLinear(nn.Module):
         _copy(self.weight, 0, start, size, w.weight)
         _copy(self.scale, 0, start // self.block_n, -(-size // self.block_n), w.scale)
 
-    def prepare_int4(self, dtype: torch.dtype) -> None:
-        """Keep the CPU int4 kernel's copy of the weights for activations of `dtype`, where
-        the kernel takes this projection (`cpu_int4`); the int layout stays beside it for
-        `dequantized` and Triton's interpreter."""
-        if (self.method not in ("gptq", "awq") or self.bits != 4 or dtype not in cpu_int4.DTYPES
-                or not cpu_int4.fits(self.in_features, self.out_features, self.group_size)):
-            return
+    def prepare_int4(self, dtype: torch.dtype) -> bool:
+        """Keep a CPU int4 kernel's copy of the weights for activations of `dtype`, where one
+        takes this projection (`cpu_int4`). Our kernel's copy replaces the int layout
+        (`_values` reads it back), so the weights take half a byte each; torch's keeps the
+        int layout beside it. Whether one did."""
+        if self.method not in ("gptq", "awq") or self.bits != 4:
+            return False
         self.int4 = cpu_int4.pack(self._values(), self.scales, self.zeros, self.group_size,
                                   dtype)
+        if isinstance(self.int4, cpu_int4.TileInt4Weights) and not is_interpreting():
+            self.qweight = self.qweight.new_empty(0, self.out_features)
+        return self.int4 is not None
+
+    def keep_dequantized(self, dtype: torch.dtype) -> None:
+        """Run on the CPU from the dequantized matrix in `dtype`, made once here (where no
+        int4 kernel takes this projection and memory is not what the user asked to save)."""
+        self.dense = self.dequantized().to(dtype).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., out) in x's dtype."""
@@ -113,9 +123,11 @@ class QuantLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _forward_cpu(self, flat: torch.Tensor) -> torch.Tensor:
-        """Without Triton: torch's int4 GEMM where prepared, else the dequantized matrix."""
+        """Without Triton: an int4 GEMM where prepared, else the dequantized matrix (kept, or
+        made on every call)."""
         if self.int4 is None:
-            return F.linear(flat, self.dequantized().to(flat.dtype), self.bias)
+            dense = self.dense if self.dense is not None else self.dequantized().to(flat.dtype)
+            return F.linear(flat, dense, self.bias)
         if self.has_perm:
             flat = flat.index_select(1, self.perm)  # inputs in sorted (group) order
         out = cpu_int4.matmul(flat, self.int4)
@@ -137,6 +149,8 @@ class QuantLinear(nn.Module):
 
     def _values(self) -> torch.Tensor:
         """The (in, out) integer values of the int layout, inputs in sorted order."""
+        if not self.qweight.numel() and isinstance(self.int4, cpu_int4.TileInt4Weights):
+            return cpu_int4.tile_values(self.int4)
         per_word = 32 // self.bits
         shifts = torch.arange(0, 32, self.bits, dtype=torch.int32, device=self.qweight.device)
         q = ((self.qweight.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << self.bits) - 1))
