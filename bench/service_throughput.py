@@ -134,7 +134,10 @@ class OfflineEngine:
 
     def __init__(self, settings: Settings, *, on_main_thread: bool = False) -> None:
         self._pool = None if on_main_thread else ThreadPoolExecutor(1, "engine")
-        self.llm = LLM(model=settings.model, **engine_options(settings))
+        # Loaded on the thread that steps it, so that it has the only OpenMP team, as the
+        # worker's engine has (`built_on_a_passing_thread`).
+        self.llm = self._on_engine_thread(
+            lambda: LLM(model=settings.model, **engine_options(settings)))
         warmup = make_messages(WARMUP_JOBS, seed=1, tag="warm-up ")
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         self._on_engine_thread(lambda: self.llm.generate(warmup, params))

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from core import metrics
 from core.deadlines import DEFAULT_DUE_S
@@ -33,6 +33,8 @@ from workers.inference.sampling import Prompt
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 # How often the engine gauges are refreshed.
 STATS_INTERVAL_S = 1.0
 # Deadlines within this long of reaching the engine order a job before those without one.
@@ -40,6 +42,35 @@ DEADLINE_HORIZON_S = DEFAULT_DUE_S
 # How long the idle engine thread waits for a request before refreshing the gauges (`stop`
 # wakes it at once): waking twenty times a second cost an idle worker ~4 ms of CPU a second.
 IDLE_WAIT_S = STATS_INTERVAL_S
+
+
+def built_on_a_passing_thread(build: Callable[[], T]) -> T:
+    """`build()` run on a thread of its own that has ended when this returns.
+
+    Why: OpenMP (torch's CPU thread pool) keeps a team of helper threads for each OS thread
+    that ran a parallel op, and once a process's teams hold more threads than it has cores,
+    libgomp stops spin-waiting between ops (its "throttled" mode): the engine's helpers then
+    sleep after every op and are woken at the next. A model loaded on the poll thread and
+    stepped on the engine thread left two teams: a SmolLM2 prefill step took 81-85 ms there
+    against 72-77 ms on the thread that loaded it (2 cores). Loaded on a thread that then
+    ended, whose team ends with it: 71-73 ms.
+    """
+    box: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            box.append(build())
+        except BaseException as e:  # handed to the caller
+            failure.append(e)
+
+    # Daemon: a Ctrl-C during a long load ends the process without waiting for it.
+    thread = threading.Thread(target=run, name="engine-build", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return box[0]
 
 
 def engine_deadline(deadline: float | None, now: float) -> float | None:

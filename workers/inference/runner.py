@@ -34,7 +34,7 @@ from workers.engine.embedding_runner import EmbeddingRunner
 from workers.engine.model_card import ModelCard, describe_model, model_kind, read_config
 from workers.engine.registry import resolve_model
 from workers.inference.cache_stats import CacheStatsPublisher
-from workers.inference.engine_loop import EngineLoop
+from workers.inference.engine_loop import EngineLoop, built_on_a_passing_thread
 from workers.inference.heartbeat import Heartbeat
 from workers.inference.job_store import JobStore
 from workers.inference.kv_tier import connect_kv_tier
@@ -133,7 +133,9 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
     if remote is None:
         # A failed load counts against the model: a few in a row mark it failed (its new
         # jobs refused) rather than leaving its queue to wait on a crash loop.
-        engine = engine or load_recorded(settings, lambda: build_engine(settings))
+        # Built on a thread that ends, so that the engine thread's is the only OpenMP team.
+        engine = engine or load_recorded(
+            settings, lambda: built_on_a_passing_thread(lambda: build_engine(settings)))
     with ExitStack() as stack:
         db_engine = create_db_engine(settings.database_url)
         stack.callback(db_engine.dispose)
