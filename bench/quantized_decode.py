@@ -7,7 +7,7 @@ with the formats' own layouts; each loads into the engine as a user's would, and
 batch: decode tokens/s (the prefill's time taken out, see `_decode`) and tokens/s with the
 prefill, their ratios to bf16, and the memory the weights take. On a GPU the quantized
 projections stay quantized (Triton dequantize-in-GEMM). On the CPU, 4 bits stay packed
-where our int4 kernel runs (AVX512-BF16) and FP8 is dequantized at load;
+where our int4 kernel runs (x86-64 with AVX2) and FP8 is dequantized at load;
 `--quantized-weights packed` keeps both (4 bits elsewhere through torch's int4 GEMM, FP8
 dequantized on every call).
 

@@ -4,12 +4,12 @@ being dequantized on every call.
 Two kernels, the faster one that runs here:
 
 - our own (`kernels/cpu_int4_gemm.cpp`, `torch.ops.batchinfer_cpu.int4_gemm`), for bf16
-  activations on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later). It takes a
-  group's dot products on the raw 4-bit values with vdpbf16ps and applies the group's
-  scale and zero point once per group, so it stays bound by reading the weights: on a 1B
-  Llama's projections (Zen 4, 2 threads) it ran 6.8x oneDNN's bf16 GEMM at 1 row, 4.0x at
-  4, 2.9x at 8, 2.0x at 16, 1.1x at 64 and 0.9x at 256-512 (a prefill), reading a quarter
-  of the bytes. With it, "auto" keeps a bf16 model's 4-bit projections packed on the CPU.
+  activations on x86-64 CPUs with AVX2 (with AVX-512 VNNI where the CPU has it: Ice Lake,
+  Zen 4 and later). It multiplies the raw 4-bit values by the activations rounded to int8
+  per row and group, and applies each group's scales and zero point once per group, so it
+  stays close to reading the weights: a random-weight Llama-3.2-1B decodes 2.2x as fast as
+  in bf16 at batches 1-8 (Zen 4, 2 threads, `bench/quantized_decode.py`), and its prefill is
+  no slower. With it, "auto" keeps a bf16 model's 4-bit projections packed on the CPU.
 - torch's (`aten._weight_int4pack_mm_for_cpu`), elsewhere, for bf16 or fp16 (its fp32 path
   measured 5-50x slower than its bf16 one): it dequantizes each weight to float inside the
   loop and turns compute-bound at a handful of rows (2.8x bf16 at 1 row, 1.7x at 4, 0.9x
@@ -52,8 +52,10 @@ def _has_aten_kernel() -> bool:
 
 
 def has_tile_kernel() -> bool:
-    """Our kernel is built and loaded here (an AVX512-BF16 CPU with a C++ compiler)."""
-    return cpu_kernels.load() is None and hasattr(torch.ops.batchinfer_cpu, "int4_gemm")
+    """Our kernel is built and loaded here, and this CPU runs it (x86-64 with AVX2 or
+    AVX-512; a C++ compiler)."""
+    return (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+            and cpu_kernels.load() is None and hasattr(torch.ops.batchinfer_cpu, "int4_gemm"))
 
 
 def fits(in_features: int, out_features: int, group_size: int) -> bool:

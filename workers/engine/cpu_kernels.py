@@ -2,7 +2,7 @@
 
 `kernels/cpu_paged_attention.cpp` (decode attention over the paged pool),
 `kernels/cpu_pointwise.cpp` (SwiGLU, rotary, residual add + RMSNorm) and
-`kernels/cpu_int4_gemm.cpp` (4-bit projections, on AVX512-BF16 CPUs only) register
+`kernels/cpu_int4_gemm.cpp` (4-bit projections, on x86-64) register
 `torch.ops.batchinfer_cpu.*`, built as one library. It is compiled
 for the CPU it runs on (`-march=native`: AVX-512 where there is some), so the build lives in
 a folder named after torch's version and this CPU's instruction-set flags, and a machine

@@ -138,7 +138,7 @@ def keeps_packed(mode: str, scheme: QuantScheme, device: torch.device,
 
     "auto": on CUDA, where the Triton kernels run (FP8 from compute capability 8.9, the
     first with e4m3 conversions); on the CPU, 4-bit GPTQ/AWQ in bf16 where our int4 kernel
-    is built (AVX512-BF16), which outruns oneDNN's bf16 GEMM on the dequantized matrices up
+    runs (x86-64 with AVX2), which outruns oneDNN's bf16 GEMM on the dequantized matrices up
     to a few dozen rows; otherwise the CPU dequantizes at load (`cpu_int4`). "packed":
     always (on the CPU: 4 bits through an int4 GEMM in bf16/fp16, else dequantized per
     call, or Triton's interpreter). "dequantize": never.

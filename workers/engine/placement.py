@@ -49,8 +49,8 @@ def pick_device(name: str) -> torch.device:
 
 def pick_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
     """auto: fp32 on CPU, but bf16 for a 4-bit GPTQ/AWQ checkpoint where our int4 kernel
-    runs (it keeps such a model at half a byte a weight and decodes faster than bf16, see
-    `cpu_int4`); on CUDA the checkpoint's half type, else bfloat16."""
+    runs (x86-64 with AVX2: it keeps such a model at half a byte a weight and decodes
+    faster than bf16, see `cpu_int4`); on CUDA the checkpoint's half type, else bfloat16."""
     if name != "auto":
         return _DTYPES[name]
     if device.type != "cuda":

@@ -19,7 +19,7 @@ from workers.engine.quantized_layouts import IntWeights, pack_rows
 
 pytestmark = pytest.mark.skipif(not cpu_int4.has_kernel(), reason="no CPU int4 kernel here")
 needs_tile_kernel = pytest.mark.skipif(
-    not cpu_int4.has_tile_kernel(), reason="our int4 kernel needs AVX512-BF16 and a compiler")
+    not cpu_int4.has_tile_kernel(), reason="our int4 kernel needs x86-64 with AVX2 and a compiler")
 needs_aten_kernel = pytest.mark.skipif(
     not cpu_int4._has_aten_kernel(), reason="torch lacks its int4 kernel")
 
@@ -52,19 +52,22 @@ def _as_int8_rows(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 @needs_tile_kernel
 @pytest.mark.parametrize(("n", "k", "group_size"), [(16, 8, 4), (64, 64, 32), (48, 256, 64),
                                                     (96, 384, 128), (32, 512, 512)])
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 21])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 9, 21])
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "avx2"])
 def test_our_kernel_computes_the_matrix_the_values_stand_for(
-        n: int, k: int, group_size: int, rows: int) -> None:
-    """Every row count (one pass of up to 8 rows; more over weights unpacked ahead), any
-    group size in fours, one tile to several. Against the int8-rounded activations the sum
-    is exact but for fp32 accumulation and the bf16 output; against x itself, within the
-    activations' int8 rounding."""
+        n: int, k: int, group_size: int, rows: int, portable: bool) -> None:
+    """Both paths (AVX-512 VNNI where built, and AVX2), every row count (passes of up to
+    8 or 4 rows; more over weights unpacked ahead), any group size in fours, one tile to
+    several. Against the int8-rounded activations the sum is exact but for fp32
+    accumulation and the bf16 output; against x itself, within the activations' int8
+    rounding."""
     gen = torch.Generator().manual_seed(n + k + rows)
     values, scales, zeros = _weights(n, k, group_size, gen)
     x = torch.randn(rows, k, generator=gen).bfloat16()
     x[0, : k // 2] = 0  # a row's group of zeros has no scale to divide by
     weights = cpu_int4.tile_pack(values, scales, zeros, group_size)
-    got = cpu_int4.matmul(x, weights).double()
+    got = torch.ops.batchinfer_cpu.int4_gemm(x, weights.packed, weights.scales_zeros,
+                                             group_size, portable).double()
     meant = _meant(values, scales, zeros, group_size).t()
     assert got.shape == (rows, n)
     # Each output its own: a swapped pair of outputs or inputs in the layout shows here.
