@@ -72,8 +72,9 @@ def _reconcile(svc: Service) -> int:
 
 
 def test_a_drained_worker_hands_back_jobs_longer_than_its_drain_timeout(service) -> None:
-    # Jobs of 900 tokens against half a second: the drain cannot finish them.
-    svc = service(worker_drain_timeout_s=0.5, worker_max_inflight=2, engine_max_num_seqs=2,
+    # Jobs of 900 tokens (0.5 s of the tiny model's steps at 2 sequences, on a quiet Zen 4)
+    # against 50 ms: the drain cannot finish them.
+    svc = service(worker_drain_timeout_s=0.05, worker_max_inflight=2, engine_max_num_seqs=2,
                   **LIVENESS)
     _count_completion_writes(svc)
     job_ids = svc.submit("normal", job_bodies(4, tag="handback", max_tokens=900,

@@ -317,7 +317,9 @@ def test_a_high_job_starts_at_once_on_a_worker_full_of_low_ones(service) -> None
     in low jobs starts a high one before any of them finishes (it used to wait for one)."""
     svc = service(worker_max_inflight=2, engine_max_num_seqs=2)
     worker = svc.start_worker()
-    low = svc.submit("low", job_bodies(6, tag="full", max_tokens=400, ignore_eos=True))
+    # Long for the tiny model (0.5 s at 2 sequences on a quiet Zen 4): at 400 tokens a low
+    # job could finish in the same store as the high one.
+    low = svc.submit("low", job_bodies(6, tag="full", max_tokens=900, ignore_eos=True))
     svc.wait_for(
         "the worker to hold its bound in low jobs",
         lambda: svc.count_status(low, JobStatus.RUNNING) == 2,

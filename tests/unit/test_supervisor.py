@@ -153,3 +153,37 @@ def test_a_worker_is_not_judged_before_its_first_stamp(tmp_path: Path) -> None:
         assert slot.is_alive and sup.num_stall_kills == 0
     finally:
         sup.stop(timeout=5)
+
+
+# Records each stop signal; a second one (either) makes it hand back and exit, as a worker.
+_HURRIED_WORKER = """
+import signal, sys, time, pathlib
+out = pathlib.Path(sys.argv[1])
+seen = []
+def stop(signum, frame):
+    seen.append(signal.Signals(signum).name)
+    if len(seen) == 2:
+        (out / "signals").write_text(" ".join(seen))
+        sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+(out / "ready").write_text("ok")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_hurry_asked_before_the_stop_reaches_the_workers_it_stops(tmp_path: Path) -> None:
+    """`up`'s second Ctrl-C can come before its first has reached stop(): stop() must then
+    hurry the workers it stops, with a signal of its own (SIGINT beside the SIGTERM; both
+    pending at once, Python runs SIGINT's handler first), or the drain runs to its end:
+    here 20 s, then a kill."""
+    sup = Supervisor([sys.executable, "-c", _HURRIED_WORKER, str(tmp_path)], num_workers=1,
+                     drain_timeout_s=20)
+    sup.start()
+    _wait_for(lambda: (tmp_path / "ready").exists())
+    sup.hurry()  # no worker is draining yet: nothing to signal now
+    started = time.monotonic()
+    sup.stop()
+    assert time.monotonic() - started < 15
+    assert sorted((tmp_path / "signals").read_text().split()) == ["SIGINT", "SIGTERM"]
