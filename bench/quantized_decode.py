@@ -13,7 +13,8 @@ dequantized on every call).
 
     python -m bench.quantized_decode                       # CUDA, 1B shape, batches 1 4 16
     python -m bench.quantized_decode --device cpu --tiny --batches 1 4 --max-tokens 16
-    python -m bench.quantized_decode --device cpu --batches 1 4 8 --quantized-weights packed
+    python -m bench.quantized_decode --device cpu --batches 1 2 4 8 16 --max-tokens 32 \
+        --formats gptq-int4 --repeats 2                   # the CPU figures in RESULTS.md
 """
 
 from __future__ import annotations
