@@ -95,7 +95,8 @@ class ModelRunner:
             # cuda:N must be the current device: graphs capture on the current device's
             # stream, and Triton launches on it.
             torch.cuda.set_device(self.device)
-        self.dtype = pick_dtype(config.dtype, self.hf_config, self.device)
+        self.dtype = pick_dtype(config.dtype, self.hf_config, self.device,
+                                quantized_weights=config.quantized_weights)
         self.backend = pick_backend(
             config.attention_backend, self.device, self.dtype, self.hf_config
         )

@@ -47,16 +47,18 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def pick_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    """auto: fp32 on CPU, but bf16 for a 4-bit GPTQ/AWQ checkpoint where our int4 kernel
-    runs (x86-64 with AVX2: it keeps such a model at half a byte a weight and decodes
-    faster than bf16, see `cpu_int4`); on CUDA the checkpoint's half type, else bfloat16."""
+def pick_dtype(name: str, hf_config: PretrainedConfig, device: torch.device, *,
+               quantized_weights: str = "auto") -> torch.dtype:
+    """auto: fp32 on CPU, but bf16 for a 4-bit GPTQ/AWQ checkpoint kept packed where our
+    int4 kernel runs (x86-64 with AVX2: it keeps such a model at half a byte a weight and
+    decodes faster than bf16, see `cpu_int4`); on CUDA the checkpoint's half type, else
+    bfloat16."""
     if name != "auto":
         return _DTYPES[name]
     if device.type != "cuda":
         scheme = quant_scheme_of(hf_config)
         if (scheme is not None and scheme.method in ("gptq", "awq") and scheme.bits == 4
-                and cpu_int4.has_tile_kernel()):
+                and quantized_weights != "dequantize" and cpu_int4.has_tile_kernel()):
             return torch.bfloat16
         return torch.float32
     saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)

@@ -216,14 +216,16 @@ def _assert_projections_compute_their_matrices(projections: list[QuantLinear]) -
 
 
 @needs_tile_kernel
-@pytest.mark.parametrize(("bits", "dtype"), [(4, torch.bfloat16), (8, torch.float32)])
+@pytest.mark.parametrize(("bits", "mode", "dtype"), [(4, "auto", torch.bfloat16),
+                                                     (8, "auto", torch.float32),
+                                                     (4, "dequantize", torch.float32)])
 def test_auto_dtype_runs_a_4_bit_checkpoint_in_bf16_on_the_cpu(
-        bits: int, dtype: torch.dtype, tmp_path: Path) -> None:
-    """A 4-bit checkpoint runs where our kernel takes it without a dtype set; others stay
-    in fp32, the CPU's default."""
+        bits: int, mode: str, dtype: torch.dtype, tmp_path: Path) -> None:
+    """A 4-bit checkpoint runs where our kernel takes it without a dtype set; others, and
+    one the user asked to dequantize, stay in fp32, the CPU's default."""
     save_tiny_llama(tmp_path, tie_word_embeddings=False)
     qc.write_gptq(tmp_path, bits=bits, group_size=32, act_order=False)
     llm = LLM(str(tmp_path), device="cpu", skip_tokenizer_init=True, num_kv_blocks=64,
-              block_size=16)
+              block_size=16, quantized_weights=mode)
     assert llm.engine.runner.dtype == dtype
-    assert bool(_projections(llm)) == (bits == 4)
+    assert bool(_projections(llm)) == (bits == 4 and mode == "auto")
