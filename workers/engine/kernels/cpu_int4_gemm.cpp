@@ -173,25 +173,18 @@ constexpr TileFn<U> kTileFns[kMaxRows + 1] = {
     tile_rows<5, U>, tile_rows<6, U>, tile_rows<7, U>, tile_rows<8, U>};
 
 void gemm_vnni(const Problem& p) {
-  const int64_t rows = p.rows, in_features = p.in_features, num_groups = p.num_groups;
-  const int64_t out_features = p.tiles * kTile;
-  const int8_t* x8p = p.x8;
-  const float* scales_p = p.x_scales;
-  const float* sums_p = p.x_sums;
-  const uint8_t* wp = p.weights;
-  const uint16_t* szp = p.scales_zeros;
-  uint16_t* op = p.out;
-  const int64_t quads = in_features / 4, quads_per_group = p.group_size / 4;
+  const int64_t quads = p.in_features / 4, out_features = p.tiles * kTile;
   at::parallel_for(0, p.tiles, 1, [&](int64_t begin, int64_t end) {
     // More rows than one pass takes (a prefill): the tile's weights unpacked once, then
     // each pass reads bytes (K x 16 of them: 128 KiB at K = 8,192, in L2).
-    std::vector<uint8_t> unpacked(rows > kMaxRows ? quads * 64 : 0);
+    std::vector<uint8_t> unpacked(p.rows > kMaxRows ? quads * 64 : 0);
     for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile_weights = wp + t * quads * kQuadBytes;
-      const uint16_t* tile_scales = szp + t * num_groups * 2 * kTile;
-      if (rows <= kMaxRows) {
-        kTileFns<false>[rows](x8p, in_features, scales_p, sums_p, num_groups, tile_weights,
-                              tile_scales, quads_per_group, op + t * kTile, out_features);
+      const uint8_t* tile_weights = p.weights + t * quads * kQuadBytes;
+      const uint16_t* tile_scales = p.scales_zeros + t * p.num_groups * 2 * kTile;
+      if (p.rows <= kMaxRows) {
+        kTileFns<false>[p.rows](p.x8, p.in_features, p.x_scales, p.x_sums, p.num_groups,
+                                tile_weights, tile_scales, p.group_size / 4, p.out + t * kTile,
+                                out_features);
         continue;
       }
       for (int64_t q = 0; q < quads; ++q) {
@@ -199,11 +192,11 @@ void gemm_vnni(const Problem& p) {
                      _MM_HINT_T0);
         _mm512_storeu_si512(unpacked.data() + q * 64, unpack_quad(tile_weights + q * kQuadBytes));
       }
-      for (int64_t r = 0; r < rows; r += kMaxRows) {
-        const int64_t n = std::min<int64_t>(rows - r, kMaxRows);
-        kTileFns<true>[n](x8p + r * in_features, in_features, scales_p + r * num_groups,
-                          sums_p + r * num_groups, num_groups, unpacked.data(), tile_scales,
-                          quads_per_group, op + r * out_features + t * kTile, out_features);
+      for (int64_t r = 0; r < p.rows; r += kMaxRows) {
+        const int64_t n = std::min<int64_t>(p.rows - r, kMaxRows);
+        kTileFns<true>[n](p.x8 + r * p.in_features, p.in_features, p.x_scales + r * p.num_groups,
+                          p.x_sums + r * p.num_groups, p.num_groups, unpacked.data(), tile_scales,
+                          p.group_size / 4, p.out + r * out_features + t * kTile, out_features);
       }
     }
   });
