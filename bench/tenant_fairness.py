@@ -33,6 +33,7 @@ minutes for the budget scenario alone); the defaults are shortened, and say so.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -109,6 +110,13 @@ def start(root: Path, model: str, extra_env: dict[str, str]) -> Service:
     return service
 
 
+# Each run's prompts carry its number, not its name: distinct from every other run's (the
+# result cache stays out of the way) and the same length in tokens, so that runs compare.
+# Named runs differed by up to 5 tokens of a line's ~22 uncached ones on SmolLM2, and
+# with prefill ~2/3 of the work that alone made A's mixed run ~15% slower than its solo.
+RUN_NUMBERS = itertools.count(1)
+
+
 def chat(model: str, content: str, max_tokens: int, priority: str | None = None
          ) -> dict[str, Any]:
     """A chat body; distinct contents keep the result cache out of the way."""
@@ -124,6 +132,7 @@ def run_b_jobs(service: Service, tag: str, args: argparse.Namespace, priority: s
                ids: list[str] | None = None) -> float:
     """Submit B's jobs, wait for all; seconds from the first submission to the last end.
     Their ids go into `ids` when given; the stages of their way are printed."""
+    run = next(RUN_NUMBERS)
     with service.client(service.b_key) as client:
         started = time.monotonic()
         ids = [] if ids is None else ids
@@ -131,7 +140,8 @@ def run_b_jobs(service: Service, tag: str, args: argparse.Namespace, priority: s
         for i in range(args.num_b):
             posted = time.monotonic()
             response = client.post("/v1/jobs", json=chat(
-                service.model, f"{tag} tenant B question {i}", args.max_tokens, priority))
+                service.model, f"run {run:03d} tenant B question {i}", args.max_tokens,
+                priority))
             response.raise_for_status()
             post_s.append(time.monotonic() - posted)
             ids.append(response.json()["id"])
@@ -177,8 +187,10 @@ def print_timeline(service: Service, tag: str, ids: list[str], post_s: list[floa
 def start_batch(service: Service, tag: str, num_lines: int, max_tokens: int,
                 priority: str) -> str:
     """Upload A's batch file and create the batch; its id."""
+    run = next(RUN_NUMBERS)
     lines = [json.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": CHAT,
-                         "body": chat(service.model, f"{tag} tenant A line {i}", max_tokens)})
+                         "body": chat(service.model, f"run {run:03d} tenant A line {i}",
+                                      max_tokens)})
              for i in range(num_lines)]
     with service.client(service.a_key) as client:
         uploaded = client.post("/v1/files", data={"purpose": "batch"},
@@ -212,6 +224,19 @@ def batch_rate(service: Service, batch_id: str) -> tuple[float, float]:
     return len(rows) / span, span
 
 
+def print_pace(service: Service, tag: str, batch_id: str, window_s: float = 5.0) -> None:
+    """A's lines finished per window from the batch's first start: where a loss sits."""
+    rows = service.jobs(batch_id=batch_id)
+    first = min(j.started_at or j.created_at for j in rows)
+    counts: dict[int, int] = {}
+    for job in rows:
+        if job.finished_at is not None:
+            window = int((job.finished_at - first).total_seconds() // window_s)
+            counts[window] = counts.get(window, 0) + 1
+    pace = " ".join(str(counts.get(w, 0)) for w in range(max(counts, default=-1) + 1))
+    print(f"  A's lines finished per {window_s:.0f} s [{tag}]: {pace}")
+
+
 def fairness(service: Service, args: argparse.Namespace) -> str:
     """Idle B, solo A, then mixed (B low-vs-normal, then same priority)."""
     run_b_jobs(service, "warm-up", argparse.Namespace(num_b=4, max_tokens=4), "normal")
@@ -219,6 +244,7 @@ def fairness(service: Service, args: argparse.Namespace) -> str:
     solo = start_batch(service, "solo", args.lines, args.max_tokens, "low")
     wait_batch(service, solo, args.timeout)
     solo_rate, solo_span = batch_rate(service, solo)
+    print_pace(service, "solo", solo)
     print(f"idle: B's {args.num_b} jobs in {idle_s:.2f} s; "
           f"solo: A's {args.lines} lines at {solo_rate:.1f} lines/s ({solo_span:.1f} s)")
     mixes = (("A low, B normal", "low", "normal"), ("A and B low", "low", "low"))
@@ -232,6 +258,7 @@ def fairness(service: Service, args: argparse.Namespace) -> str:
         b_s = run_b_jobs(service, tag, args, b_priority, b_ids)
         wait_batch(service, batch_id, args.timeout)
         rate, span = batch_rate(service, batch_id)
+        print_pace(service, tag, batch_id)
         b_jobs = service.jobs(id=b_ids)
         submitted = min(j.created_at for j in b_jobs)
         last_b_start = max(j.started_at or j.created_at for j in b_jobs)
@@ -247,6 +274,16 @@ def fairness(service: Service, args: argparse.Namespace) -> str:
                 f"A at {rate:.1f} lines/s over {span:.1f} s = {1 - rate / solo_rate:.1%} below "
                 f"solo (B's own share of the work {b_share:.1%}); load {os.getloadavg()[0]:.1f}")
         print(line)
+    if args.control:
+        # A alone again: how far A's pace drifts between two runs of one service, which
+        # the mixed run's loss must be read against.
+        again = start_batch(service, "solo-again", args.lines, args.max_tokens, "low")
+        wait_batch(service, again, args.timeout)
+        again_rate, again_span = batch_rate(service, again)
+        print_pace(service, "solo again", again)
+        line += (f"; A alone again at {again_rate:.1f} lines/s over {again_span:.1f} s = "
+                 f"{1 - again_rate / solo_rate:.1%} below the first solo run")
+        print(line)
     return line
 
 
@@ -254,12 +291,14 @@ def keep_b_running(service: Service, args: argparse.Namespace, tag: str,
                    stop: threading.Event, ids: list[str]) -> list[threading.Thread]:
     """--b-inflight threads, each submitting B's next low job as soon as its last one ends,
     until `stop`; every job's id goes into `ids`."""
+    run = next(RUN_NUMBERS)
+
     def loop(slot: int) -> None:
         with service.client(service.b_key) as client:
             i = 0
             while not stop.is_set():
                 response = client.post("/v1/jobs", json=chat(
-                    service.model, f"{tag} tenant B slot {slot} question {i}",
+                    service.model, f"run {run:03d} tenant B slot {slot} question {i}",
                     args.max_tokens, "low"))
                 response.raise_for_status()
                 job_id = response.json()["id"]
@@ -372,11 +411,15 @@ def main() -> None:
     add("--mix", choices=["both", "priority", "same"], default="both",
         help="mixed runs: A low with B normal (priority), both low (same), or both")
     add("--timeout", type=float, default=1800.0)
+    add("--control", action="store_true",
+        help="after the mixed runs, run A alone again (the drift between two solo runs)")
     add("--tenant-max-loss", nargs="+", default=[None],
         help="BATCHINFER_ENGINE_TENANT_MAX_LOSS values, one service each (default: its own)")
     add("--rounds", type=int, default=1, help="rounds over the --tenant-max-loss values")
     add("--window", type=int, default=None,
         help="BATCHINFER_BATCH_MAX_QUEUED_LINES for the service (default: its own, 2000)")
+    add("--set", action="append", default=[], metavar="BATCHINFER_NAME=VALUE",
+        help="a setting for the service (repeatable)")
     args = parser.parse_args()
     scenarios = [s for s in SCENARIOS if s in args.scenario
                  or ("both" in args.scenario and s in ("fairness", "budget"))]
@@ -395,6 +438,9 @@ def main() -> None:
             for value in values:
                 for scenario in scenarios:
                     env = {"BATCHINFER_LOG_LEVEL": "WARNING"}
+                    for setting in args.set:
+                        name, _, setting_value = setting.partition("=")
+                        env[name] = setting_value
                     if args.window is not None:
                         env["BATCHINFER_BATCH_MAX_QUEUED_LINES"] = str(args.window)
                     if value is not None:
