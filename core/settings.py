@@ -171,6 +171,11 @@ class Settings(BaseSettings):
     # transformers and the engine once (scheduler/warm_start): a restart or scale-up starts
     # in well under a second instead of 6-10 s of imports. False: a fresh interpreter each.
     worker_warm_start: bool = True
+    # A worker of a model no live worker serves joins its consumer group while its engine
+    # loads (its partitions paused until then), so the group join (seconds: see
+    # kafka_session_timeout_ms) is not added to the first job's wait. A worker joining
+    # live peers always joins after its load, so it never holds their partitions through it.
+    worker_join_while_loading: bool = True
     job_max_attempts: int = Field(default=3, ge=1)
     result_cache_ttl_s: int = Field(default=86_400, ge=0)
     # Semantic cache search: `auto` takes Redis vector search (HNSW) when the server has

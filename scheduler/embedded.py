@@ -77,10 +77,12 @@ def embedded_session_timeout(settings: Settings) -> dict[str, int]:
     """The Kafka session timeout for the embedded broker, unless one is configured.
 
     The embedded broker holds every group join for half the session timeout: at the
-    default 10 s a worker took its partitions 5 s after it subscribed, the wait between
-    `up`'s worker starting to consume and "ready"; at 6 s it takes 3 s, and a dead
-    worker's partitions move sooner too. The heartbeat, every third of it, runs on
-    kafka-python's own thread, and the test suite runs at 6 s on busy 2-core machines."""
+    default 10 s a worker took its partitions 5 s after it subscribed; at 6 s it takes 3 s,
+    and a dead worker's partitions move sooner too. `up`'s first worker of a model joins
+    while its engine loads (workers.inference.early_join), so the join rarely shows; a
+    worker joining live peers, or a model that loads in under 3 s, still waits it out.
+    The heartbeat, every third of it, runs on kafka-python's own thread, and the test
+    suite runs at 6 s on busy 2-core machines."""
     if "kafka_session_timeout_ms" in settings.model_fields_set:
         return {}
     return {"kafka_session_timeout_ms": EMBEDDED_SESSION_TIMEOUT_MS}

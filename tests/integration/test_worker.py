@@ -307,6 +307,13 @@ def test_a_worker_joining_mid_run_takes_over_partitions_without_duplicates(servi
     assert set(writes) == set(job_ids) and set(writes.values()) == {1}
     by_worker = Counter(j.worker_id for j in done.values())
     assert len(by_worker) == 2, f"{by_worker}\n{first.log_tail()}\n{second.log_tail()}"
+    # The first worker, with no live peer, began its group join before its load was done;
+    # the second joined only once loaded, so the first kept serving through that load.
+    first_log, second_log = first.log_path.read_text(), second.log_path.read_text()
+    assert (-1 < first_log.find("joining the group while the engine loads")
+            < first_log.find("serving ") < first_log.find("joined while loading")), first_log
+    assert "while the engine loads" not in second_log, second_log
+    assert "partitions assigned" in second_log, second_log
     assert first.stop() == 0, first.log_tail()
     assert second.stop() == 0, second.log_tail()
     assert sum(consumer_lag(svc.settings, group_id=svc.settings.consumer_group).values()) == 0

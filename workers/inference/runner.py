@@ -1,8 +1,9 @@
 """Wiring one inference worker process: build its parts, run it, tear everything down.
 
 Responsible for: the order of start-up (topics, engine load before joining the consumer
-group so a slow load never stalls a rebalance, or with engine_urls the engine servers'
-client instead, database, the heartbeat, Redis, the cancel
+group so a slow load never stalls a rebalance, unless no live worker serves the model,
+when the join runs during the load (see early_join); or with engine_urls the engine
+servers' client instead, database, the heartbeat, Redis, the cancel
 subscription, the consumer), a `finally` for every part started, SIGTERM/SIGINT turning
 into a clean drain, and the optional Prometheus exporter.
 """
@@ -34,6 +35,7 @@ from workers.engine.embedding_runner import EmbeddingRunner
 from workers.engine.model_card import ModelCard, describe_model, model_kind, read_config
 from workers.engine.registry import resolve_model
 from workers.inference.cache_stats import CacheStatsPublisher
+from workers.inference.early_join import EarlyJoin, no_live_worker
 from workers.inference.engine_loop import EngineLoop, built_on_a_passing_thread
 from workers.inference.heartbeat import Heartbeat
 from workers.inference.job_store import JobStore
@@ -110,6 +112,22 @@ def announce_model(settings: Settings, redis_client: redis.Redis,
     return card
 
 
+def join_while_loading(settings: Settings) -> EarlyJoin | None:
+    """A consumer joining the group while the engine loads, when no live worker serves
+    the model (see workers.inference.early_join); None otherwise."""
+    # Bounded: a Redis that does not answer costs the early join, never the start.
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0,
+                                  socket_timeout=2.0)
+    try:
+        if not no_live_worker(client, prefix=settings.topic_prefix,
+                              name=settings.served_model_name,
+                              live_after_s=settings.worker_heartbeat_timeout_s):
+            return None
+    finally:
+        client.close()
+    return EarlyJoin(make_consumer(settings), list(settings.job_topics.values())).start()
+
+
 def default_worker_id() -> str:
     """`<host>-<pid>-<token>`: unique per process start, readable in the jobs table, and
     judged dead at once by a process on its host once the pid is gone (core.worker_ids)."""
@@ -130,12 +148,21 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
     # With engine_urls the worker drives those servers instead of loading the model.
     remote = (RemoteEngine(RemoteEngineConfig.from_settings(settings))
               if settings.engine_urls else None)
+    joining = (join_while_loading(settings)
+               if remote is None and engine is None and settings.worker_join_while_loading
+               else None)
     if remote is None:
         # A failed load counts against the model: a few in a row mark it failed (its new
         # jobs refused) rather than leaving its queue to wait on a crash loop.
         # Built on a thread that ends, so that the engine thread's is the only OpenMP team.
-        engine = engine or load_recorded(
-            settings, lambda: built_on_a_passing_thread(lambda: build_engine(settings)))
+        try:
+            engine = engine or load_recorded(
+                settings, lambda: built_on_a_passing_thread(lambda: build_engine(settings)))
+        except BaseException:
+            if joining is not None:
+                joining.abandon()
+                joining.consumer.close(autocommit=False, timeout_ms=CONSUMER_CLOSE_TIMEOUT_MS)
+            raise
     with ExitStack() as stack:
         db_engine = create_db_engine(settings.database_url)
         stack.callback(db_engine.dispose)
@@ -188,7 +215,7 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
         stack.callback(engine_loop.stop, ENGINE_STOP_TIMEOUT_S)
         cancels = CancelSubscription(redis_client, prefix=settings.topic_prefix)
         stack.callback(cancels.close)
-        consumer = make_consumer(settings)
+        consumer = joining.consumer if joining is not None else make_consumer(settings)
         # Offsets were committed by the drain; leaving the group is a courtesy that a dead
         # broker must not turn into a long wait.
         stack.callback(consumer.close, autocommit=False, timeout_ms=CONSUMER_CLOSE_TIMEOUT_MS)
@@ -212,6 +239,7 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
             cancels=cancels,
             worker_id=worker_id,
             pulse=pulse,
+            joined=joining,
         )
         worker.on_consuming = presence.start  # the model counts this worker from then on
         stack.enter_context(_SignalStop(worker))

@@ -44,6 +44,7 @@ from core.topics import Priority
 from storage.events import CancelSubscription
 from workers.engine import RequestOutput
 from workers.inference.db_outage import DatabaseOutage
+from workers.inference.early_join import EarlyJoin
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
 from workers.inference.fetch_wait import FetchWait, WorkPace, num_finishable
 from workers.inference.intake import InFlightCounts, can_take_any, count_by_rank
@@ -86,9 +87,12 @@ class Worker:
         cancels: CancelSubscription,
         worker_id: str,
         pulse: LoopPulse | None = None,
+        joined: EarlyJoin | None = None,
     ) -> None:
         self.settings = settings
         self.worker_id = worker_id
+        # The consumer's group join begun while the engine loaded; None: subscribe in run().
+        self._joined = joined
         # Stamped every turn of the loop: the heartbeat stops when it stalls (liveness).
         self._pulse = pulse or LoopPulse()
         self._consumer = consumer
@@ -152,7 +156,11 @@ class Worker:
 
     def run(self) -> None:
         """Subscribe, process jobs until asked to stop, then drain and commit."""
-        self._consumer.subscribe(list(self.settings.job_topics.values()), listener=self._listener)
+        if self._joined is not None:
+            self._joined.hand_over(self._listener)
+        else:
+            self._consumer.subscribe(list(self.settings.job_topics.values()),
+                                     listener=self._listener)
         logger.info("worker %s consuming %s", self.worker_id,
                     ", ".join(self.settings.job_topics.values()))
         num_empty_polls = 0
