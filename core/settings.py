@@ -129,7 +129,10 @@ class Settings(BaseSettings):
     # these hold on any device; a target below what the urgent work alone costs just
     # runs that work alone.
     engine_step_target_high_ms: float | None = Field(default=40.0, gt=0)
-    engine_step_target_normal_ms: float | None = Field(default=250.0, gt=0)
+    # 100 ms for `normal`: at 250 a tenant's 50 normal jobs behind another's 5,000-line low
+    # batch took 2.32x their idle time on SmolLM2 (CPU), at 100 1.27x, the batch's loss
+    # within the drift between two runs of it alone (bench.tenant_fairness).
+    engine_step_target_normal_ms: float | None = Field(default=100.0, gt=0)
     engine_step_target_low_ms: float | None = Field(default=None, gt=0)
     # The longest the prefill work of one step may add to it (priced by the same cost model).
     # A job arriving mid-step waits for that step, whatever its priority: on a 2-core CPU
