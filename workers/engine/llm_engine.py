@@ -40,7 +40,7 @@ from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.tokenizing import encode_ids
 from workers.engine.tool_prompt import with_tools_in_system_message
-from workers.engine.work_left import live_work_left
+from workers.engine.work_left import FinishedShape, live_work_left
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,8 @@ class LLMEngine:
         # prefix cache: what a waiting request's prompt is expected to cost (_work_left).
         self._num_admitted_prompt_tokens = 0
         self._num_admitted_cached_tokens = 0
+        # What the finished requests were (the pace of new work while none is held).
+        self._finished_shape = FinishedShape()
         overlap = config.overlap_output_processing
         self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         # Sequences that got a token in the last step, their outputs not built yet (overlap).
@@ -334,6 +336,11 @@ class LLMEngine:
             [seq.grammar for seq in sampling], [seq.output_token_ids for seq in sampling]
         )
 
+    @property
+    def finished_shape(self) -> FinishedShape:
+        """What its recently finished requests were, on average (see work_left)."""
+        return self._finished_shape
+
     def stats(self, *, work_left: bool = True) -> EngineStats:
         """Current load and totals since start; the work left (a sum over the live
         requests) only if asked, as the heartbeat does and the 1 s gauges need not."""
@@ -379,7 +386,8 @@ class LLMEngine:
             cached_share=self._num_admitted_cached_tokens / num_admitted if num_admitted
             else 0.0,
             max_model_len=self.max_model_len, max_num_seqs=self.scheduler.max_num_seqs,
-            coefficients=cost_model.coefficients() if cost_model.is_fitted else None)
+            coefficients=cost_model.coefficients() if cost_model.is_fitted else None,
+            finished=self._finished_shape)
 
     def _advance_all(
         self, seqs: list[Sequence], finished_only: bool = False
@@ -403,6 +411,9 @@ class LLMEngine:
             if seq.is_finished:
                 request.metrics.finish_time = now
                 del self._requests[seq.request_id]
+                self._finished_shape.add(prompt_tokens=seq.num_prompt_tokens,
+                                         cached_tokens=request.num_cached_tokens or 0,
+                                         output_tokens=seq.num_output_tokens)
             elif finished_only:
                 continue
             outputs.append(self._output(request, delta_text))

@@ -90,6 +90,9 @@ class EngineStats:
     # A decode step of one of those requests alone, by the fitted step cost (None until
     # it is fitted or while nothing is left).
     solo_step_seconds: float | None = None
+    # Tokens per second of a full batch of jobs shaped as the recently finished ones, by
+    # the fitted step cost (see work_left): the pace for new work while it holds none.
+    full_batch_tokens_per_s: float | None = None
 
     @property
     def tokens_per_s(self) -> float:

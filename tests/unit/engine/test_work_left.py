@@ -10,6 +10,7 @@ import pytest
 
 from tests.unit.engine.test_engine import greedy, make_engine, random_prompt
 from tests.unit.engine.tiny_models import save_tiny_llama
+from workers.engine.work_left import full_batch_tokens_per_s
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +125,26 @@ def test_once_its_step_cost_is_fitted_the_engine_predicts_the_time_left(
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().predicted_seconds_left is None
+
+
+def test_holding_nothing_the_engine_prices_a_full_batch_of_jobs_like_its_last(
+        model_dir: Path) -> None:
+    """Four 12-token prompts of 40 outputs, run to the end: the finished shape is theirs,
+    and with the fitted cost, the pace of a full batch of them (max_num_seqs at a time),
+    which is that cost's own arithmetic for that shape."""
+    engine = make_engine(model_dir)
+    assert engine.stats().full_batch_tokens_per_s is None
+    rng = random.Random(9)
+    for i in range(4):
+        engine.add_request(f"r{i}", random_prompt(rng, 12), greedy(40))
+    while engine.has_unfinished_requests():
+        engine.step()
+    shape = engine.finished_shape
+    assert (shape.num_finished, shape.prompt_tokens, shape.output_tokens) == (4, 12, 40)
+    assert 1 <= shape.computed_prompt_tokens <= 12
+    stats = engine.stats()
+    assert engine.scheduler.cost_model.is_fitted and stats.num_requests_left == 0
+    assert stats.full_batch_tokens_per_s == pytest.approx(full_batch_tokens_per_s(
+        shape, max_num_seqs=engine.scheduler.max_num_seqs,
+        coefficients=engine.scheduler.cost_model.coefficients()))
+    assert stats.full_batch_tokens_per_s is not None and stats.full_batch_tokens_per_s > 0

@@ -130,3 +130,25 @@ def test_the_step_alone_is_stretched_as_the_pace_and_kept_while_idle() -> None:
     assert rate.sample().solo_step_s == pytest.approx(0.010, rel=1e-3)
     totals.stats.solo_step_seconds = None
     assert rate.sample().solo_step_s == pytest.approx(0.010, rel=1e-3)
+
+
+def test_holding_nothing_the_pace_is_a_full_batch_of_jobs_like_the_last() -> None:
+    """A wave's narrow tail measured 800 tokens/s; a full batch of such jobs runs 2,000
+    by the engine's fitted cost, a quarter more with the time between steps: 1,600 is
+    reported for the next work, not the tail's pace (but never less than it). Holding
+    work, that work's pace."""
+    totals = Totals()
+    rate = ServiceRate(totals)
+    rate.sample()
+    totals.run(num_steps=1000, tokens=1000, seconds=1.0)
+    totals.stats.loaded_seconds += 1.25
+    totals.stats.full_batch_tokens_per_s = 2000.0
+    pace = rate.sample()
+    assert pace.tokens_per_s == pytest.approx(800.0)
+    assert pace.reported_tokens_per_s == pytest.approx(1600.0, rel=1e-3)
+    # An extrapolation below what it measured is not believed over the measurement.
+    totals.stats.full_batch_tokens_per_s = 500.0
+    assert rate.sample().reported_tokens_per_s == pytest.approx(800.0)
+    totals.stats.num_requests_left = 4
+    totals.stats.num_tokens_to_compute, totals.stats.predicted_seconds_left = 100, 0.5
+    assert rate.sample().reported_tokens_per_s == pytest.approx(100 / (0.5 * 1.25), rel=1e-3)
