@@ -11,7 +11,7 @@ import torch
 from tests.unit.engine.checkpoints import make_seq, place, save_llama
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
-from workers.engine.sampler import Sampler, seeded_uniform
+from workers.engine.sampler import Sampler, _pick_in_vocabulary, seeded_uniform
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence
 
@@ -164,3 +164,41 @@ def test_seeded_generation_is_reproducible_across_batches(runner: ModelRunner) -
     assert generate(runner, batch_b, 12)[2] == alone
     other_seed = generate(runner, [make_seq(prompt, "y", **{**seeded, "seed": 99})], 12)[0]
     assert other_seed != alone
+
+
+def _peaked_logits(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Rows shaped like a language model's: a long tail and a few strong tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_rows, vocab, generator=gen) * 2
+    logits[:, :40] += torch.randn(num_rows, 40, generator=gen) * 3 + 8
+    return logits[:, torch.randperm(vocab, generator=gen)].contiguous()
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])
+def test_filtered_rows_draw_what_the_whole_vocabulary_draws(temperature: float) -> None:
+    """Top-k and nucleus rows are drawn among their best candidates, or again over the
+    whole vocabulary where their filters do not fit (a wide nucleus at a high
+    temperature): for every row and uniform, the token the whole-vocabulary draw takes."""
+    logits = _peaked_logits(48, 6000, seed=int(temperature * 10))
+    filters = [{"top_p": 0.9}, {"top_p": 0.5}, {"top_p": 0.999}, {"top_k": 1}, {"top_k": 40},
+               {"top_k": 300}, {"top_k": 5000}, {"top_k": 40, "top_p": 0.8}]
+    params = [SamplingParams(temperature=temperature, seed=row, **filters[row % len(filters)])
+              for row in range(48)]
+    steps = list(range(48))
+    tokens = [t.token_id for t in Sampler(0, CPU).sample(logits, params, steps)]
+    uniforms = torch.tensor([seeded_uniform(row, row) for row in range(48)])
+    expected = _pick_in_vocabulary(logits / temperature, params, uniforms).tolist()
+    assert tokens == expected
+
+
+def test_a_tie_at_the_kth_score_past_the_candidates_keeps_every_tied_token() -> None:
+    """All 1,000 scores equal: top_k 3 keeps them all (ties at the k-th stay), so draws
+    spread over the whole vocabulary, past any candidate list."""
+    counts = draw(torch.zeros(1, 1000), SamplingParams(temperature=1.0, top_k=3), 4000)
+    assert len(counts) > 900 and max(counts) > 900
+
+
+def test_a_nucleus_wider_than_every_candidate_list_is_drawn_over_the_vocabulary() -> None:
+    """A flat row of 10,000 tokens: top_p 0.9 keeps ~9,000 of them."""
+    counts = draw(torch.zeros(1, 10_000), SamplingParams(temperature=1.0, top_p=0.9), 4000)
+    assert len(counts) > 3000 and max(counts) > 8000
