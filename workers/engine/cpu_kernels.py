@@ -1,8 +1,9 @@
 """The engine's C++ CPU kernels: built on this machine at first use, then loaded from cache.
 
 `kernels/cpu_paged_attention.cpp` (decode attention over the paged pool),
-`kernels/cpu_pointwise.cpp` (SwiGLU, rotary, residual add + RMSNorm) and
-`kernels/cpu_int4_gemm.cpp` (4-bit projections, on x86-64) register
+`kernels/cpu_pointwise.cpp` (SwiGLU, rotary, residual add + RMSNorm),
+`kernels/cpu_int4_gemm.cpp` (4-bit projections, on x86-64) and `kernels/cpu_sampling.cpp`
+(a token drawn over the whole vocabulary) register
 `torch.ops.batchinfer_cpu.*`, built as one library. It is compiled
 for the CPU it runs on (`-march=native`: AVX-512 where there is some), so the build lives in
 a folder named after torch's version and this CPU's instruction-set flags, and a machine
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).parent / "kernels"
 _SOURCES = [KERNELS / "cpu_paged_attention.cpp", KERNELS / "cpu_pointwise.cpp",
-            KERNELS / "cpu_int4_gemm.cpp"]
+            KERNELS / "cpu_int4_gemm.cpp", KERNELS / "cpu_sampling.cpp"]
 _HEADERS = [KERNELS / "cpu_checks.h", KERNELS / "cpu_math.h"]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 # torch's wheel ships libgomp.so.1 and loads it first, so the extension's OpenMP calls land

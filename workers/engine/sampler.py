@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.engine import cpu_kernels
 from workers.engine.grammar import StepMasks
 from workers.engine.logit_adjustments import adjust_logits, needs_adjusting
 from workers.engine.sampling_params import SamplingParams
@@ -124,19 +125,27 @@ class Sampler:
             return greedy
         rows_params = [params[i] for i in random_rows]
         index = _on(random_rows, torch.int64, logits.device)
-        # (r, V): temperature-scaled scores of the rows that sample at random.
-        temps = _on([p.temperature for p in rows_params], logits.dtype, logits.device)
-        scores = logits[index] / temps[:, None]
         uniforms = self._uniforms(rows_params, [steps[i] for i in random_rows])
         picked = torch.empty(len(random_rows), dtype=torch.int64, device=logits.device)
         # On a CPU, top-k and nucleus rows are drawn among candidates first (a sort of the
-        # vocabulary costs hundreds of ms there); on a GPU the sort is cheap, and deciding
-        # which rows fit would sync the host each step.
+        # vocabulary costs hundreds of ms there), and the others by one kernel that reads
+        # the logits in place; on a GPU the sort is cheap, and deciding which rows fit
+        # would sync the host each step.
         on_cpu = logits.device.type == "cpu"
         filtered = [i for i, p in enumerate(rows_params)
                     if on_cpu and (p.top_k is not None or p.top_p < 1.0)]
         candidates_first = set(filtered)
         wide = [i for i in range(len(rows_params)) if i not in candidates_first]
+        if on_cpu and wide and _draws_in_kernel():
+            rows = _on(wide, torch.int64, logits.device)
+            picked[rows] = _draw_tokens(logits.float(), index[rows], _on(
+                [1.0 / rows_params[i].temperature for i in wide], torch.float32,
+                logits.device), uniforms[rows])
+            wide = []
+        if filtered or wide:
+            # (r, V): temperature-scaled scores of the rows that sample at random.
+            temps = _on([p.temperature for p in rows_params], logits.dtype, logits.device)
+            scores = logits[index] / temps[:, None]
         for num_candidates in CANDIDATES:
             if not filtered:
                 break
@@ -180,7 +189,24 @@ def _pick_in_vocabulary(scores: torch.Tensor, params: list[SamplingParams],
         scores = _apply_top_k(scores, [p.top_k for p in params])
     if any(p.top_p < 1.0 for p in params):
         scores = _apply_top_p(scores, [p.top_p for p in params])
+    if scores.device.type == "cpu" and _draws_in_kernel():
+        rows = torch.arange(scores.shape[0], device=scores.device)
+        return _draw_tokens(scores.float(), rows, torch.ones(len(params)), uniforms)
     return _inverse_cdf(torch.softmax(scores, dim=-1), uniforms)
+
+
+def _draws_in_kernel() -> bool:
+    """The CPU kernel that draws over the whole vocabulary is built and loaded here."""
+    return cpu_kernels.load() is None and hasattr(torch.ops.batchinfer_cpu, "draw_tokens")
+
+
+def _draw_tokens(scores: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor,
+                 uniforms: torch.Tensor) -> torch.Tensor:
+    """Per j, the token drawn from scores[rows[j]] x scales[j] with uniforms[j]: the rule
+    of `_inverse_cdf` over its softmax (kernels/cpu_sampling.cpp)."""
+    return torch.ops.batchinfer_cpu.draw_tokens(
+        scores.contiguous(), rows.contiguous(), scales.float().contiguous(),
+        uniforms.float().contiguous())
 
 
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

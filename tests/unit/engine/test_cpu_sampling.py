@@ -1,0 +1,83 @@
+"""The CPU kernel that draws a token over the whole vocabulary, against the torch rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.engine import cpu_kernels
+from workers.engine.sampler import Sampler, _inverse_cdf, seeded_uniform
+from workers.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is not None, reason=f"CPU kernels unavailable: {cpu_kernels.load()}"
+)
+
+
+def draw(scores: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor,
+         uniforms: torch.Tensor) -> torch.Tensor:
+    return torch.ops.batchinfer_cpu.draw_tokens(scores, rows, scales, uniforms)
+
+
+def torch_rule(scores: torch.Tensor, scales: torch.Tensor,
+               uniforms: torch.Tensor) -> torch.Tensor:
+    """The sampler's torch path: softmax of the scaled scores, then `_inverse_cdf`."""
+    return _inverse_cdf(torch.softmax(scores * scales[:, None], dim=-1), uniforms)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 255, 256, 257, 1000, 49_152])
+def test_each_draw_is_the_torch_rules(vocab: int) -> None:
+    """Masked (-inf) tokens, per-row temperatures, vocabularies around the scan's block:
+    the same token as softmax, cumulative sum and search, row by row."""
+    gen = torch.Generator().manual_seed(vocab)
+    scores = torch.randn(64, vocab, generator=gen) * 3
+    scores[:, 1::7] = float("-inf")
+    scales = torch.rand(64, generator=gen) + 0.5
+    uniforms = torch.rand(64, generator=gen)
+    tokens = draw(scores, torch.arange(64), scales, uniforms)
+    assert tokens.tolist() == torch_rule(scores, scales, uniforms).tolist()
+    assert bool(torch.isfinite(scores[torch.arange(64), tokens]).all())
+
+
+def test_rows_are_picked_by_index_and_may_repeat() -> None:
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randn(5, 300, generator=gen)
+    rows = torch.tensor([4, 0, 4, 2])
+    scales = torch.tensor([1.0, 2.0, 0.5, 1.0])
+    uniforms = torch.tensor([0.1, 0.5, 0.9, 0.3])
+    assert draw(scores, rows, scales, uniforms).tolist() == torch_rule(
+        scores[rows], scales, uniforms).tolist()
+
+
+def test_a_uniform_past_every_boundary_takes_the_last_token_with_weight() -> None:
+    """Rounding can leave no token whose cumulative weight exceeds u x total: the last
+    token with weight is drawn, never a masked one after it."""
+    scores = torch.full((2, 600), float("-inf"))
+    scores[0, :300] = 0.0
+    scores[1, 17] = 5.0  # one token with weight: drawn whatever the uniform
+    tokens = draw(scores, torch.arange(2), torch.ones(2), torch.tensor([1.0, 0.999]))
+    assert tokens.tolist() == [299, 17]
+    assert draw(scores, torch.tensor([1]), torch.ones(1), torch.zeros(1)).tolist() == [17]
+
+
+def test_bad_arguments_are_refused() -> None:
+    scores = torch.zeros(2, 10)
+    ones = torch.ones(2)
+    with pytest.raises(RuntimeError, match="float32"):
+        draw(scores.double(), torch.arange(2), ones, ones)
+    with pytest.raises(RuntimeError, match="outside the scores"):
+        draw(scores, torch.tensor([0, 2]), ones, ones)
+    with pytest.raises(RuntimeError, match="one per row"):
+        draw(scores, torch.arange(2), torch.ones(3), ones)
+
+
+def test_the_sampler_draws_plain_rows_with_it_and_keeps_seeds_row_bound() -> None:
+    """Temperature-only rows go through the kernel: a seeded row draws what the torch rule
+    draws with its seeded uniform, whatever else shares the batch."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 2000, generator=gen) * 2
+    params = [SamplingParams(temperature=0.8, seed=i) for i in range(6)]
+    tokens = [t.token_id for t in Sampler(0, torch.device("cpu")).sample(
+        logits, params, [9] * 6)]
+    uniforms = torch.tensor([seeded_uniform(i, 9) for i in range(6)])
+    assert tokens == torch_rule(logits, torch.full((6,), 1 / 0.8), uniforms).tolist()
