@@ -142,25 +142,25 @@ class Sampler:
                 [1.0 / rows_params[i].temperature for i in wide], torch.float32,
                 logits.device), uniforms[rows])
             wide = []
-        if filtered or wide:
-            # (r, V): temperature-scaled scores of the rows that sample at random.
-            temps = _on([p.temperature for p in rows_params], logits.dtype, logits.device)
-            scores = logits[index] / temps[:, None]
         for num_candidates in CANDIDATES:
             if not filtered:
                 break
             rows = _on(filtered, torch.int64, logits.device)
             chosen, fits = _pick_among_candidates(
-                _rows_of(scores, filtered, rows), [rows_params[i] for i in filtered],
-                uniforms[rows], num_candidates)
+                _rows_of(logits, [random_rows[i] for i in filtered], index[rows]),
+                [rows_params[i] for i in filtered], uniforms[rows], num_candidates)
             picked[rows] = chosen
             filtered = [i for i, ok in zip(filtered, fits.tolist(), strict=True) if not ok]
         wide += filtered
         if wide:
             wide.sort()
             rows = _on(wide, torch.int64, logits.device)
-            picked[rows] = _pick_in_vocabulary(
-                _rows_of(scores, wide, rows), [rows_params[i] for i in wide], uniforms[rows])
+            temps = _on([rows_params[i].temperature for i in wide], logits.dtype,
+                        logits.device)
+            # (r, V): temperature-scaled scores of these rows.
+            scores = _rows_of(logits, [random_rows[i] for i in wide], index[rows]) / temps[:, None]
+            picked[rows] = _pick_in_vocabulary(scores, [rows_params[i] for i in wide],
+                                               uniforms[rows])
         return greedy.index_copy(0, index, picked)
 
     def _uniforms(self, params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
@@ -177,9 +177,10 @@ class Sampler:
         return uniforms
 
 
-def _rows_of(scores: torch.Tensor, rows: list[int], index: torch.Tensor) -> torch.Tensor:
-    """`scores[index]`, without the copy when `rows` are all of them in order."""
-    return scores if rows == list(range(scores.shape[0])) else scores[index]
+def _rows_of(matrix: torch.Tensor, rows: list[int], index: torch.Tensor) -> torch.Tensor:
+    """`matrix[index]` (`index` holding `rows`), without the copy when `rows` are all of
+    its rows in order."""
+    return matrix if rows == list(range(matrix.shape[0])) else matrix[index]
 
 
 def _pick_in_vocabulary(scores: torch.Tensor, params: list[SamplingParams],
@@ -195,9 +196,20 @@ def _pick_in_vocabulary(scores: torch.Tensor, params: list[SamplingParams],
     return _inverse_cdf(torch.softmax(scores, dim=-1), uniforms)
 
 
+def _total_weights(logits: torch.Tensor, temps: torch.Tensor, top: torch.Tensor
+                   ) -> torch.Tensor:
+    """(r, 1): each row's sum of exp(logits / temperature - top) over the vocabulary."""
+    if logits.device.type == "cpu" and _draws_in_kernel():
+        return torch.ops.batchinfer_cpu.total_weights(
+            logits.float().contiguous(), (1.0 / temps[:, 0]).float().contiguous(),
+            top[:, 0].float().contiguous())[:, None]
+    return torch.exp(logits / temps - top).sum(dim=-1, keepdim=True)
+
+
 def _draws_in_kernel() -> bool:
-    """The CPU kernel that draws over the whole vocabulary is built and loaded here."""
-    return cpu_kernels.load() is None and hasattr(torch.ops.batchinfer_cpu, "draw_tokens")
+    """The CPU sampling kernels (kernels/cpu_sampling.cpp) are built and loaded here."""
+    return (cpu_kernels.load() is None and hasattr(torch.ops.batchinfer_cpu, "draw_tokens")
+            and hasattr(torch.ops.batchinfer_cpu, "total_weights"))
 
 
 def _draw_tokens(scores: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor,
@@ -220,12 +232,13 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.minimum(picked, last_with_mass).squeeze(1)
 
 
-def _pick_among_candidates(scores: torch.Tensor, params: list[SamplingParams],
+def _pick_among_candidates(logits: torch.Tensor, params: list[SamplingParams],
                            uniforms: torch.Tensor, num_candidates: int
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token id per row (r,) drawn among its best `num_candidates` tokens (fewer where
-    every row is top-k alone), and whether the row's top-k and nucleus fit in them (where
-    not, its token must be drawn again among more).
+    """Token id per row (r,) of `logits` (r, V), at its params' temperature, drawn among
+    its best `num_candidates` tokens (fewer where every row is top-k alone), and whether
+    the row's top-k and nucleus fit in them (where not, its token must be drawn again
+    among more).
 
     The same draw as over the whole vocabulary: the nucleus is the smallest set of best
     tokens whose mass (softmax over the vocabulary, or over the top-k kept) reaches top_p,
@@ -233,13 +246,16 @@ def _pick_among_candidates(scores: torch.Tensor, params: list[SamplingParams],
     kept mass. Only the candidates are sorted: sorting SmolLM2's 49,152 scores for 256
     rows took 446 ms on a 2-core CPU, the 256 best of each 18 ms.
     """
-    vocab = scores.shape[1]
+    vocab = logits.shape[1]
     if all(p.top_p >= 1.0 and p.top_k is not None for p in params):
         # One candidate past the largest k shows whether a tie of its k-th score goes on.
         num_candidates = min(num_candidates, max(p.top_k or 0 for p in params) + 1)
     num = min(num_candidates, vocab)
-    device = scores.device
-    values, ids = scores.topk(num, dim=-1)  # (r, num), best first
+    device = logits.device
+    temps = _on([p.temperature for p in params], logits.dtype, device)[:, None]
+    # A positive temperature keeps the order: the best logits are the best scores.
+    values, ids = logits.topk(num, dim=-1)  # (r, num), best first
+    values = values / temps
     has_k = _on([p.top_k is not None for p in params], torch.bool, device)
     ks = _on([min(p.top_k or vocab, vocab) for p in params], torch.int64, device)
     # top-k keeps the ties at the k-th score: the k-th candidate's score is the bar.
@@ -254,8 +270,7 @@ def _pick_among_candidates(scores: torch.Tensor, params: list[SamplingParams],
     # The nucleus is taken over the mass top-k kept (the whole vocabulary without top-k).
     whole = unnormalised.sum(dim=-1, keepdim=True)
     if not all(p.top_k is not None for p in params):
-        whole = torch.where(has_k[:, None], whole,
-                            torch.exp(scores - top).sum(dim=-1, keepdim=True))
+        whole = torch.where(has_k[:, None], whole, _total_weights(logits, temps, top))
     probs = unnormalised / whole
     top_p = _on([p.top_p if p.top_p < 1.0 else float("inf") for p in params], probs.dtype,
                 device)

@@ -81,3 +81,18 @@ def test_the_sampler_draws_plain_rows_with_it_and_keeps_seeds_row_bound() -> Non
         logits, params, [9] * 6)]
     uniforms = torch.tensor([seeded_uniform(i, 9) for i in range(6)])
     assert tokens == torch_rule(logits, torch.full((6,), 1 / 0.8), uniforms).tolist()
+
+
+def test_total_weights_are_the_torch_sums() -> None:
+    """The nucleus's mass over the whole vocabulary: exp(s x scale - top) summed per row,
+    masked tokens adding nothing."""
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(9, 3000, generator=gen) * 4
+    scores[:, ::5] = float("-inf")
+    scales = torch.rand(9, generator=gen) + 0.5
+    tops = (scores * scales[:, None]).amax(dim=-1)
+    got = torch.ops.batchinfer_cpu.total_weights(scores, scales, tops)
+    want = torch.exp(scores * scales[:, None] - tops[:, None]).sum(dim=-1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    with pytest.raises(RuntimeError, match="one per row"):
+        torch.ops.batchinfer_cpu.total_weights(scores, scales[:3], tops)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -180,8 +181,9 @@ def test_filtered_rows_draw_what_the_whole_vocabulary_draws(temperature: float) 
     whole vocabulary where their filters do not fit (a wide nucleus at a high
     temperature): for every row and uniform, the token the whole-vocabulary draw takes."""
     logits = _peaked_logits(48, 6000, seed=int(temperature * 10))
-    filters = [{"top_p": 0.9}, {"top_p": 0.5}, {"top_p": 0.999}, {"top_k": 1}, {"top_k": 40},
-               {"top_k": 300}, {"top_k": 5000}, {"top_k": 40, "top_p": 0.8}]
+    filters: list[dict[str, Any]] = [
+        {"top_p": 0.9}, {"top_p": 0.5}, {"top_p": 0.999}, {"top_k": 1}, {"top_k": 40},
+        {"top_k": 300}, {"top_k": 5000}, {"top_k": 40, "top_p": 0.8}]
     params = [SamplingParams(temperature=temperature, seed=row, **filters[row % len(filters)])
               for row in range(48)]
     steps = list(range(48))

@@ -97,10 +97,44 @@ at::Tensor draw_tokens(const at::Tensor& scores, const at::Tensor& rows,
   return out;
 }
 
+// Per row r: the sum over the vocabulary of exp(scores[r] * scales[r] - tops[r]) (a
+// nucleus's mass over the whole vocabulary, where the sampler took only its candidates).
+at::Tensor total_weights(const at::Tensor& scores, const at::Tensor& scales,
+                         const at::Tensor& tops) {
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat &&
+                  scores.stride(1) == 1,
+              "scores must be float32 (rows, vocabulary) with contiguous rows");
+  const int64_t num = scores.size(0), vocab = scores.size(1), stride = scores.stride(0);
+  for (const at::Tensor* t : {&scales, &tops}) {
+    TORCH_CHECK(t->dim() == 1 && t->numel() == num && t->scalar_type() == at::kFloat &&
+                    t->is_contiguous(),
+                "scales and tops must be contiguous float32 vectors, one per row");
+  }
+  at::Tensor out = at::empty({num}, scores.options());
+  const float* s = scores.data_ptr<float>();
+  const float* scale = scales.data_ptr<float>();
+  const float* top = tops.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, num, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = s + r * stride;
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t i = 0; i < vocab; ++i) total += fast_exp(row[i] * scale[r] - top[r]);
+      o[r] = total;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def("draw_tokens(Tensor scores, Tensor rows, Tensor scales, Tensor uniforms) -> Tensor");
+  m.def("total_weights(Tensor scores, Tensor scales, Tensor tops) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) { m.impl("draw_tokens", &draw_tokens); }
+TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) {
+  m.impl("draw_tokens", &draw_tokens);
+  m.impl("total_weights", &total_weights);
+}
