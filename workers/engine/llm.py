@@ -8,8 +8,9 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from workers.engine.config import EngineConfig
-from workers.engine.llm_engine import LLMEngine, Prompt
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import RequestOutput
+from workers.engine.prompts import Prompt
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.tokenizing import encode_ids_batch
 

@@ -35,11 +35,10 @@ from workers.engine.kv_tier_link import KVTierLink
 from workers.engine.model_runner import ModelRunner
 from workers.engine.models import kv_window
 from workers.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from workers.engine.prompts import Prompt, tokenize_prompt
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
-from workers.engine.tokenizing import encode_ids
-from workers.engine.tool_prompt import with_tools_in_system_message
 from workers.engine.work_left import FinishedShape, live_work_left
 
 logger = logging.getLogger(__name__)
@@ -59,7 +58,6 @@ def _in_background(build: Callable[[], GrammarCompiler]) -> Future[GrammarCompil
     return future
 
 # A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
-Prompt = str | list[int] | list[dict[str, Any]]
 
 
 @dataclass(slots=True)
@@ -198,7 +196,7 @@ class LLMEngine:
                 raise ValueError(f"prompt_token_ids must be non-empty ids in [0, "
                                  f"{self.vocab_size})")
         else:
-            prompt_text, token_ids = self._tokenize(prompt, tools)
+            prompt_text, token_ids = tokenize_prompt(self.tokenizer, self.vocab_size, prompt, tools)
         if len(token_ids) > self.max_model_len:
             raise ValueError(
                 f"prompt is {len(token_ids)} tokens, longer than max_model_len {self.max_model_len}"
@@ -456,55 +454,3 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens or 0,
             metrics=replace(request.metrics),  # a snapshot: later steps move on
         )
-
-    def _tokenize(
-        self, prompt: Prompt, tools: list[dict[str, Any]] | None = None
-    ) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) for any accepted prompt form."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("prompt: text needs a tokenizer; skip_tokenizer_init is set")
-            return prompt, encode_ids(self.tokenizer, prompt)
-        if not isinstance(prompt, list) or not prompt:
-            raise ValueError("prompt must be a non-empty string, token id list or chat messages")
-        if all(isinstance(t, dict) for t in prompt):
-            return self._render_chat(prompt, tools)  # type: ignore[arg-type]
-        if tools:
-            raise ValueError("tools need a chat prompt (messages)")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("prompt must be all token ids (int) or all chat messages (dict)")
-        token_ids: list[int] = prompt  # type: ignore[assignment]
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt has token ids outside [0, {self.vocab_size}): {bad[:5]}")
-        return None, list(token_ids)
-
-    def _render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> tuple[str, list[int]]:
-        """Apply the tokenizer's chat template, ending with the assistant's turn."""
-        if self.tokenizer is None:
-            raise ValueError("prompt: chat messages need a tokenizer; skip_tokenizer_init is set")
-        for message in messages:
-            if not isinstance(message.get("role"), str) or "content" not in message:
-                raise ValueError("prompt: every chat message needs a 'role' and a 'content'")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-            if tools:
-                with_tools = self.tokenizer.apply_chat_template(
-                    messages, tools=tools, tokenize=False, add_generation_prompt=True
-                )
-                # A template that ignores tools renders the same text: describe them in
-                # the system message instead.
-                text = with_tools if with_tools != text else self.tokenizer.apply_chat_template(
-                    with_tools_in_system_message(messages, tools),
-                    tokenize=False, add_generation_prompt=True,
-                )
-        except ValueError as e:  # e.g. the tokenizer has no chat template
-            raise ValueError(f"prompt: cannot render chat messages: {e}") from e
-        # The template already places special tokens such as BOS.
-        return text, encode_ids(self.tokenizer, text, add_special_tokens=False)

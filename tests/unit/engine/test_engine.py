@@ -10,7 +10,7 @@ import pytest
 
 from tests.unit.engine.tiny_models import save_tiny_llama
 from workers.engine import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from workers.engine.llm_engine import Prompt
+from workers.engine.prompts import Prompt
 
 
 @pytest.fixture(scope="module")

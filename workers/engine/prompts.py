@@ -1,0 +1,64 @@
+"""What a prompt can be, and its token ids: text, token ids, or chat messages rendered by
+the tokenizer's chat template (with tools, where the template takes them or in the system
+message where it ignores them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.engine.tokenizing import encode_ids
+from workers.engine.tool_prompt import with_tools_in_system_message
+
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: Prompt,
+                    tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[int]]:
+    """(prompt text or None, token ids) for any accepted prompt form; `tokenizer` is None
+    when the engine was built without one (token ids only)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if tokenizer is None:
+            raise ValueError("prompt: text needs a tokenizer; skip_tokenizer_init is set")
+        return prompt, encode_ids(tokenizer, prompt)
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError("prompt must be a non-empty string, token id list or chat messages")
+    if all(isinstance(t, dict) for t in prompt):
+        return render_chat(tokenizer, prompt, tools)  # type: ignore[arg-type]
+    if tools:
+        raise ValueError("tools need a chat prompt (messages)")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise ValueError("prompt must be all token ids (int) or all chat messages (dict)")
+    token_ids: list[int] = prompt  # type: ignore[assignment]
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt has token ids outside [0, {vocab_size}): {bad[:5]}")
+    return None, list(token_ids)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+    """Apply the tokenizer's chat template, ending with the assistant's turn."""
+    if tokenizer is None:
+        raise ValueError("prompt: chat messages need a tokenizer; skip_tokenizer_init is set")
+    for message in messages:
+        if not isinstance(message.get("role"), str) or "content" not in message:
+            raise ValueError("prompt: every chat message needs a 'role' and a 'content'")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+        if tools:
+            with_tools = tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
+            # A template that ignores tools renders the same text: describe them in the
+            # system message instead.
+            text = with_tools if with_tools != text else tokenizer.apply_chat_template(
+                with_tools_in_system_message(messages, tools),
+                tokenize=False, add_generation_prompt=True,
+            )
+    except ValueError as e:  # e.g. the tokenizer has no chat template
+        raise ValueError(f"prompt: cannot render chat messages: {e}") from e
+    # The template already places special tokens such as BOS.
+    return text, encode_ids(tokenizer, text, add_special_tokens=False)
