@@ -165,12 +165,17 @@ class ModelRunner:
         step_masks = masks.result() if masks is not None else None
         if not indices:
             return PendingTokens(len(seqs), [], [], None, None, None)
-        sampling = [seqs[i] for i in indices]
-        params = [seq.params for seq in sampling]
-        output_ids = None
-        if any(p.has_penalties for p in params):
-            output_ids = [seq.output_token_ids for seq in sampling]
-        steps = [len(seq.token_ids) - seq.num_prompt_tokens for seq in sampling]
+        # One pass over the sampling sequences (this runs for every row of every step).
+        params: list[SamplingParams] = []
+        steps: list[int] = []
+        penalized = False
+        for i in indices:
+            seq = seqs[i]
+            p = seq.params
+            params.append(p)
+            steps.append(len(seq.token_ids) - seq.num_prompt_tokens)
+            penalized = penalized or p.has_penalties
+        output_ids = [seqs[i].output_token_ids for i in indices] if penalized else None
         token_ids, logprobs = self.sampler.sample_on_device(
             logits, params, steps, output_token_ids=output_ids, masks=step_masks
         )
@@ -213,7 +218,8 @@ class ModelRunner:
             hidden = self._forward_eager(step, seqs)
         if not step.sample_seq_indices:
             return [], hidden.new_empty(0, self.hf_config.vocab_size, dtype=torch.float32)
-        rows = to_device(torch.tensor(step.sample_token_rows), self.device)
+        rows = to_device(torch.frombuffer(array("q", step.sample_token_rows), dtype=torch.int64),
+                         self.device)
         # Only the last token of each sampling sequence reaches the vocab projection.
         return step.sample_seq_indices, self.model.compute_logits(hidden.index_select(0, rows))
 
@@ -282,10 +288,13 @@ class ModelRunner:
             if end == seq.num_tokens:
                 step.sample_token_rows.append(len(step.input_ids) - 1)
                 step.sample_seq_indices.append(i)
-        # Logits rows follow the caller's sequence order, not the internal row order.
-        pairs = sorted(zip(step.sample_seq_indices, step.sample_token_rows, strict=True))
-        step.sample_seq_indices = [i for i, _ in pairs]
-        step.sample_token_rows = [row for _, row in pairs]
+        # Logits rows follow the caller's sequence order, not the internal row order: a
+        # scatter by sequence index, cheaper than sorting (index, row) pairs.
+        row_of: list[int] = [-1] * len(seqs)
+        for i, row in zip(step.sample_seq_indices, step.sample_token_rows, strict=True):
+            row_of[i] = row
+        step.sample_seq_indices = [i for i, row in enumerate(row_of) if row >= 0]
+        step.sample_token_rows = [row for row in row_of if row >= 0]
         return step
 
     def _check_scheduled(self, seq: Sequence, n: int, end: int) -> None:

@@ -53,17 +53,17 @@ class StepCostModel:
         self.forgetting = forgetting
         self.min_steps = min_steps
         self.num_steps = 0
-        # Normal equations X^T X and X^T y, decayed by `forgetting` per step. Features are
-        # scaled (tokens / 1e3, kv / 1e5, seqs / 1e2) so their columns are of one order.
-        self._xtx = np.zeros((NUM_FEATURES, NUM_FEATURES))
-        self._xty = np.zeros(NUM_FEATURES)
+        # Normal equations X^T X (row-major) and X^T y, decayed by `forgetting` per step.
+        # Features are scaled (tokens / 1e3, kv / 1e5, seqs / 1e2) so their columns are of
+        # one order. Plain floats: observe() runs every step, where a few numpy calls cost
+        # more than the 20 products they would vectorise.
+        self._xtx = [0.0] * (NUM_FEATURES * NUM_FEATURES)
+        self._xty = [0.0] * NUM_FEATURES
         self._coef: np.ndarray | None = None
 
     @staticmethod
-    def _features(shape: StepShape) -> np.ndarray:
-        return np.array(
-            [1.0, shape.num_tokens / 1e3, shape.num_kv_tokens / 1e5, shape.num_seqs / 1e2]
-        )
+    def _features(shape: StepShape) -> tuple[float, float, float, float]:
+        return (1.0, shape.num_tokens / 1e3, shape.num_kv_tokens / 1e5, shape.num_seqs / 1e2)
 
     @property
     def is_fitted(self) -> bool:
@@ -75,10 +75,12 @@ class StepCostModel:
         if seconds < 0 or shape.num_seqs < 1:
             return
         x = self._features(shape)
-        self._xtx *= self.forgetting
-        self._xty *= self.forgetting
-        self._xtx += np.outer(x, x)
-        self._xty += x * seconds
+        f, xtx, xty = self.forgetting, self._xtx, self._xty
+        for i, xi in enumerate(x):
+            xty[i] = xty[i] * f + xi * seconds
+            row = i * NUM_FEATURES
+            for j, xj in enumerate(x):
+                xtx[row + j] = xtx[row + j] * f + xi * xj
         self.num_steps += 1
         self._coef = None
 
@@ -96,7 +98,8 @@ class StepCostModel:
         """Seconds a step of this shape is expected to take (0.0 before any step)."""
         if shape.num_seqs == 0:
             return 0.0
-        return float(self._features(shape) @ self._fit())
+        coef = self._fit()
+        return sum(xi * float(c) for xi, c in zip(self._features(shape), coef, strict=True))
 
     def max_new_tokens_within(
         self, shape: StepShape, num_context_tokens: int, seconds: float
@@ -119,12 +122,14 @@ class StepCostModel:
         # A small ridge keeps the solve defined while features have not varied yet (a run of
         # decode-only steps has tokens == num_seqs); active features that come out negative
         # are dropped and the rest refitted (a few rounds of a non-negative least squares).
-        ridge = 1e-6 * max(1.0, float(np.trace(self._xtx)))
+        xtx = np.array(self._xtx).reshape(NUM_FEATURES, NUM_FEATURES)
+        xty = np.array(self._xty)
+        ridge = 1e-6 * max(1.0, float(np.trace(xtx)))
         active = list(range(NUM_FEATURES))
         coef = np.zeros(NUM_FEATURES)
         while active:
-            a = self._xtx[np.ix_(active, active)] + ridge * np.eye(len(active))
-            solved = np.linalg.solve(a, self._xty[active])
+            a = xtx[np.ix_(active, active)] + ridge * np.eye(len(active))
+            solved = np.linalg.solve(a, xty[active])
             negative = [f for f, c in zip(active, solved, strict=True) if c < 0]
             if not negative:
                 coef[:] = 0.0

@@ -7,7 +7,9 @@ an op: the check these tests are after. Three gaps of the CPU build are bridged 
   CPU's no-op guard is lent for the duration (restored afterwards);
 - pinned memory needs the CUDA driver: `pin_memory()` returns its tensor unchanged;
 - CUDA generators need the CUDA library: `torch.Generator(device="cuda...")` gives a CPU
-  one (fake random ops ignore the generator's device).
+  one (fake random ops ignore the generator's device);
+- host tensors made by torch.frombuffer are real under the mode: they are let in, as fake
+  CPU tensors.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeTensorMode]:
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
     monkeypatch.setattr(torch, "Generator", _CpuGenerator)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        # Real inputs are allowed: host tensors built with torch.frombuffer (which the mode
+        # does not intercept) are real, and become fake CPU tensors on use, so a CPU tensor
+        # meeting a CUDA one still raises.
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             yield mode
     finally:
         slots[cuda] = saved

@@ -8,6 +8,8 @@ would on a GPU.
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 import torch
 
@@ -56,6 +58,16 @@ def test_a_host_tensor_in_a_cuda_step_fails(monkeypatch: pytest.MonkeyPatch) -> 
         # FakeTensorDeviceMismatchError, or an op's own device check: both RuntimeErrors.
         with pytest.raises(RuntimeError, match="device"):
             backend.forward(q, k, k, cache, cache, meta)
+
+
+def test_a_real_host_tensor_in_a_cuda_op_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real host tensors are let into the mode (torch.frombuffer's) and still caught."""
+    with fake_cuda(monkeypatch):
+        pool = torch.zeros(4, 8, device=CUDA)
+        rows = torch.frombuffer(array("q", [2, 0]), dtype=torch.int64)
+        with pytest.raises(RuntimeError, match="device"):
+            pool.index_select(0, rows)
+        assert pool.index_select(0, rows.to(CUDA)).device == CUDA
 
 
 def test_sampler_stays_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
