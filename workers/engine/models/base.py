@@ -11,6 +11,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from workers.engine.attention import AttentionBackend
+from workers.engine.models.experts import FusedExperts
 from workers.engine.models.linear import Linear, linear_packed, pack_weight
 from workers.engine.models.rotary import RotaryEmbedding
 
@@ -66,7 +67,7 @@ class CausalLM(nn.Module):
         grows by well under a second for SmolLM2-135M.
         """
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear | FusedExperts):
                 module.pack(dtype)
         self.packed_logits_weight = pack_weight(self._logits_weight, dtype)
 

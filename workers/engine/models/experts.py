@@ -13,9 +13,14 @@ dense MLP, per expert); `w2` (E, H, I); stored 2-D for the loader (`ExpertWeight
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from workers.engine.models.linear import linear_packed, pack_weight
+from workers.engine.pointwise import TORCH_POINTWISE, TorchPointwise
 
 # Rows per tile of the grouped GEMM: tl.dot needs 16 at least; 64 amortises each weight
 # tile over more tokens once experts receive dozens (prefill), at the cost of padding.
@@ -45,10 +50,15 @@ def experts_grouped(
     w2: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    packed: PackedExperts | None = None,
+    pointwise: TorchPointwise = TORCH_POINTWISE,
 ) -> torch.Tensor:
-    """(N, H): each expert's SwiGLU over the tokens routed to it, weighted and summed."""
+    """(N, H): each expert's SwiGLU over the tokens routed to it, weighted and summed.
+
+    With `packed` (the CPU), each expert's two products run from its oneDNN-packed
+    weights instead of w13 and w2; `pointwise` is the backend's (its fused SwiGLU).
+    """
     num_tokens, top_k = topk_ids.shape
-    inter = w2.shape[2]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
@@ -60,9 +70,12 @@ def experts_grouped(
         if count == 0:
             continue
         tokens = tokens_in_order[start:start + count]
-        h = F.linear(x[tokens], w13[expert])  # (count, 2 I)
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        h = F.linear(h, w2[expert])  # (count, H)
+        if packed is None:
+            h = F.linear(x[tokens], w13[expert])  # (count, 2 I)
+            h = F.linear(pointwise.silu_and_mul(h), w2[expert])  # (count, H)
+        else:
+            h = linear_packed(x[tokens], packed.w13[expert], None)
+            h = linear_packed(pointwise.silu_and_mul(h), packed.w2[expert], None)
         out.index_add_(0, tokens, h.float() * weights_in_order[start:start + count, None])
         start += count
     return out.to(x.dtype)
@@ -113,19 +126,41 @@ class ExpertWeights(nn.Module):
         return self.weight.view(self.num_experts, -1, self.weight.shape[1])
 
 
+@dataclass(frozen=True, slots=True)
+class PackedExperts:
+    """Each expert's w13 and w2 in oneDNN's blocked layout (see linear.pack_weight)."""
+
+    w13: list[torch.Tensor]
+    w2: list[torch.Tensor]
+
+
 class FusedExperts(nn.Module):
     """E SwiGLU experts in two stacked projections, run on the tokens routed to each."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 pointwise: TorchPointwise = TORCH_POINTWISE) -> None:
         super().__init__()
+        self.pointwise = pointwise
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.w13 = ExpertWeights(num_experts, [intermediate_size, intermediate_size], hidden_size)
         self.w2 = ExpertWeights(num_experts, [hidden_size], intermediate_size)
+        self.packed: PackedExperts | None = None
+
+    def pack(self, dtype: torch.dtype | None = None) -> None:
+        """Keep a oneDNN-packed copy of every expert's weights (CPU only), as the dense
+        projections do: an expert's products ran 2.2-3.2x faster from it than through
+        F.linear at 4-1,024 tokens (576 x 768 experts, fp32, two Zen 4 cores)."""
+        self.packed = PackedExperts(
+            [pack_weight(w, dtype) for w in self.w13.stacked()],
+            [pack_weight(w, dtype) for w in self.w2.stacked()],
+        )
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """x (N, H) -> (N, H)."""
-        run = experts_triton if x.is_cuda else experts_grouped
-        return run(x, self.w13.stacked(), self.w2.stacked(), topk_ids, topk_weights)
+        w13, w2 = self.w13.stacked(), self.w2.stacked()
+        if x.is_cuda:
+            return experts_triton(x, w13, w2, topk_ids, topk_weights)
+        return experts_grouped(x, w13, w2, topk_ids, topk_weights, self.packed, self.pointwise)

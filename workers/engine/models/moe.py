@@ -37,7 +37,8 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.gate = Linear(hidden_size, num_experts, bias=False)
-        self.experts = FusedExperts(num_experts, hidden_size, expert_intermediate_size)
+        self.experts = FusedExperts(num_experts, hidden_size, expert_intermediate_size,
+                                    pointwise)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
         if shared_intermediate_size:
