@@ -60,25 +60,30 @@ def experts_grouped(
     """
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    order = torch.argsort(flat, stable=True)  # pairs (token, slot) grouped by expert
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    tokens_in_order = order // top_k
-    weights_in_order = topk_weights.reshape(-1)[order]
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    # One gather of every pair's input, and one scatter of the outputs back to pair order
+    # at the end: per expert, an index and an index_add_ cost more than the expert's own
+    # products at a few tokens each (decode).
+    x_sorted = x.index_select(0, order // top_k)
+    out_sorted = torch.empty(order.numel(), x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        tokens = tokens_in_order[start:start + count]
+        rows = x_sorted[start:start + count]
         if packed is None:
-            h = F.linear(x[tokens], w13[expert])  # (count, 2 I)
+            h = F.linear(rows, w13[expert])  # (count, 2 I)
             h = F.linear(pointwise.silu_and_mul(h), w2[expert])  # (count, H)
         else:
-            h = linear_packed(x[tokens], packed.w13[expert], None)
+            h = linear_packed(rows, packed.w13[expert], None)
             h = linear_packed(pointwise.silu_and_mul(h), packed.w2[expert], None)
-        out.index_add_(0, tokens, h.float() * weights_in_order[start:start + count, None])
+        out_sorted[start:start + count] = h
         start += count
-    return out.to(x.dtype)
+    out_sorted *= topk_weights.reshape(-1)[order, None]
+    per_pair = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)
+    # fp32 sum over the slots, as the Triton path does.
+    return per_pair.view(num_tokens, top_k, -1).sum(1).to(x.dtype)
 
 
 def experts_triton(
