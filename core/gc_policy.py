@@ -15,6 +15,7 @@ Reference counting still frees acyclic garbage at once; only cycles wait a littl
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 
@@ -29,6 +30,9 @@ def settle_heap() -> None:
     """Call once a process has loaded what it keeps for life, before it starts serving."""
     gc.collect()
     gc.freeze()
+    # Thawed at exit, so that shutdown collects them: frozen, Triton's bindings (torch
+    # imports them) report dozens of leaked objects on stderr as the process ends.
+    atexit.register(gc.unfreeze)
     gc.set_threshold(YOUNG_THRESHOLD, OLDER_THRESHOLD, OLDER_THRESHOLD)
     logger.debug("gc: %d start-up objects frozen, thresholds %s",
                  gc.get_freeze_count(), gc.get_threshold())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import logging
@@ -30,6 +31,9 @@ class LLM:
         # thousand a second from run to run, frozen at 9.4-13.7 (bench/RESULTS.md).
         gc.collect()
         gc.freeze()
+        # Thawed at exit, so that shutdown collects them: frozen, Triton's bindings (torch
+        # imports them) report dozens of leaked objects on stderr.
+        atexit.register(gc.unfreeze)
 
     @property
     def tokenizer(self) -> Any:

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from core.gc_policy import OLDER_THRESHOLD, YOUNG_THRESHOLD
 from tests.unit.api.conftest import ClientFactory
 
@@ -24,6 +26,16 @@ def test_settle_heap_freezes_the_start_up_heap_and_raises_the_young_threshold() 
     assert before[0] == 700  # CPython's default, so the change below is ours
     assert after == [YOUNG_THRESHOLD, OLDER_THRESHOLD, OLDER_THRESHOLD]
     assert frozen > 1_000  # every object the interpreter and its imports hold
+
+
+def test_a_settled_process_ends_without_leak_reports() -> None:
+    """Frozen objects are thawed at exit: Triton's bindings (which torch imports) would
+    otherwise report each of their objects as leaked on stderr as the process ends."""
+    pytest.importorskip("triton")
+    code = "import triton; from core.gc_policy import settle_heap; settle_heap()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert "leaked" not in done.stderr
 
 
 def test_an_app_built_for_a_test_leaves_the_collector_alone(make_client: ClientFactory) -> None:
