@@ -146,6 +146,8 @@ def run_engine(model_dir: Path, work: Workload, args: argparse.Namespace) -> Res
     }
     if args.kv_cache_gib is not None:
         options["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+    if args.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
     llm = LLM(model=str(model_dir), **options)
     profiler = StepProfiler() if args.workload == "host-overhead" else None
     warmup = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -167,7 +169,8 @@ def run_engine(model_dir: Path, work: Workload, args: argparse.Namespace) -> Res
     computed = stats.num_computed_tokens
     runner = llm.engine.runner
     graphs = "decode in CUDA graphs" if runner.graphs is not None else "no CUDA graphs"
-    print(f"  engine: {runner.backend.name} attention, {graphs}, on {runner.device}")
+    print(f"  engine: {runner.backend.name} attention, {graphs}, on {runner.device}; KV pool "
+          f"{runner.num_kv_blocks} blocks of {runner.block_size} tokens in {runner.kv_dtype}")
     print(f"  engine: {stats.num_preemptions} preemptions, {computed} tokens computed")
     if profiler is not None:
         print(profiler.report())
@@ -423,6 +426,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--kv-cache-gib", type=float, default=None)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: the engine's KV pool in e4m3 (twice bf16's sequences)")
     parser.add_argument("--roofline", action="store_true", help="decode roofline at batch 128")
     parser.add_argument("--peak-bandwidth-gbs", type=float, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")

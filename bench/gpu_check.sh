@@ -12,7 +12,7 @@
 #   2. 1-token jobs through LLM.generate on the service benchmark's tiny model, with and
 #      without CUDA graphs (bench/short_jobs.py);
 #   3. bench/engine_throughput.py on a random-weight 1B Llama in bfloat16 against
-#      transformers' static batching, with the decode roofline;
+#      transformers' static batching, with the decode roofline; then with an fp8 KV pool;
 #   4. the quantized-weight kernels (int4, FP8) against bf16 at Llama-3-8B's decode shapes
 #      (bench/quant_gemm.py), and a 1B model's decode in bf16, GPTQ int4 and FP8
 #      (bench/quantized_decode.py);
@@ -55,6 +55,9 @@ step engine-tests 300 "$py" -m pytest -q -p no:cacheprovider -rfEs tests/unit/en
 step short-jobs 120 "$py" -m bench.short_jobs --jobs 4000 --max-num-seqs 64 256
 step engine-throughput 240 "$py" -m bench.engine_throughput --random-llama-1b \
     --num-prompts 256 --hf-batch-sizes 64 --skip-hf-cb --kv-cache-gib 16 --roofline
+# The same with an fp8 KV pool: its block count against the bf16 run's above (twice).
+step fp8-kv 180 "$py" -m bench.engine_throughput --random-llama-1b \
+    --num-prompts 256 --hf-batch-sizes --skip-hf-cb --kv-cache-gib 16 --kv-cache-dtype fp8
 step quant-gemm 120 "$py" -m bench.quant_gemm
 step quantized-decode 240 "$py" -m bench.quantized_decode --batches 1 16 --max-tokens 64
 # The service end to end on this host (`batchinfer up` on the embedded default, the worker's

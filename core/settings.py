@@ -98,6 +98,9 @@ class Settings(BaseSettings):
     # None: the engine's default for its device (workers/engine/config.py).
     engine_max_num_batched_tokens: int | None = Field(default=None, ge=1)
     engine_kv_cache_memory_bytes: int | None = None
+    # What the KV cache stores: the model's dtype ("auto"), or e4m3 bytes ("fp8", as
+    # vLLM's --kv-cache-dtype fp8): twice the sequences of a bf16 pool in the same memory.
+    engine_kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
     engine_dtype: str = "auto"
     engine_device: str = "auto"
     # A quantized checkpoint's projections: kept quantized on CUDA ("auto"), always

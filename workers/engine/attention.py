@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from workers.engine.kv_dtypes import FP8_KV, FP8_KV_MAX
 from workers.engine.pointwise import TORCH_POINTWISE, TorchPointwise
 
 logger = logging.getLogger(__name__)
@@ -218,9 +219,22 @@ def write_kv(
 ) -> None:
     """Scatter this step's K/V rows (N, Hkv, D) into their pool slots in one op each."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k, v = to_pool(k, k_cache.dtype), to_pool(v, v_cache.dtype)
+    if k_cache.dtype == FP8_KV:  # the CPU has no fp8 index_copy_: the same bytes as uint8
+        k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
     # (num_blocks, block_size, Hkv, D) -> (num_slots, Hkv, D): a view, the pool is contiguous.
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def to_pool(x: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    """K/V rows in the pool's dtype: as they are, or clamped to fp8's finite range and
+    rounded (out of range, a cast could give NaN on some devices)."""
+    if x.dtype == pool_dtype:
+        return x
+    if pool_dtype == FP8_KV:
+        x = x.clamp(-FP8_KV_MAX, FP8_KV_MAX)
+    return x.to(pool_dtype)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -363,8 +377,8 @@ class TorchAttentionBackend(AttentionBackend):
             rows = g.end - g.start
             part = ids[g.offset : g.offset + rows * g.num_blocks]
             # (rows * nb, block_size, Hkv, D) -> (rows, Hkv, nb * block_size, D), strided view.
-            kg = torch.index_select(k_cache, 0, part, out=k_buf[: part.numel()])
-            vg = torch.index_select(v_cache, 0, part, out=v_buf[: part.numel()])
+            kg = torch.index_select(k_cache, 0, part, out=k_buf[: part.numel()]).to(q.dtype)
+            vg = torch.index_select(v_cache, 0, part, out=v_buf[: part.numel()]).to(q.dtype)
             kg = kg.view(rows, -1, hkv, d).transpose(1, 2)
             vg = vg.view(rows, -1, hkv, d).transpose(1, 2)
             # One query per row: its query heads of one KV head act as `group` query rows of
@@ -386,8 +400,8 @@ class TorchAttentionBackend(AttentionBackend):
                     o = _attention(qc, kc, vc, _chunk_mask(meta, j, c, window), scale, cap, group)
             else:
                 part = ids[c.offset : c.offset + -(-c.seq_len // k_cache.shape[1])]
-                kc = torch.index_select(k_cache, 0, part, out=k_buf[: part.numel()])
-                vc = torch.index_select(v_cache, 0, part, out=v_buf[: part.numel()])
+                kc = torch.index_select(k_cache, 0, part, out=k_buf[: part.numel()]).to(q.dtype)
+                vc = torch.index_select(v_cache, 0, part, out=v_buf[: part.numel()]).to(q.dtype)
                 kc = kc.view(-1, hkv, d)[: c.seq_len].transpose(0, 1).unsqueeze(0)
                 vc = vc.view(-1, hkv, d)[: c.seq_len].transpose(0, 1).unsqueeze(0)
                 cmask = c.mask if window is None else _chunk_mask(meta, j, c, window)

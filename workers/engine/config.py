@@ -13,6 +13,8 @@ DEFAULT_MODELS_DIR = Path.home() / ".cache" / "batchinfer" / "models"
 # in bf16; see bench/RESULTS.md).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -32,6 +34,10 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto | cpu | torch | triton | flash
     block_size: int | None = None
+    # What the KV pool stores: "auto" the model's dtype; "fp8" (or "fp8_e4m3") e4m3 bytes
+    # with a scale of 1, as vLLM's without calibrated scales: half a bf16 pool's bytes a
+    # token, so twice the sequences fit. Attention reads them back into the model's dtype.
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -78,6 +84,9 @@ class EngineConfig:
                 "attention_backend must be auto, cpu, torch, triton or flash, "
                 f"got {self.attention_backend!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.quantized_weights not in {"auto", "packed", "dequantize"}:
             raise ValueError("quantized_weights must be auto, packed or dequantize, "
                              f"got {self.quantized_weights!r}")

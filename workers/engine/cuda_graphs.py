@@ -57,7 +57,8 @@ class DecodeGraphs:
         self.scratch_slot = scratch_block * block_size
         device = kv_cache.device
         n = self.sizes[-1]
-        hidden_size = model.embed_tokens.weight.shape[1]
+        embed = model.embed_tokens.weight  # the activations' dtype (the pool's may be fp8)
+        hidden_size = embed.shape[1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
@@ -67,7 +68,7 @@ class DecodeGraphs:
         self.block_tables = torch.full(
             (n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device
         )
-        self.hidden = torch.zeros(n, hidden_size, dtype=kv_cache.dtype, device=device)
+        self.hidden = torch.zeros(n, hidden_size, dtype=embed.dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def can_run(self, batch_size: int, max_blocks: int) -> bool:

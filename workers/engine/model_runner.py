@@ -31,6 +31,7 @@ from workers.engine.placement import (
     pick_backend,
     pick_device,
     pick_dtype,
+    pick_kv_dtype,
 )
 from workers.engine.registry import resolve_model
 from workers.engine.sampler import SampledToken, Sampler
@@ -97,8 +98,9 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = pick_dtype(config.dtype, self.hf_config, self.device,
                                 quantized_weights=config.quantized_weights)
+        self.kv_dtype = pick_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.backend = pick_backend(
-            config.attention_backend, self.device, self.dtype, self.hf_config
+            config.attention_backend, self.device, self.dtype, self.hf_config, self.kv_dtype
         )
         self.block_size = config.block_size or self.backend.default_block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens or (
@@ -341,7 +343,7 @@ class ModelRunner:
         kv_heads = getattr(self.hf_config, "num_key_value_heads", None) or (
             self.hf_config.num_attention_heads
         )
-        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        itemsize = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * layers * self.block_size * kv_heads * head_dim_of(self.hf_config) * itemsize
 
     def _new_pool(self, num_blocks: int) -> torch.Tensor:
@@ -353,7 +355,7 @@ class ModelRunner:
             2, self.hf_config.num_hidden_layers, num_blocks, self.block_size,
             kv_heads, head_dim_of(self.hf_config),
         )  # fmt: skip
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _cuda_kv_budget(self) -> int:
         """gpu_memory_utilization of free memory, less every workspace a step can need.

@@ -23,6 +23,7 @@ from workers.engine.flash_attention import (
     FlashAttentionBackend,
 )
 from workers.engine.kernels.interpreter import is_interpreting
+from workers.engine.kv_dtypes import FP8_KV
 from workers.engine.models import head_dim_of
 from workers.engine.quantization import quant_scheme_of
 from workers.engine.triton_attention import HAS_TRITON, TritonAttentionBackend
@@ -30,6 +31,8 @@ from workers.engine.triton_attention import HAS_TRITON, TritonAttentionBackend
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Native e4m3 conversions on CUDA (what Triton's fp8e4nv needs).
+MIN_FP8_CAPABILITY = (8, 9)
 
 
 def pick_device(name: str) -> torch.device:
@@ -86,27 +89,45 @@ def packing_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype | Non
     return torch.float32
 
 
+def pick_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's dtype: the model's for "auto"; e4m3 for "fp8", which a CUDA device
+    converts natively from compute capability 8.9 (Ada, Hopper) on."""
+    if name == "auto":
+        return dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_FP8_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"kv_cache_dtype {name!r} needs compute capability 8.9 or later "
+                         f"(Ada, Hopper); {device} has {major}.{minor}")
+    return FP8_KV
+
+
 def pick_backend(
-    name: str, device: torch.device, dtype: torch.dtype, hf_config: PretrainedConfig
+    name: str, device: torch.device, dtype: torch.dtype, hf_config: PretrainedConfig,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """auto: on CUDA flash-attn (fp16/bf16, sm80+) when installed, else Triton; on the CPU
-    the C++ kernel when it builds, else torch."""
+    the C++ kernel when it builds, else torch. An fp8 KV pool (`kv_dtype`) is read by the
+    Triton and torch paths only."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = head_dim_of(hf_config)
+    fp8 = kv_dtype == FP8_KV
     if name == "torch":
         return TorchAttentionBackend(heads, kv_heads, head_dim)
     if name == "cpu" or name == "auto" and device.type == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}")
-        error = cpu_kernels.load()
+        error = "it does not read an fp8 KV cache" if fp8 else cpu_kernels.load()
         if error is None:
             return CpuAttentionBackend(heads, kv_heads, head_dim)
         if name == "cpu":
             raise ValueError(f"attention_backend 'cpu' cannot run here: {error}")
+        if fp8:
+            logger.info("fp8 KV cache on the CPU: torch attention (the C++ kernel reads "
+                        "the model's dtype only)")
         return TorchAttentionBackend(heads, kv_heads, head_dim)
     if name == "flash" or name == "auto" and device.type == "cuda":
-        reason = _flash_unusable(device, dtype)
+        reason = "it does not read an fp8 KV cache" if fp8 else _flash_unusable(device, dtype)
         if reason is None:
             return FlashAttentionBackend(heads, kv_heads, head_dim)
         if name == "flash":

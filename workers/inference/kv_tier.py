@@ -291,7 +291,7 @@ def connect_kv_tier(settings: Settings, engine: object, *, revision: str) -> Red
     # Workers of one revision may still differ in pool layout (dtype, block size): their
     # blocks live apart rather than refuse each other's payloads.
     runner = engine.runner
-    layout = f"{str(runner.dtype).removeprefix('torch.')}-bs{runner.block_size}"
+    layout = f"{str(runner.kv_dtype).removeprefix('torch.')}-bs{runner.block_size}"
     tier = RedisKVTier(client, prefix=settings.topic_prefix, model=settings.served_model_name,
                        revision=f"{revision}:{layout}", ttl_s=settings.kv_tier_ttl_s,
                        max_bytes=settings.kv_tier_max_bytes)  # fmt: skip

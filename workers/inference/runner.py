@@ -73,6 +73,7 @@ def build_engine(settings: Settings) -> LLMEngine:
         device=settings.engine_device,
         max_num_batched_tokens=settings.engine_max_num_batched_tokens,
         kv_cache_memory_bytes=settings.engine_kv_cache_memory_bytes,
+        kv_cache_dtype=settings.engine_kv_cache_dtype,
         step_time_targets=step_time_targets(settings),
         max_prefill_step_time=(None if settings.engine_max_prefill_step_ms is None
                                else settings.engine_max_prefill_step_ms / 1000),

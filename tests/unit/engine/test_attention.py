@@ -18,11 +18,13 @@ from workers.engine.attention import (
     AttentionBackend,
     BatchLayout,
     TorchAttentionBackend,
+    to_pool,
     write_kv,
 )
 from workers.engine.config import EngineConfig
 from workers.engine.cpu_attention import CpuAttentionBackend
 from workers.engine.flash_attention import HAS_FLASH_ATTN, FlashAttentionBackend
+from workers.engine.kv_dtypes import FP8_KV
 from workers.engine.model_runner import ModelRunner
 from workers.engine.placement import pick_backend
 from workers.engine.triton_attention import TritonAttentionBackend
@@ -54,8 +56,12 @@ def run_backend(
     device: torch.device,
     dtype: torch.dtype,
     step_shapes: list[tuple[int, int]] = SHAPES,
+    pool_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One paged step over (cached, new) step_shapes; returns (output, float64 reference)."""
+    """One paged step over (cached, new) step_shapes; returns (output, float64 reference).
+
+    With `pool_dtype` (fp8) the pool stores that, and the reference attends keys and
+    values rounded through it."""
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim = backend.num_heads, backend.num_kv_heads, backend.head_dim
     # Rows ordered as the runner orders them: single queries first, shortest first.
@@ -70,7 +76,8 @@ def run_backend(
         tables.append(ids[:n])
         ids = ids[n:]
     num_blocks = sum(needed) + 1
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=pool_dtype or dtype,
+                          device=device)
     v_cache = torch.zeros_like(k_cache)
     qs, ks, vs, slots, refs = [], [], [], [], []
     for (c, n), table in zip(shapes, tables, strict=True):
@@ -86,7 +93,11 @@ def run_backend(
         ks.append(k[c:])
         vs.append(v[c:])
         slots += seq_slots[c:]
-        refs.append(dense_reference(q.to(dtype).double(), k.to(dtype), v.to(dtype), c))
+        k_ref, v_ref = k.to(dtype), v.to(dtype)
+        if pool_dtype is not None:
+            k_ref = to_pool(k_ref, pool_dtype).to(dtype)
+            v_ref = to_pool(v_ref, pool_dtype).to(dtype)
+        refs.append(dense_reference(q.to(dtype).double(), k_ref, v_ref, c))
     layout = BatchLayout(
         query_lens=[n for _, n in shapes],
         seq_lens=seq_lens,
@@ -114,6 +125,20 @@ def test_torch_backend_matches_dense_attention(block_size: int) -> None:
     backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM)
     out, ref = run_backend(backend, block_size, torch.device("cpu"), torch.float32)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_torch_backend_reads_an_fp8_pool() -> None:
+    """An e4m3 pool: rows rounded as written, widened as read. Chunks with no cached prefix
+    attend their own fresh keys, so only they may stray from the rounded reference, by
+    e4m3's rounding (3 mantissa bits)."""
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM)
+    cpu = torch.device("cpu")
+    out, ref = run_backend(backend, 16, cpu, torch.float32, pool_dtype=FP8_KV)
+    _, exact = run_backend(backend, 16, cpu, torch.float32)
+    num_decodes = sum(1 for _, n in SHAPES if n == 1)
+    torch.testing.assert_close(out[:num_decodes], ref[:num_decodes], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, ref, atol=0.15, rtol=0)
+    assert not torch.allclose(out[:num_decodes], exact[:num_decodes], atol=1e-3, rtol=0)
 
 
 # (heads, KV heads, head size): decode's generic walk and prefill at head size 16 (the
@@ -250,6 +275,21 @@ def test_cuda_backends_match_dense_attention(backend_name: str) -> None:
     block_size = backend.default_block_size
     out, ref = run_backend(backend, block_size, torch.device("cuda"), torch.bfloat16)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_cuda_backends_read_an_fp8_pool(backend_name: str) -> None:
+    """An e4m3 pool on CUDA (sm89+): decode rows within bf16 rounding of the reference over
+    rounded K/V; chunks read fresh keys too, so within e4m3's rounding."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 conversions need compute capability 8.9")
+    backend_class = TorchAttentionBackend if backend_name == "torch" else TritonAttentionBackend
+    backend = backend_class(HEADS, KV_HEADS, HEAD_DIM)
+    out, ref = run_backend(backend, 16, torch.device("cuda"), torch.bfloat16, pool_dtype=FP8_KV)
+    num_decodes = sum(1 for _, n in SHAPES if n == 1)
+    torch.testing.assert_close(out[:num_decodes], ref[:num_decodes], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, ref, atol=0.15, rtol=0)
 
 
 @pytest.mark.gpu

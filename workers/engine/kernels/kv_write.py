@@ -17,6 +17,27 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.engine.kv_dtypes import FP8_KV, FP8_KV_MAX
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """fp32 x (|x| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32,
+    so that the cast to fp8 is exact in any converter: a GPU's rounds the same way, and
+    Triton's interpreter, whose own rounding does not carry into the exponent (1.95 became
+    1.0), then has nothing to round."""
+    sign = x.to(tl.int32, bitcast=True) & -2147483648  # 0x80000000
+    magnitude = tl.abs(x)
+    # Below e4m3's smallest normal (2^-6) its steps are 2^-9: shifted up by 2^-6, such a
+    # value has just those steps as its 3 kept mantissa bits.
+    subnormal = magnitude < 0.015625
+    magnitude = tl.where(subnormal, magnitude + 0.015625, magnitude)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 of 23 bits: 0xFFF00000
+    rounded = bits.to(tl.float32, bitcast=True)
+    rounded = tl.where(subnormal, rounded - 0.015625, rounded)
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
 
 @triton.jit
 def _kv_write_kernel(
@@ -37,6 +58,7 @@ def _kv_write_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    CLAMP: tl.constexpr,
 ):
     row = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + row)
@@ -48,9 +70,12 @@ def _kv_write_kernel(
     dst = block * stride_cache_block + offset * stride_cache_slot
     dst += heads[:, None] * stride_cache_head + dims[None, :]
     k = tl.load(k_ptr + row * stride_kn + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
     v = tl.load(v_ptr + row * stride_vn + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    if CLAMP > 0:  # an fp8 pool: clamped to its finite range, rounded, then stored exactly
+        k = _round_to_e4m3(tl.clamp(k.to(tl.float32), -CLAMP, CLAMP))
+        v = _round_to_e4m3(tl.clamp(v.to(tl.float32), -CLAMP, CLAMP))
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def check_kv_write_args(
@@ -71,8 +96,10 @@ def check_kv_write_args(
         raise ValueError(f"caches {tuple(k_cache.shape)} do not hold rows {tuple(k.shape[1:])}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
-        raise ValueError(f"cache dtype {k_cache.dtype} differs from k/v dtype {k.dtype}")
+    if k.dtype != v.dtype or k_cache.dtype != v_cache.dtype or k_cache.dtype not in (k.dtype,
+                                                                                     FP8_KV):
+        raise ValueError(f"cache dtype {k_cache.dtype} is neither k/v's ({k.dtype}) nor "
+                         f"{FP8_KV}")
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int64:
         raise ValueError(f"slot_mapping must be ({k.shape[0]},) int64, got {slot_mapping.shape}")
 
@@ -99,6 +126,7 @@ def kv_write(
         BLOCK_SIZE=k_cache.shape[1],
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim),
+        CLAMP=FP8_KV_MAX if k_cache.dtype == FP8_KV else 0.0,
     )  # fmt: skip
 
 

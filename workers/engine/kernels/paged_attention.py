@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from workers.engine.kernels.interpreter import dot_options
+from workers.engine.kv_dtypes import FP8_KV
 
 
 @triton.jit
@@ -112,11 +113,9 @@ def _paged_attention_kernel(
         offs = block * stride_cache_block + slots[:, None] * stride_cache_slot
         offs += kv_head * stride_cache_head + dims[None, :]
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        # An fp8 pool's rows widen to q's dtype here; otherwise a no-op or the upcast.
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         scores = _scores(q, k, scale, softcap, DOT_PRECISION, HAS_SOFTCAP)
         if HAS_WINDOW:
             seen = j * BLOCK_SIZE + slots[None, :] > pos[:, None] - window
@@ -192,8 +191,10 @@ def check_paged_attention_args(
     block_size = k_cache.shape[1]
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if len({q.dtype, k.dtype, v.dtype, k_cache.dtype, v_cache.dtype, out.dtype}) != 1:
-        raise ValueError("q, k, v, the caches and out must share one dtype")
+    if len({q.dtype, k.dtype, v.dtype, out.dtype}) != 1:
+        raise ValueError("q, k, v and out must share one dtype")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, FP8_KV):
+        raise ValueError(f"the caches must be {q.dtype} or {FP8_KV}, got {k_cache.dtype}")
     num_seqs = seq_lens.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
         raise ValueError("cu_seqlens_q needs S + 1 entries and block_tables S rows")

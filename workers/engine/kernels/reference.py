@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from workers.engine.kv_dtypes import FP8_KV, FP8_KV_MAX
+
 
 def write_kv_reference(
     k: torch.Tensor,
@@ -18,10 +20,13 @@ def write_kv_reference(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Row i of k/v goes to pool slot slot_mapping[i] (= block * block_size + offset)."""
+    """Row i of k/v goes to pool slot slot_mapping[i] (= block * block_size + offset); an
+    fp8 pool stores it clamped to fp8's finite range, then rounded."""
     hkv, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, hkv, d)[slot_mapping] = k
-    v_cache.view(-1, hkv, d)[slot_mapping] = v
+    if k_cache.dtype == FP8_KV:
+        k, v = k.float().clamp(-FP8_KV_MAX, FP8_KV_MAX), v.float().clamp(-FP8_KV_MAX, FP8_KV_MAX)
+    k_cache.view(-1, hkv, d)[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(-1, hkv, d)[slot_mapping] = v.to(v_cache.dtype)
 
 
 def paged_attention_reference(
@@ -56,8 +61,8 @@ def paged_attention_reference(
         num_cached = seq_len - num_new
         blocks = block_tables[s, : -(-num_cached // block_size)].long()
         # (num_cached, Hkv, D) from the pool, then the new keys: (seq_len, Hkv, D)
-        cached_k = k_cache[blocks].flatten(0, 1)[:num_cached]
-        cached_v = v_cache[blocks].flatten(0, 1)[:num_cached]
+        cached_k = k_cache[blocks].flatten(0, 1)[:num_cached].to(k.dtype)  # an fp8 pool: widened
+        cached_v = v_cache[blocks].flatten(0, 1)[:num_cached].to(v.dtype)
         keys = torch.cat([cached_k, k[start:end]]).float().repeat_interleave(group, dim=1)
         values = torch.cat([cached_v, v[start:end]]).float().repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,lhd->hnl", q[start:end].float(), keys) * scale

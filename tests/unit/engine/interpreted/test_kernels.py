@@ -18,6 +18,7 @@ from workers.engine.attention import TorchAttentionBackend
 from workers.engine.kernels.kv_write import kv_write
 from workers.engine.kernels.paged_attention import paged_attention
 from workers.engine.kernels.reference import paged_attention_reference, write_kv_reference
+from workers.engine.kv_dtypes import FP8_KV, FP8_KV_MAX
 from workers.engine.triton_attention import TritonAttentionBackend
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -111,6 +112,41 @@ def test_kv_write_matches_reference(dtype: torch.dtype) -> None:
     kv_write(t["k"], t["v"], k_cache, v_cache, slots)
     write_kv_reference(t["k"], t["v"], t["k_cache"], t["v_cache"], slots)
     assert torch.equal(k_cache, t["k_cache"]) and torch.equal(v_cache, t["v_cache"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_reads_an_fp8_pool(dtype: torch.dtype) -> None:
+    """The cached prefix from e4m3 blocks, widened as read; the new keys as they came."""
+    t = paged_inputs(STEP, 6, 2, 16, 16, dtype)
+    t["k_cache"], t["v_cache"] = t["k_cache"].to(FP8_KV), t["v_cache"].to(FP8_KV)
+    out = torch.full_like(t["q"], float("nan"), memory_format=torch.contiguous_format)
+    paged_attention(**t, out=out, scale=0.25, max_query_len=max(n for _, n in STEP))
+    ref = paged_attention_reference(**t, scale=0.25)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    # What it read were the fp8 values: against the unrounded pool it is off.
+    exact = paged_inputs(STEP, 6, 2, 16, 16, dtype)
+    assert not torch.allclose(out.float(), paged_attention_reference(**exact, scale=0.25),
+                              atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_to_an_fp8_pool(dtype: torch.dtype) -> None:
+    """Rows rounded to e4m3 in their slots, out-of-range values clamped to +-448 (not NaN)."""
+    t = paged_inputs(STEP, 6, 2, 24, 16, dtype)
+    t["k"][0] *= 1e4  # far beyond e4m3's range
+    t["v"][1] *= 1e-3  # into its subnormals
+    slots = torch.randperm(t["k_cache"].numel() // (2 * 24),
+                           generator=torch.Generator().manual_seed(1))[: t["k"].shape[0]]
+    k_cache = torch.zeros(t["k_cache"].shape, dtype=FP8_KV)
+    v_cache = torch.zeros_like(k_cache)
+    kv_write(t["k"], t["v"], k_cache, v_cache, slots)
+    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    write_kv_reference(t["k"], t["v"], k_ref, v_ref, slots)
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    stored = k_cache.view(-1, 2, 24)[slots[0]].float()
+    assert not stored.isnan().any() and stored.abs().max() == FP8_KV_MAX
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
