@@ -106,8 +106,8 @@ def pick_backend(
     kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """auto: on CUDA flash-attn (fp16/bf16, sm80+) when installed, else Triton; on the CPU
-    the C++ kernel when it builds, else torch. An fp8 KV pool (`kv_dtype`) is read by the
-    Triton and torch paths only."""
+    the C++ kernel when it builds, else torch. flash-attn does not read an fp8 KV pool
+    (`kv_dtype`), nor the C++ kernel for fp16 models."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = head_dim_of(hf_config)
@@ -117,14 +117,13 @@ def pick_backend(
     if name == "cpu" or name == "auto" and device.type == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}")
-        error = "it does not read an fp8 KV cache" if fp8 else cpu_kernels.load()
+        error = cpu_kernels.load()
+        if fp8 and dtype == torch.float16:
+            error = "it reads an fp8 KV cache for float32 and bfloat16 models only"
         if error is None:
             return CpuAttentionBackend(heads, kv_heads, head_dim)
         if name == "cpu":
             raise ValueError(f"attention_backend 'cpu' cannot run here: {error}")
-        if fp8:
-            logger.info("fp8 KV cache on the CPU: torch attention (the C++ kernel reads "
-                        "the model's dtype only)")
         return TorchAttentionBackend(heads, kv_heads, head_dim)
     if name == "flash" or name == "auto" and device.type == "cuda":
         reason = "it does not read an fp8 KV cache" if fp8 else _flash_unusable(device, dtype)

@@ -168,6 +168,23 @@ def test_cpu_backend_matches_dense_attention(
         torch.testing.assert_close(out, ref, atol=atol, rtol=0 if atol == 1e-5 else 1e-2)
 
 
+@pytest.mark.parametrize("dims", CPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_reads_an_fp8_pool(dims: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """The C++ kernels over an e4m3 pool, held to the reference over rounded K/V: decodes
+    and prefill chunks read every key from the pool (written first). Chunks of a head size
+    prefill is not compiled for go through torch, which attends an uncached chunk's fresh
+    keys: there only the decodes are held to it."""
+    if cpu_kernels.load() is not None:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.load()}")
+    backend = CpuAttentionBackend(*dims)
+    atol, rtol = (1e-5, 0.0) if dtype == torch.float32 else (2e-2, 1e-2)
+    for shapes in (SHAPES, LONG_DECODES):
+        out, ref = run_backend(backend, 16, torch.device("cpu"), dtype, shapes, pool_dtype=FP8_KV)
+        rows = out.shape[0] if dims[2] != 24 else sum(1 for _, n in shapes if n == 1)
+        torch.testing.assert_close(out[:rows], ref[:rows], atol=atol, rtol=rtol)
+
+
 def test_cpu_kernel_refuses_bad_arguments() -> None:
     """Wrong dtypes, lengths past the block table or inconsistent chunk offsets are errors,
     never reads out of bounds: decode and prefill kernels alike."""

@@ -10,6 +10,7 @@
 // Accumulation is in float for every storage dtype; bf16 rows are widened on load.
 
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include "cpu_checks.h"
@@ -46,6 +47,26 @@ inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
 
 inline void widen(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// An fp8 (e4m3) KV pool's bytes as floats: a 256-entry table, built once from c10's own
+// conversion, makes a row one lookup per element.
+inline const float* e4m3_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) {
+      t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b),
+                                                   c10::Float8_e4m3fn::from_bits()));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+inline void widen(const c10::Float8_e4m3fn* src, float* dst, int64_t n) {
+  const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
+  const float* values = e4m3_values();
+  for (int64_t i = 0; i < n; ++i) dst[i] = values[bits[i]];
 }
 
 inline void narrow(const float* src, float* dst, int64_t n) {
@@ -139,9 +160,10 @@ inline int64_t table_offset(const Shape& s, const int32_t* table, int64_t pos) {
          (pos % s.block_size) * s.pool_token;
 }
 
-// One (sequence, KV head) pair: `group` query heads over `len` cached keys.
-template <typename T>
-void attend_one(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
+// One (sequence, KV head) pair: `group` query heads over `len` cached keys. T is the
+// queries' and output's type, C the pool's (T, or fp8).
+template <typename T, typename C>
+void attend_one(const Shape& s, const T* q, const C* k_pool, const C* v_pool,
                 const int32_t* table, int64_t start, int64_t len, float scale, float cap,
                 T* out, std::vector<float>& scratch) {
   const int64_t G = s.group, D = s.head_dim, BS = s.block_size;
@@ -164,8 +186,8 @@ void attend_one(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
     const int64_t base = static_cast<int64_t>(table[b]) * s.pool_block;
     const int64_t n = std::min(BS, len - b * BS);
     const int64_t t0 = std::max<int64_t>(0, start - b * BS);  // keys before it: outside the window
-    const T* k_rows = k_pool + base;
-    const T* v_rows = v_pool + base;
+    const C* k_rows = k_pool + base;
+    const C* v_rows = v_pool + base;
     for (int64_t t = 0; t < n; ++t) {
       if (t < t0) {
         for (int64_t g = 0; g < G; ++g) scores[g * BS + t] = -1e30f;
@@ -271,13 +293,13 @@ inline Vec lane_sums(const Vec* v) {
 // nh * G * (2 D + kTile + 2) floats.
 constexpr int64_t kTile = 32;  // tokens scored per softmax update
 
-template <typename T, int D, int G>
-void attend_fixed(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
+template <typename T, typename C, int D, int G>
+void attend_fixed(const Shape& s, const T* q, const C* k_pool, const C* v_pool,
                   const int32_t* table, int64_t first, int64_t len, float scale, float cap,
                   T* out, int64_t h0, int64_t nh, float* work) {
   static_assert(D % kLanes == 0 && kTile % kLanes == 0, "rows and tiles are whole vectors");
   constexpr int kVecs = D / kLanes;
-  constexpr int64_t head_bytes = D * static_cast<int64_t>(sizeof(T));
+  constexpr int64_t head_bytes = D * static_cast<int64_t>(sizeof(C));
   float* qf = work;                        // (nh, G, D) queries, pre-scaled
   float* acc = qf + nh * G * D;            // (nh, G, D) running weighted sums of V
   float* scores = acc + nh * G * D;        // (nh, G, kTile) a tile's scores, then weights
@@ -386,15 +408,15 @@ void attend_fixed(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
   }
 }
 
-template <typename T>
-using AttendFn = void (*)(const Shape&, const T*, const T*, const T*, const int32_t*, int64_t,
+template <typename T, typename C>
+using AttendFn = void (*)(const Shape&, const T*, const C*, const C*, const int32_t*, int64_t,
                           int64_t, float, float, T*, int64_t, int64_t, float*);
 
 // The compiled (head size, group) pairs; others take the generic walk.
-template <typename T>
-AttendFn<T> fixed_kernel(int64_t head_dim, int64_t group) {
+template <typename T, typename C>
+AttendFn<T, C> fixed_kernel(int64_t head_dim, int64_t group) {
 #define BATCHINFER_CASE(D, G) \
-  if (head_dim == D && group == G) return &attend_fixed<T, D, G>;
+  if (head_dim == D && group == G) return &attend_fixed<T, C, D, G>;
   BATCHINFER_CASE(64, 1) BATCHINFER_CASE(64, 2) BATCHINFER_CASE(64, 3) BATCHINFER_CASE(64, 4)
   BATCHINFER_CASE(64, 5) BATCHINFER_CASE(64, 6) BATCHINFER_CASE(64, 8)
   BATCHINFER_CASE(128, 1) BATCHINFER_CASE(128, 2) BATCHINFER_CASE(128, 4)
@@ -403,17 +425,23 @@ AttendFn<T> fixed_kernel(int64_t head_dim, int64_t group) {
   return nullptr;
 }
 
-template <typename T>
+// A pool's elements as C (the queries' type, or fp8's bytes).
+template <typename C>
+inline const C* pool_ptr(const at::Tensor& pool) {
+  return reinterpret_cast<const C*>(pool.data_ptr());
+}
+
+template <typename T, typename C>
 void run(const Shape& s, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
          const at::Tensor& v_cache, const at::Tensor& block_tables,
          const std::vector<int64_t>& lens, float scale, int64_t window, float cap) {
   const int64_t num_seqs = static_cast<int64_t>(lens.size());
   const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
+  const C* k_ptr = pool_ptr<C>(k_cache);
+  const C* v_ptr = pool_ptr<C>(v_cache);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   T* out_ptr = out.data_ptr<T>();
-  const AttendFn<T> fixed = fixed_kernel<T>(s.head_dim, s.group);
+  const AttendFn<T, C> fixed = fixed_kernel<T, C>(s.head_dim, s.group);
   // A work item is a whole sequence (every KV head, contiguous reads) when there are
   // enough sequences to keep the threads busy, else one (sequence, KV head) pair. The
   // generic walk always takes pairs.
@@ -446,7 +474,7 @@ void run(const Shape& s, const at::Tensor& out, const at::Tensor& q, const at::T
           fixed(s, qs, k_ptr, v_ptr, table, first, len, scale, cap, o, h0, heads_per_item,
                 scratch.data());
         } else {
-          attend_one<T>(s, qs + h0 * s.group * s.q_head, k_ptr + h0 * s.head_dim,
+          attend_one<T, C>(s, qs + h0 * s.group * s.q_head, k_ptr + h0 * s.head_dim,
                         v_ptr + h0 * s.head_dim, table, first, len, scale, cap,
                         o + h0 * s.group * s.head_dim, scratch);
         }
@@ -463,10 +491,11 @@ void check_common(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache must be contiguous (num_blocks, block_size, Hkv, D)");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
-                  q.scalar_type() == v_cache.scalar_type() &&
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == q.scalar_type() ||
+                   k_cache.scalar_type() == at::kFloat8_e4m3fn) &&
                   q.scalar_type() == out.scalar_type(),
-              "q, out and the pools must share a dtype");
+              "q and out must share a dtype, and the pools be of it or float8_e4m3fn");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   block_tables.dim() == 2,
               "block_tables must be contiguous int32 (B, W)");
@@ -504,15 +533,27 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at
     TORCH_CHECK(len <= s.width * s.block_size, "a seq_len exceeds its block table");
   }
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  auto dispatch = [&](auto zero) {
+    using T = decltype(zero);
+    if (fp8) {
+      run<T, c10::Float8_e4m3fn>(s, out, q, k_cache, v_cache, block_tables, lens, fscale,
+                                 window, fcap);
+    } else {
+      run<T, T>(s, out, q, k_cache, v_cache, block_tables, lens, fscale, window, fcap);
+    }
+  };
   switch (q.scalar_type()) {
     case at::kFloat:
-      run<float>(s, out, q, k_cache, v_cache, block_tables, lens, fscale, window, fcap);
+      dispatch(0.f);
       break;
     case at::kBFloat16:
-      run<c10::BFloat16>(s, out, q, k_cache, v_cache, block_tables, lens, fscale, window, fcap);
+      dispatch(c10::BFloat16());
       break;
     case at::kHalf:
-      run<c10::Half>(s, out, q, k_cache, v_cache, block_tables, lens, fscale, window, fcap);
+      TORCH_CHECK(!fp8, "an fp8 pool is read for float32 and bfloat16 queries");
+      run<c10::Half, c10::Half>(s, out, q, k_cache, v_cache, block_tables, lens, fscale, window,
+                                fcap);
       break;
     default:
       TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16");
@@ -598,9 +639,9 @@ constexpr int64_t prefill_work_floats() {
   return 2 * D * kTileRows + kKTile * kTileRows + 2 * kKTile * D;
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T* q_ptr,
-                  const T* k_pool, const T* v_pool, float scale, int64_t window, float cap,
+                  const C* k_pool, const C* v_pool, float scale, int64_t window, float cap,
                   T* out_ptr, float* work) {
   constexpr int64_t R = kTileRows;
   static_assert(D % kDimBlock == 0 && kKTile % kKeyBlock == 0, "blocks must tile");
@@ -737,7 +778,7 @@ void prefill_tile(const Shape& s, const Chunk& c, int64_t h, int64_t q0, const T
   }
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 void run_prefill(const Shape& s, const at::Tensor& out, const at::Tensor& q,
                  const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const std::vector<Chunk>& chunks, float scale, int64_t window, float cap) {
@@ -757,8 +798,8 @@ void run_prefill(const Shape& s, const at::Tensor& out, const at::Tensor& q,
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t i = w; i < n; i += workers) {
         const auto& [c, h, q0] = items[i];
-        prefill_tile<T, D>(s, chunks[c], h, q0, q.data_ptr<T>(), k_cache.data_ptr<T>(),
-                           v_cache.data_ptr<T>(), scale, window, cap, out.data_ptr<T>(),
+        prefill_tile<T, C, D>(s, chunks[c], h, q0, q.data_ptr<T>(), pool_ptr<C>(k_cache),
+                              pool_ptr<C>(v_cache), scale, window, cap, out.data_ptr<T>(),
                            work.data());
       }
     }
@@ -802,15 +843,24 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
     chunks.push_back({starts[c], num_q, lens[c], block_tables.data_ptr<int32_t>() + c * s.width});
   }
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
-  auto run = [&](auto zero) {
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  auto run_as = [&](auto zero, auto pool_zero) {
     using T = decltype(zero);
+    using C = decltype(pool_zero);
     switch (head_dim) {
-#define BATCHINFER_HEAD(D)                                                        \
-  case D:                                                                         \
-    run_prefill<T, D>(s, out, q, k_cache, v_cache, chunks, fscale, window, fcap); \
+#define BATCHINFER_HEAD(D)                                                           \
+  case D:                                                                            \
+    run_prefill<T, C, D>(s, out, q, k_cache, v_cache, chunks, fscale, window, fcap); \
     break;
       BATCHINFER_PREFILL_HEAD_DIMS(BATCHINFER_HEAD)
 #undef BATCHINFER_HEAD
+    }
+  };
+  auto run = [&](auto zero) {
+    if (fp8) {
+      run_as(zero, c10::Float8_e4m3fn());
+    } else {
+      run_as(zero, zero);
     }
   };
   switch (q.scalar_type()) {
@@ -821,7 +871,8 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
       run(c10::BFloat16());
       break;
     case at::kHalf:
-      run(c10::Half());
+      TORCH_CHECK(!fp8, "an fp8 pool is read for float32 and bfloat16 queries");
+      run_as(c10::Half(), c10::Half());
       break;
     default:
       TORCH_CHECK(false, "paged_prefill_attention supports float32, bfloat16 and float16");
