@@ -15,10 +15,20 @@ preempted, or driven outside the scheduler) and not in the step are reclaimed.
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 
 import torch
 
 from workers.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class _Row:
+    """A sequence's row, and the block_table list it was written from (how many entries)."""
+
+    row: int
+    source: list[int] | None = None
+    num_written: int = 0
 
 
 class BlockTableRows:
@@ -27,9 +37,7 @@ class BlockTableRows:
     def __init__(self, num_rows: int, max_blocks_per_seq: int) -> None:
         self.table = torch.zeros(num_rows, max_blocks_per_seq, dtype=torch.int32)
         self._rows = self.table.numpy()  # the same memory: cheap writes of a few entries
-        self._row_of: dict[Sequence, int] = {}
-        # Per row: the block_table list it was written from, and how many entries.
-        self._written: list[tuple[list[int] | None, int]] = [(None, 0)] * num_rows
+        self._row_of: dict[Sequence, _Row] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
     def gather(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -37,41 +45,39 @@ class BlockTableRows:
         table's end are never read by the kernels."""
         rows: list[int] = []
         width = 0
-        row_of, written, table_rows = self._row_of, self._written, self._rows
+        row_of, table_rows = self._row_of, self._rows
         for seq in seqs:
-            row = row_of.get(seq)
-            if row is None:
-                row = self._assign(seq, seqs)
+            entry = row_of.get(seq)
+            if entry is None:
+                entry = self._assign(seq, seqs)
             table = seq.block_table
             n = len(table)
-            source, num_written = written[row]
-            if source is not table or num_written > n:
-                table_rows[row, :n] = table
-                written[row] = (table, n)
-            elif num_written < n:
-                table_rows[row, num_written:n] = table[num_written:]
-                written[row] = (table, n)
-            rows.append(row)
-            width = max(width, n)
+            if entry.source is not table or entry.num_written > n:
+                table_rows[entry.row, :n] = table
+                entry.source, entry.num_written = table, n
+            elif entry.num_written < n:
+                table_rows[entry.row, entry.num_written:n] = table[entry.num_written:]
+                entry.num_written = n
+            rows.append(entry.row)
+            if n > width:
+                width = n
         # From an array: torch.tensor() of a list of ints costs ~10x more.
         index = torch.frombuffer(array("q", rows), dtype=torch.int64)
         return self.table[:, :width].index_select(0, index)
 
-    def _assign(self, seq: Sequence, keep: list[Sequence]) -> int:
+    def _assign(self, seq: Sequence, keep: list[Sequence]) -> _Row:
         if not self._free_rows:
             self._reclaim(keep)
         if not self._free_rows:
             raise RuntimeError("more sequences in one step than block table rows")
-        row = self._free_rows.pop()
-        self._row_of[seq] = row
-        self._written[row] = (None, 0)
-        return row
+        entry = _Row(self._free_rows.pop())
+        self._row_of[seq] = entry
+        return entry
 
     def _reclaim(self, keep: list[Sequence]) -> None:
         """Free the rows of sequences that are not running, except the step's own."""
         in_step = set(keep)
-        for seq, row in list(self._row_of.items()):
+        for seq, entry in list(self._row_of.items()):
             if seq.status is not SequenceStatus.RUNNING and seq not in in_step:
                 del self._row_of[seq]
-                self._written[row] = (None, 0)
-                self._free_rows.append(row)
+                self._free_rows.append(entry.row)

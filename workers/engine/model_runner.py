@@ -250,7 +250,8 @@ class ModelRunner:
         """Order rows (decodes first, shortest first) and list tokens, positions and slots."""
         bs = self.block_size
         decodes = [i for i, n in enumerate(num_scheduled_tokens) if n == 1]
-        decodes.sort(key=lambda i: seqs[i].num_computed_tokens)
+        computed = [seq.num_computed_tokens for seq in seqs]
+        decodes.sort(key=computed.__getitem__)  # a C-level key: no Python call per row
         others = [i for i, n in enumerate(num_scheduled_tokens) if n != 1]
         step = _Step(order=decodes + others, num_decodes=len(decodes))
         # Decodes, the bulk of a large batch: one token at position c = num_computed_tokens.
