@@ -67,6 +67,7 @@ def parse_args() -> argparse.Namespace:
     # What run_engine reads beyond the workload.
     args.device, args.attention_backend, args.enforce_eager = "auto", "auto", False
     args.max_num_seqs, args.kv_cache_gib, args.workload, args.roofline = 256, None, "", False
+    args.kv_cache_dtype = "auto"
     return args
 
 
