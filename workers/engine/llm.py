@@ -23,17 +23,18 @@ class LLM:
     """`LLM(model=..., **engine_options).generate(prompts, params)`, as in vLLM."""
 
     def __init__(self, model: str, **engine_options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
-        self._ids = itertools.count()
-        # The model, tokenizer and libraries just loaded live as long as this object: out
-        # of every later collection (as vLLM does), a full collection during generate()
-        # no longer walks their millions of objects. Unfrozen, 1-token jobs ran at 5.4-10.3
-        # thousand a second from run to run, frozen at 9.4-13.7 (bench/RESULTS.md).
+        # What the process has imported (torch, transformers and the rest: millions of
+        # objects) lives as long as it does: out of every later collection, so that a full
+        # one during generate() no longer walks it; 1-token jobs ran 1.45-1.53x faster
+        # (bench/RESULTS.md). Frozen before the engine exists, so that a dropped LLM (its
+        # engine holds reference cycles) is still collected. Thawed at exit, so that
+        # shutdown collects them: frozen, Triton's bindings (torch imports them) report
+        # dozens of leaked objects on stderr.
         gc.collect()
         gc.freeze()
-        # Thawed at exit, so that shutdown collects them: frozen, Triton's bindings (torch
-        # imports them) report dozens of leaked objects on stderr.
         atexit.register(gc.unfreeze)
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._ids = itertools.count()
 
     @property
     def tokenizer(self) -> Any:
