@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.engine.kv_dtypes import FP8_KV
 from workers.engine.kv_tier import KVTier
 
 logger = logging.getLogger(__name__)
@@ -133,8 +134,11 @@ class KVTierLink:
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         values = raw.view(self.pool.dtype).view(len(blocks), *self.block_shape)
         ids = torch.tensor(block_ids, device=self.pool.device)
+        pool = self.pool
+        if pool.dtype == FP8_KV:  # the CPU has no fp8 index_copy_: the same bytes as uint8
+            pool, values = pool.view(torch.uint8), values.view(torch.uint8)
         # (n, 2, L, bs, H, D) -> (2, L, n, bs, H, D), the pool's block axis third.
-        self.pool.index_copy_(2, ids, values.permute(1, 2, 0, 3, 4, 5).to(self.pool.device))
+        pool.index_copy_(2, ids, values.permute(1, 2, 0, 3, 4, 5).to(pool.device))
         self.counters.num_loaded_blocks += len(blocks)
         self.counters.num_loaded_bytes += len(data)
 

@@ -10,6 +10,7 @@ import torch
 
 from tests.unit.engine.tiny_models import save_tiny_llama
 from workers.engine import LLM, SamplingParams
+from workers.engine.kv_dtypes import FP8_KV
 from workers.engine.kv_tier import HostKVTier
 from workers.engine.kv_tier_link import KVTierLink
 
@@ -135,6 +136,20 @@ def test_payloads_of_another_layout_are_misses() -> None:
     reader = KVTierLink(tier, torch.zeros_like(half))
     reader.write([3], reader.load([b"h"]))
     assert torch.equal(reader.pool[:, :, 3], half[:, :, 1])
+
+
+def test_an_fp8_pool_offloads_and_loads_its_blocks_bit_for_bit() -> None:
+    """e4m3 blocks go out and come back as the same bytes, and are no float16 pool's."""
+    tier = HostKVTier(max_bytes=1 << 20)
+    pool = torch.randn(2, 2, 4, BLOCK, 1, 8, generator=torch.Generator().manual_seed(0))
+    fp8 = pool.to(FP8_KV)
+    writer = KVTierLink(tier, fp8)
+    writer.offload(1, b"h", tuple(range(BLOCK)))
+    writer.flush()
+    assert KVTierLink(tier, torch.zeros_like(pool, dtype=torch.float16)).load([b"h"]) == []
+    reader = KVTierLink(tier, torch.zeros_like(fp8))
+    reader.write([3], reader.load([b"h"]))
+    assert torch.equal(reader.pool[:, :, 3].view(torch.uint8), fp8[:, :, 1].view(torch.uint8))
 
 
 def test_a_request_off_the_prefix_cache_computes_everything_and_skips_the_tier(
