@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from workers.engine.config import KV_CACHE_DTYPES
+
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
@@ -38,6 +40,13 @@ def _override_env(**values: object) -> None:
         if value is not None:
             os.environ[f"BATCHINFER_{name.upper()}"] = str(value)
     get_settings.cache_clear()
+
+
+def _add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                        help="what the KV cache stores: the model's dtype (auto) or e4m3 bytes "
+                             "(fp8: twice the sequences of bf16; default: "
+                             "$BATCHINFER_ENGINE_KV_CACHE_DTYPE, else auto)")
 
 
 class _ModelOption(argparse.Action):
@@ -107,7 +116,8 @@ def engine_urls_of(served: list[tuple[str, str]],
 def cmd_up(args: argparse.Namespace) -> int:
     """Run the whole service on this machine (embedded default)."""
     served = served_models_of(args.served)
-    _override_env(api_port=args.port, data_dir=args.data_dir, api_processes=args.api_processes)
+    _override_env(api_port=args.port, data_dir=args.data_dir, api_processes=args.api_processes,
+                  engine_kv_cache_dtype=args.kv_cache_dtype)
     from scheduler.embedded import run_embedded
 
     return run_embedded(num_workers=args.workers, max_workers=args.max_workers, host=args.host,
@@ -132,7 +142,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.engine_url and args.model is None:
         raise ValueError("--engine-url serves the --model its servers know; add --model")
     _override_env(model=args.model, served_model_name=args.served_model_name,
-                  engine_urls=",".join(args.engine_url) if args.engine_url else None)
+                  engine_urls=",".join(args.engine_url) if args.engine_url else None,
+                  engine_kv_cache_dtype=args.kv_cache_dtype)
     from core.settings import get_settings
     from workers.inference import run_worker
 
@@ -301,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve the --model before it through this OpenAI-compatible engine "
                          "server (vLLM, SGLang, TGI, llama.cpp: http://host:port/v1) instead of "
                          "loading it; repeat for several servers of that model")
+    _add_kv_cache_dtype(up)
     up.set_defaults(func=cmd_up)
 
     api = sub.add_parser("api", help="serve the HTTP API")
@@ -319,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="drive this OpenAI-compatible engine server (vLLM, SGLang, TGI, "
                              "llama.cpp: http://host:port/v1), which serves --model by that "
                              "name, instead of loading the model; repeat for several servers")
+    _add_kv_cache_dtype(worker)
     worker.set_defaults(func=cmd_worker)
     sub.add_parser("callbacks", help="run the webhook delivery worker").set_defaults(
         func=cmd_callbacks)
