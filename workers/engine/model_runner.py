@@ -133,9 +133,9 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
         logger.info(
-            "model runner ready: %s, %s on %s, %s attention, %d KV blocks of %d tokens",
+            "model runner ready: %s, %s on %s, %s attention, %d KV blocks of %d tokens in %s",
             self.model_dir.name, self.dtype, self.device, self.backend.name,
-            self.num_kv_blocks, self.block_size,
+            self.num_kv_blocks, self.block_size, str(self.kv_dtype).removeprefix("torch."),
         )  # fmt: skip
 
     def execute(
