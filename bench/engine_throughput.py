@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 from bench.family_models import FAMILY_CONFIGS, random_family_model
+from bench.roofline import decode_roofline, sync
 from bench.step_profile import StepProfiler, tiny_model
 from bench.vllm_contender import run_vllm
 from workers.engine import LLM, SamplingParams
@@ -73,9 +74,6 @@ from workers.engine.config import DEFAULT_MODELS_DIR
 from workers.engine.registry import KNOWN_MODELS, pull_model, resolve_model
 
 logger = logging.getLogger(__name__)
-
-# GB/s of HBM, for the roofline line; --peak-bandwidth-gbs overrides.
-PEAK_BANDWIDTH_GBS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "L40S": 864.0}
 
 
 @dataclass(slots=True)
@@ -157,10 +155,10 @@ def run_engine(model_dir: Path, work: Workload, args: argparse.Namespace) -> Res
     ]
     if profiler is not None:
         profiler.attach(llm.engine)
-    _sync()
+    sync()
     start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(work.prompts, params)
-    _sync()
+    sync()
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     produced = [len(o.token_ids) for o in outputs]
     if produced != work.output_lens:
@@ -253,7 +251,7 @@ def run_hf_static(model: Any, work: Workload, batch_size: int, pad_id: int) -> R
     """Static batches in prompt order, left-padded; each runs to its longest request."""
     device = model.device
     counted = 0
-    _sync()
+    sync()
     start, cpu_start = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         for first in range(0, len(work.prompts), batch_size):
@@ -274,7 +272,7 @@ def run_hf_static(model: Any, work: Workload, batch_size: int, pad_id: int) -> R
                 pad_token_id=pad_id,
             )
             counted += sum(wanted)  # tokens past a request's own length are waste
-    _sync()
+    sync()
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     name = f"hf-static (batch {batch_size})"
     return Result(name, seconds, counted, len(work.prompts), work.num_input_tokens, cpu)
@@ -288,7 +286,7 @@ def run_hf_continuous(model: Any, work: Workload) -> Result:
         max_new_tokens=max(work.output_lens), do_sample=False, eos_token_id=-1
     )
     with model.continuous_batching_context_manager(generation_config=config, block=True) as manager:
-        _sync()
+        sync()
         start, cpu_start = time.perf_counter(), time.process_time()
         for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
             manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
@@ -299,62 +297,10 @@ def run_hf_continuous(model: Any, work: Workload) -> Result:
                 finished[result.request_id] = result
             elif result is None and not manager.is_running():
                 raise RuntimeError("transformers' continuous batching loop stopped")
-        _sync()
+        sync()
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     produced = sum(len(r.generated_tokens) for r in finished.values())
     return Result("hf-cb", seconds, produced, len(work.prompts), work.num_input_tokens, cpu)
-
-
-def decode_roofline(
-    llm: LLM, args: argparse.Namespace, batch: int = 128, context: int = 512
-) -> None:
-    """Time decode steps at `batch` sequences of `context` tokens against HBM bandwidth."""
-    runner = llm.engine.runner
-    if runner.device.type != "cuda":
-        print("  roofline: needs CUDA, skipped")
-        return
-    from workers.engine.sequence import Sequence
-
-    blocks_per_seq = -(-(context + 16) // runner.block_size)
-    if batch * blocks_per_seq > runner.num_kv_blocks:
-        print("  roofline: KV pool too small for the probe, skipped")
-        return
-    seqs = []
-    for i in range(batch):
-        seq = Sequence(f"probe-{i}", [100 + i % 50] * context, SamplingParams(temperature=0))
-        seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-        seqs.append(seq)
-    for i in range(0, batch, 8):  # prefill in slices that fit the token budget
-        runner.execute(seqs[i : i + 8], [context] * len(seqs[i : i + 8]))
-    for seq in seqs:
-        seq.num_computed_tokens = context
-        seq.append_token(5)
-    steps = 16
-    times = []
-    for _ in range(steps):
-        _sync()
-        start = time.perf_counter()
-        sampled = runner.execute(seqs, [1] * batch)
-        _sync()
-        times.append(time.perf_counter() - start)
-        for seq, token in zip(seqs, sampled, strict=True):
-            seq.num_computed_tokens += 1
-            seq.append_token(token.token_id if token else 5)
-    step = sorted(times)[len(times) // 2]
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv_per_token = runner.kv_cache[:, :, 0, 0].numel() * runner.kv_cache.element_size()
-    kv_bytes = batch * (context + steps // 2) * kv_per_token
-    moved = weights + kv_bytes
-    name = torch.cuda.get_device_name(runner.device)
-    peak = args.peak_bandwidth_gbs or next(
-        (bw for key, bw in PEAK_BANDWIDTH_GBS.items() if key in name), None
-    )
-    achieved = moved / step / 1e9
-    line = f"  roofline ({name}): {moved / 1e9:.3f} GB moved per decode step at batch {batch}"
-    line += f", {step * 1e3:.2f} ms/step, {achieved:.0f} GB/s"
-    if peak:
-        line += f" = {achieved / peak:.0%} of {peak:.0f} GB/s peak"
-    print(line)
 
 
 def random_llama_1b(root: Path) -> Path:
@@ -392,11 +338,6 @@ def machine() -> str:
         f"{cpu} x{torch.get_num_threads()} threads (OMP_WAIT_POLICY {wait_policy}), {gpu}, "
         f"torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}"
     )
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def parse_args() -> argparse.Namespace:
