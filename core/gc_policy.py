@@ -26,13 +26,24 @@ YOUNG_THRESHOLD = 50_000
 OLDER_THRESHOLD = 10
 
 
-def settle_heap() -> None:
-    """Call once a process has loaded what it keeps for life, before it starts serving."""
+_thaw_registered = False
+
+
+def freeze_heap() -> None:
+    """Move every live object out of later collections (`gc.freeze`), thawed again at exit
+    so that shutdown collects them: frozen, Triton's bindings (torch imports them) report
+    dozens of leaked objects on stderr as the process ends."""
+    global _thaw_registered
     gc.collect()
     gc.freeze()
-    # Thawed at exit, so that shutdown collects them: frozen, Triton's bindings (torch
-    # imports them) report dozens of leaked objects on stderr as the process ends.
-    atexit.register(gc.unfreeze)
+    if not _thaw_registered:
+        atexit.register(gc.unfreeze)
+        _thaw_registered = True
+
+
+def settle_heap() -> None:
+    """Call once a process has loaded what it keeps for life, before it starts serving."""
+    freeze_heap()
     gc.set_threshold(YOUNG_THRESHOLD, OLDER_THRESHOLD, OLDER_THRESHOLD)
     logger.debug("gc: %d start-up objects frozen, thresholds %s",
                  gc.get_freeze_count(), gc.get_threshold())

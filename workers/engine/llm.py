@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import atexit
-import gc
 import itertools
 import logging
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from core.gc_policy import freeze_heap
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import RequestOutput
@@ -27,12 +26,8 @@ class LLM:
         # objects) lives as long as it does: out of every later collection, so that a full
         # one during generate() no longer walks it; 1-token jobs ran 1.45-1.53x faster
         # (bench/RESULTS.md). Frozen before the engine exists, so that a dropped LLM (its
-        # engine holds reference cycles) is still collected. Thawed at exit, so that
-        # shutdown collects them: frozen, Triton's bindings (torch imports them) report
-        # dozens of leaked objects on stderr.
-        gc.collect()
-        gc.freeze()
-        atexit.register(gc.unfreeze)
+        # engine holds reference cycles) is still collected.
+        freeze_heap()
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
 

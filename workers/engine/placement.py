@@ -94,10 +94,11 @@ def pick_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.
     converts natively from compute capability 8.9 (Ada, Hopper) on."""
     if name == "auto":
         return dtype
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_FP8_CAPABILITY:
-        major, minor = torch.cuda.get_device_capability(device)
-        raise ValueError(f"kv_cache_dtype {name!r} needs compute capability 8.9 or later "
-                         f"(Ada, Hopper); {device} has {major}.{minor}")
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < MIN_FP8_CAPABILITY:
+            raise ValueError(f"kv_cache_dtype {name!r} needs compute capability 8.9 or later "
+                             f"(Ada, Hopper); {device} has {capability[0]}.{capability[1]}")
     return FP8_KV
 
 
