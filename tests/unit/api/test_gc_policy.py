@@ -39,7 +39,10 @@ def test_a_settled_process_ends_without_leak_reports() -> None:
 
 
 def test_an_app_built_for_a_test_leaves_the_collector_alone(make_client: ClientFactory) -> None:
-    threshold, frozen = gc.get_threshold(), gc.get_freeze_count()
+    # Nothing frozen to start with: objects an earlier test of this process froze (an LLM
+    # freezes what is imported) shrink the count as they die, whatever the app does.
+    gc.unfreeze()
+    threshold = gc.get_threshold()
     client = make_client()  # started: its lifespan ran
     assert client.get("/healthz").status_code == 200
-    assert gc.get_threshold() == threshold and gc.get_freeze_count() == frozen
+    assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
