@@ -83,7 +83,17 @@ class UpProcess:
                     found.append(proc)
             except psutil.NoSuchProcess:
                 continue
-        return found
+        # A process forked by one of them (a subprocess between its fork and its exec)
+        # carries the same command line for a moment: it is not another one.
+        pids = {proc.pid for proc in found}
+        own = []
+        for proc in found:
+            try:
+                if proc.ppid() not in pids:
+                    own.append(proc)
+            except psutil.NoSuchProcess:
+                continue
+        return own
 
     def child(self, name: str) -> psutil.Process:
         """The one live descendant running name (see running)."""
