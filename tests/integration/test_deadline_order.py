@@ -5,8 +5,8 @@ Four batches wait, fanned out, before the worker starts: a 7-day one, then windo
 (its in-flight bound holds every line) and its engine runs two sequences at a time,
 deadlines within the hour first, earliest first: the 30m batch's last line finishes
 first, then the 50m one's, then the far-off windows', which the engine leaves to the
-tenants' fair share (one tenant here: arrival order). (At most the first lines the
-engine admitted before the rest arrived run out of order.)
+tenants' fair share (one tenant here: arrival order). The jobs of one poll reach the
+engine in one step (`EngineLoop.add_all`), so none of them starts before it is ordered.
 
 Behind a backlog, the worker holds two lines at a time, so order must come from the
 topic: the backlog fills the model and priority's fan-out window, and the three batches

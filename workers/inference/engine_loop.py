@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -90,6 +90,21 @@ def engine_deadline(deadline: float | None, now: float) -> float | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One request for `add_all`, with `add`'s arguments."""
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    priority: int
+    stream: bool = False
+    job: JobMessage | None = None
+    tools: list[dict[str, Any]] | None = None
+    n: int = 1
+    tenant_weight: float = 1.0
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -148,7 +163,7 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Watch | None] = (
+        self._inbox: queue.SimpleQueue[list[_Add] | _Abort | _Watch | None] = (
             queue.SimpleQueue())  # None: stop
         self._outbox: queue.SimpleQueue[FinishedRequest] = queue.SimpleQueue()
         self._live_ids: set[str] = set()  # touched by the engine thread only
@@ -197,10 +212,20 @@ class EngineLoop:
         and tenant, which order it within its priority, the tenant by `tenant_weight`.)
         `tools` are rendered into a chat prompt. With `n` > 1 its FinishedRequest carries
         every choice (`choices`)."""
-        deadline = None if job is None else engine_deadline(job.deadline, time.time())
-        self._inbox.put(_Add(request_id, prompt, params, priority, stream and n == 1,
-                             deadline, tools, n, None if job is None else job.tenant_id,
-                             tenant_weight))
+        self.add_all([EngineRequest(request_id, prompt, params, priority, stream=stream,
+                                    job=job, tools=tools, n=n, tenant_weight=tenant_weight)])
+
+    def add_all(self, requests: Sequence[EngineRequest]) -> None:
+        """Queue requests that reach the engine in the same step (see `add`), so that it
+        orders them all by urgency: added one by one, the first could start, and a
+        batch's first lines finish, before a more urgent one behind them had arrived."""
+        now = time.time()
+        adds = [_Add(r.request_id, r.prompt, r.params, r.priority, r.stream and r.n == 1,
+                     None if r.job is None else engine_deadline(r.job.deadline, now),
+                     r.tools, r.n, None if r.job is None else r.job.tenant_id,
+                     r.tenant_weight) for r in requests]
+        if adds:
+            self._inbox.put(adds)
 
     def watch(self, request_id: str) -> None:
         """Stream a live request from now on: its text so far, then step by step."""
@@ -259,7 +284,10 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            if command is not None:
+            if isinstance(command, list):
+                for add in command:
+                    self._apply(add)
+            elif command is not None:
                 self._apply(command)
             try:
                 command = self._inbox.get_nowait()

@@ -26,7 +26,7 @@ from storage.cache_policy import CachePolicy
 from storage.models import utcnow
 from workers.engine import SamplingParams
 from workers.inference.embedding_jobs import embedding_request_from_body
-from workers.inference.engine_loop import EngineLoop
+from workers.inference.engine_loop import EngineLoop, EngineRequest
 from workers.inference.job_store import JobStore
 from workers.inference.outcomes import OutcomeRecorder
 from workers.inference.remote_engine import RemoteEngineLoop
@@ -157,6 +157,7 @@ class JobStarter:
             [c.message.job_id for c, _, _ in prepared], worker_id=self._worker_id
         )
         now = utcnow()
+        requests: list[EngineRequest] = []
         for candidate, prompt, params in prepared:
             message = candidate.message
             if message.job_id not in claimed:
@@ -168,13 +169,15 @@ class JobStarter:
             started.append(InFlightJob(message, candidate.started_from, candidate.records))
             # Streamed: asked for by its request (`stream: true`), or followed over SSE.
             stream = message.body.get("stream") is True or self._is_followed(message.job_id)
-            self._engine.add(
+            requests.append(EngineRequest(
                 message.job_id, prompt, params, priority=Priority(message.priority).rank,
                 stream=stream, job=message,
                 tools=tools_of.get(message.job_id),
                 n=num_choices(message.body) if message.kind != "embedding" else 1,
                 tenant_weight=self._weight_of(message.tenant_id),
-            )
+            ))
+        # All at once: the engine orders the whole start by urgency before any of it runs.
+        self._engine.add_all(requests)
         return started
 
     def _answer_from_caches(self, candidates: list[Candidate]) -> list[Candidate]:

@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,7 @@ from core.settings import Settings
 from storage.token_streams import StreamEntry
 from workers.engine import SamplingParams
 from workers.engine.model_card import ModelCard
-from workers.inference.engine_loop import WAKE, FinishedRequest
+from workers.inference.engine_loop import WAKE, EngineRequest, FinishedRequest
 from workers.inference.engine_routing import (
     ServerState,
     backoff_s,
@@ -223,6 +223,13 @@ class RemoteEngineLoop:
         request = _Request(priority, next(self._seq), request_id, job.affinity_key(), path,
                            payload)
         self._call(self._enqueue, request)
+
+    def add_all(self, requests: Sequence[EngineRequest]) -> None:
+        """Queue requests (see `add`); the dispatcher sends them by priority, and the
+        server orders what it holds by its own policy."""
+        for r in requests:
+            self.add(r.request_id, r.prompt, r.params, r.priority, stream=r.stream,
+                     job=r.job, tools=r.tools, n=r.n, tenant_weight=r.tenant_weight)
 
     def watch(self, request_id: str) -> None:
         """Followers of a job on an engine server get its text when it finishes."""

@@ -12,13 +12,18 @@ import pytest
 from storage.token_streams import StreamEntry
 from tests.unit.engine.tiny_models import save_tiny_llama
 from workers.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from workers.inference.engine_loop import EngineLoop, FinishedRequest
+from workers.inference.engine_loop import EngineLoop, EngineRequest, FinishedRequest
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
-    model_dir: Path = tmp_path_factory.mktemp("tiny")
-    save_tiny_llama(model_dir)
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path: Path = tmp_path_factory.mktemp("tiny")
+    save_tiny_llama(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory_bytes=16 * 1024 * 1024))
 
 
@@ -94,6 +99,27 @@ def test_requests_added_while_running_join_and_finish(loop: EngineLoop) -> None:
     assert isinstance(long_output, RequestOutput) and len(long_output.token_ids) == 200
     assert long_output.finish_reason == "length"
     assert loop.is_healthy
+
+
+def test_requests_added_together_run_most_urgent_first_whatever_their_order(
+        model_dir: Path) -> None:
+    # Two sequences at a time: a worker's start (a poll's jobs) lists a batch's lines
+    # before two urgent jobs; none of the batch may run before them.
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_num_seqs=2,
+                                    kv_cache_memory_bytes=16 * 1024 * 1024))
+    engine_loop = EngineLoop(engine)
+    engine_loop.start()
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        engine_loop.add_all(
+            [EngineRequest(f"batch-{i}", [5, 6, 7 + i], params, priority=2) for i in range(6)]
+            + [EngineRequest(f"urgent-{i}", [9, 8, 7 + i], params, priority=0)
+               for i in range(2)])
+        finished = collect(engine_loop, 8)
+    finally:
+        engine_loop.stop()
+    assert set(list(finished)[:2]) == {"urgent-0", "urgent-1"}, list(finished)
+    assert all(isinstance(f.output, RequestOutput) for f in finished.values())
 
 
 def test_a_refused_request_comes_back_with_its_error(loop: EngineLoop) -> None:
