@@ -119,7 +119,7 @@ class Sampler:
         self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
     ) -> torch.Tensor:
         """Token id per row (R,) int64, still on the device."""
-        greedy = logits.argmax(dim=-1)
+        greedy = _greedy(logits)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:
             return greedy
@@ -204,6 +204,16 @@ def _total_weights(logits: torch.Tensor, temps: torch.Tensor, top: torch.Tensor
             logits.float().contiguous(), (1.0 / temps[:, 0]).float().contiguous(),
             top[:, 0].float().contiguous())[:, None]
     return torch.exp(logits / temps - top).sum(dim=-1, keepdim=True)
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum (torch.argmax), by the CPU kernel where it is loaded:
+    torch's CPU argmax is unvectorised, ~6x slower at 192 rows of 2,048 tokens."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(1) == 1 and _draws_in_kernel()
+            and hasattr(torch.ops.batchinfer_cpu, "greedy_tokens")):
+        return torch.ops.batchinfer_cpu.greedy_tokens(logits)
+    return logits.argmax(dim=-1)
 
 
 def _draws_in_kernel() -> bool:

@@ -1,4 +1,5 @@
-"""The CPU kernel that draws a token over the whole vocabulary, against the torch rule."""
+"""The CPU kernels that draw a token over the whole vocabulary, or take each row's greedy
+token, against the torch rule."""
 
 from __future__ import annotations
 
@@ -96,3 +97,36 @@ def test_total_weights_are_the_torch_sums() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     with pytest.raises(RuntimeError, match="one per row"):
         torch.ops.batchinfer_cpu.total_weights(scores, scales[:3], tops)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 2048, 49_152])
+def test_greedy_tokens_are_torch_argmax(vocab: int) -> None:
+    """Ties go to the first maximum, a NaN wins (the first one), a row all -inf or all
+    +inf takes token 0; strided rows (a slice of a wider matrix) read right."""
+    gen = torch.Generator().manual_seed(vocab)
+    scores = torch.randn(40, vocab + 3, generator=gen)[:, :vocab]
+    scores[1] = 0.0
+    scores[2] = float("-inf")
+    scores[3] = float("inf")
+    scores[4, vocab // 2] = float("nan")
+    scores[4, vocab - 1] = float("nan")
+    scores[5, vocab // 3] = scores[5, vocab - 1] = scores[5].max() + 1
+    scores[6, ::2] = float("-inf")
+    got = torch.ops.batchinfer_cpu.greedy_tokens(scores)
+    assert got.dtype == torch.int64
+    assert got.tolist() == scores.argmax(dim=-1).tolist()
+
+
+def test_the_sampler_takes_greedy_rows_from_the_kernel_beside_drawn_ones() -> None:
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(5, 3000, generator=gen)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=1),
+              SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=2),
+              SamplingParams(temperature=0)]
+    tokens = [t.token_id for t in Sampler(0, torch.device("cpu")).sample(
+        logits, params, [0] * 5)]
+    greedy = logits.argmax(dim=-1).tolist()
+    assert [tokens[i] for i in (0, 2, 4)] == [greedy[i] for i in (0, 2, 4)]
+    uniforms = torch.tensor([seeded_uniform(1, 0), seeded_uniform(2, 0)])
+    assert [tokens[1], tokens[3]] == torch_rule(
+        logits[[1, 3]], torch.full((2,), 1 / 0.7), uniforms).tolist()
