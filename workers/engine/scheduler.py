@@ -149,6 +149,7 @@ class Scheduler:
         self.num_held_back_steps = 0  # sequence-steps sat out for a latency class or tenant cap
         self.waiting: list[Sequence] = []  # sorted by urgency
         self.tenant_clocks = TenantClocks()
+        # In urgency order (inserted so): a sort per step called urgency() per sequence.
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_prefix_cache_hit_tokens = 0
@@ -191,7 +192,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch within the token budget and the sequence cap."""
         step = StepDraft(self.max_num_batched_tokens)
-        running = sorted(self.running, key=urgency)
+        running = list(self.running)  # kept in urgency order; preemption changes the list
         levels = sorted({s.priority for s in running} | {s.priority for s in self.waiting})
         tenant_lost_s = 0.0
         for level in levels:
@@ -449,7 +450,7 @@ class Scheduler:
             self.waiting.pop(0)
             self.tenant_clocks.on_admit(seq)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            bisect.insort(self.running, seq, key=urgency)
             self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
             step.add(seq, num_new, bm.hashes_completed_by(seq, num_new), is_prefill=True)
 

@@ -154,6 +154,17 @@ def test_bad_schedule_raises(tmp_path: Path) -> None:
         runner.execute([seq], [0])
     with pytest.raises(ValueError, match="num_scheduled_tokens"):
         runner.execute([seq, seq], [1])
+    # Decodes (one token each) are packed apart: the same checks hold for them.
+    ok = make_seq(list(range(3, 7)), "ok")
+    ok.block_table = [3]
+    seq.num_computed_tokens = 9
+    seq.block_table = [0, 1]  # position 9 lies past it
+    with pytest.raises(ValueError, match="block_table"):
+        runner.execute([ok, seq], [4, 1])
+    seq.block_table = [0, 1, 2]
+    seq.num_computed_tokens = 10  # nothing left to compute
+    with pytest.raises(ValueError, match="num_scheduled_tokens"):
+        runner.execute([ok, seq], [4, 1])
     assert runner.execute([], []) == []
 
 
