@@ -87,10 +87,11 @@ def create_batch(client: httpx.Client, file_id: str, window: str,
                                             **extra})
 
 
-def follow(client: httpx.Client, batch_id: str, timeout: float, interval_s: float = 0.25,
-           service: Service | None = None) -> tuple[list[Reading], float]:
-    """Read the batch until it ends: the readings, and when it was first seen ended (with
-    `service`, each reading also carries the worker's pace and the running lines)."""
+def follow(client: httpx.Client, service: Service, batch_id: str, timeout: float,
+           interval_s: float = 0.25) -> tuple[list[Reading], float]:
+    """Read the batch until it ends: the readings, and when it was first seen ended. Lines
+    done are counted from the job rows: the batch's own counts move at its passes (up to
+    `batch_poll_interval_s` apart), and a batch of the tiny model can end between two."""
     readings: list[Reading] = []
     give_up = time.monotonic() + timeout
     while time.monotonic() < give_up:
@@ -98,28 +99,27 @@ def follow(client: httpx.Client, batch_id: str, timeout: float, interval_s: floa
         now = time.time()
         if batch["status"] in ("completed", "failed", "expired", "cancelled"):
             return readings, now
-        counts = batch.get("request_counts") or {}
-        reading = Reading(now, counts.get("completed", 0) + counts.get("failed", 0),
-                          batch.get("estimated_completion_at"))
-        if service is not None:
-            reading.tokens_per_s, reading.num_running = load_now(service, batch_id)
-        readings.append(reading)
+        num_done, tokens_per_s, num_running = load_now(service, batch_id)
+        readings.append(Reading(now, num_done, batch.get("estimated_completion_at"),
+                                tokens_per_s, num_running))
         time.sleep(interval_s)
     raise TimeoutError(f"batch {batch_id} still running after {timeout} s")
 
 
-def load_now(service: Service, batch_id: str) -> tuple[float | None, int]:
-    """The worker's reported tokens/s (summed) and the batch's running lines, now."""
+def load_now(service: Service, batch_id: str) -> tuple[int, float | None, int]:
+    """The batch's finished lines, the worker's reported tokens/s (summed) and the batch's
+    running lines, now."""
     engine = create_db_engine(f"sqlite:///{service.data_dir / 'batchinfer.db'}")
     try:
         with engine.connect() as connection:
             rates = connection.execute(select(WorkerHeartbeat.tokens_per_s)).scalars().all()
-            num_running = connection.execute(
-                select(func.count()).where(Job.batch_id == batch_id,
-                                           Job.status == JobStatus.RUNNING)).scalar_one()
+            counts = dict(connection.execute(
+                select(Job.status, func.count()).where(Job.batch_id == batch_id)
+                .group_by(Job.status)).all())
     finally:
         engine.dispose()
-    return (sum(r for r in rates if r) or None), num_running
+    num_done = sum(n for status, n in counts.items() if JobStatus(status).is_terminal)
+    return num_done, (sum(r for r in rates if r) or None), counts.get(JobStatus.RUNNING, 0)
 
 
 def print_trace(readings: list[Reading], ended_at: float, every_s: float = 2.0) -> None:
@@ -160,8 +160,7 @@ def batch_phase(service: Service, args: argparse.Namespace) -> None:
         created = create_batch(client, file_id, "24h")
         created.raise_for_status()
         batch_id = created.json()["id"]
-        readings, ended_at = follow(client, batch_id, args.timeout,
-                                    service=service if args.trace else None)
+        readings, ended_at = follow(client, service, batch_id, args.timeout)
     rows = service.jobs(batch_id=batch_id)
     last_job_at = max(j.finished_at.timestamp() for j in rows if j.finished_at is not None)
     first_start = min(j.started_at.timestamp() for j in rows if j.started_at is not None)

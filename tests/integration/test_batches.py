@@ -217,6 +217,30 @@ def test_created_and_cancelled_batches_are_taken_up_at_once_not_at_the_next_pass
     assert done.request_counts is not None and done.request_counts.failed == 3
 
 
+def test_a_batch_is_completed_once_its_worker_ran_its_last_line_not_at_the_next_pass(
+    service: Callable[..., BatchService],
+) -> None:
+    # Ten minutes between regular passes: the API's announcement brings the fan-out, and
+    # only the worker's (it holds none of the batch's jobs any more) the final count.
+    svc = service(batch_poll_interval_s=600.0)
+    deadline = time.monotonic() + 60
+    while "batches every" not in svc.scheduler.log_tail() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # the loop's first pass is behind it
+    client = svc.openai()
+    model = svc.settings.model
+    file = client.files.create(file=("drain.jsonl", jsonl(
+        [chat_line(f"d{i}", model, content=f"Line {i}?") for i in range(5)])),
+        purpose="batch")
+    started = time.monotonic()
+    batch = client.batches.create(input_file_id=file.id, endpoint=CHAT,
+                                  completion_window="24h")
+    done = svc.wait_batch(client, batch.id, lambda b: b.status in TERMINAL, timeout=120)
+    assert done.status == "completed", svc.logs()
+    assert time.monotonic() - started < 300
+    assert done.request_counts is not None and done.request_counts.completed == 5
+
+
 def test_cancel_mid_run_stops_the_rest_and_keeps_partial_output(
     service: Callable[..., BatchService],
 ) -> None:

@@ -30,7 +30,7 @@ from core.messages import JobMessage
 from core.tenant_metrics import TenantLabels, count_finished
 from storage import job_batches, jobs
 from storage.cache_policy import CachePolicy
-from storage.events import queue_job_done, queue_jobs_done
+from storage.events import publish_batches_wake, queue_job_done, queue_jobs_done
 from storage.models import Job, JobStatus
 from storage.redis_batch import RedisBatch
 from storage.result_cache import ResultCache, result_cache_key
@@ -200,6 +200,11 @@ class JobStore:
                               if s.message.job_id in finished])
         batch.execute()
         return finished
+
+    def wake_batches(self, batch_ids: list[str]) -> None:
+        """Ask the schedulers for a pass over these batches now (best effort)."""
+        for batch_id in batch_ids:
+            publish_batches_wake(self._redis, prefix=self._prefix, batch_id=batch_id)
 
     def _account(self, batch: RedisBatch,
                  done: list[tuple[JobMessage, job_batches.Completion]]) -> None:

@@ -43,6 +43,7 @@ from core.settings import Settings
 from core.topics import Priority
 from storage.events import CancelSubscription
 from workers.engine import RequestOutput
+from workers.inference.batch_drain import BatchDrains
 from workers.inference.db_outage import DatabaseOutage
 from workers.inference.early_join import EarlyJoin
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
@@ -111,6 +112,7 @@ class Worker:
         self._unstored: list[FinishedRequest] = []
         self._unstarted: dict[str, Candidate] = {}
         self._held = HeldRecords()  # see record_intake
+        self._drains = BatchDrains()
         self._database = DatabaseOutage()
         self._max_inflight = max_inflight(settings, engine_loop.engine)
         topic_rank = {topic: Priority(p).rank for p, topic in settings.job_topics.items()}
@@ -363,12 +365,23 @@ class Worker:
             settled.append(job.records)
         if successes:
             self._outcomes.succeeded(successes, choices)
-        for done in finished:
-            self._inflight.pop(done.request_id, None)
+        gone = [job for done in finished
+                if (job := self._inflight.pop(done.request_id, None)) is not None]
+        self._wake_drained_batches(gone)
         for priority in cancelled:
             metrics.JOBS_CANCELLED.labels(priority).inc()
         for records in settled:
             self._ack(records)
+
+    def _wake_drained_batches(self, gone: list[InFlightJob]) -> None:
+        """Ask for a batch pass for each batch whose last held job just left (see
+        batch_drain); nothing while Redis is away (the pass still comes on its interval)."""
+        if self._is_redis_down or not gone:
+            return
+        drained = self._drains.drained(
+            (job.message.batch_id for job in gone),
+            (job.message.batch_id for job in self._inflight.values()), time.monotonic())
+        self._store.wake_batches(drained)
 
     def _token_text(self, token_id: int) -> str:
         tokenizer = getattr(self._engine.engine, "tokenizer", None)
