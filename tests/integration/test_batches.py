@@ -189,6 +189,14 @@ def test_invalid_files_fail_validation_by_line_and_enqueue_nothing(
         consumer.close()
 
 
+def after_first_pass(svc: BatchService) -> None:
+    """Until the scheduler's batch loop has made its first pass (its start is logged)."""
+    deadline = time.monotonic() + 60
+    while "batches every" not in svc.scheduler.log_tail() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # the loop's first pass is behind it
+
+
 def test_created_and_cancelled_batches_are_taken_up_at_once_not_at_the_next_pass(
     service: Callable[..., BatchService],
 ) -> None:
@@ -196,10 +204,7 @@ def test_created_and_cancelled_batches_are_taken_up_at_once_not_at_the_next_pass
     # taken up within the waits below, however slow a loaded machine makes the first
     # fan-out (it loads the model's tokenizer).
     svc = service(start_worker=False, batch_poll_interval_s=600.0)
-    deadline = time.monotonic() + 60
-    while "batches every" not in svc.scheduler.log_tail() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.5)  # the loop's first pass is behind it
+    after_first_pass(svc)
     client = svc.openai()
     model = svc.settings.model
     file = client.files.create(file=("wake.jsonl", jsonl(
@@ -223,10 +228,7 @@ def test_a_batch_is_completed_once_its_worker_ran_its_last_line_not_at_the_next_
     # Ten minutes between regular passes: the API's announcement brings the fan-out, and
     # only the worker's (it holds none of the batch's jobs any more) the final count.
     svc = service(batch_poll_interval_s=600.0)
-    deadline = time.monotonic() + 60
-    while "batches every" not in svc.scheduler.log_tail() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.5)  # the loop's first pass is behind it
+    after_first_pass(svc)
     client = svc.openai()
     model = svc.settings.model
     file = client.files.create(file=("drain.jsonl", jsonl(
