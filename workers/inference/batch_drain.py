@@ -32,10 +32,13 @@ class BatchDrains:
                 now: float) -> list[str]:
         """Batch ids among `finished` (the finished jobs' batches) absent from `in_flight`
         (the batches of the jobs still held), not woken within `MIN_WAKE_GAP_S` of `now`."""
+        batch_ids = [b for b in dict.fromkeys(finished) if b is not None]
+        if not batch_ids:  # jobs of no batch: the jobs held are not looked at
+            return []
         held = set(in_flight)
         due = []
-        for batch_id in dict.fromkeys(finished):
-            if batch_id is None or batch_id in held:
+        for batch_id in batch_ids:
+            if batch_id in held:
                 continue
             if now - self._woken_at.get(batch_id, -MIN_WAKE_GAP_S) < MIN_WAKE_GAP_S:
                 continue
