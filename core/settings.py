@@ -167,6 +167,9 @@ class Settings(BaseSettings):
     # back to the queue, or fails those that have had job_max_attempts claims already.
     worker_heartbeat_interval_s: float = Field(default=5.0, gt=0)
     worker_heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    # Between beats, the worker looks at its pace this often and beats at once when it is
+    # news (known at last, or moved by a quarter): estimates read the last beat's.
+    worker_pace_probe_s: float = Field(default=0.25, gt=0)
     # A worker whose poll loop has not gone round for this long stops beating (and is then
     # replaced as a dead one): a hung loop must not hide behind a healthy heartbeat thread.
     worker_loop_stall_timeout_s: float = Field(default=60.0, gt=0)

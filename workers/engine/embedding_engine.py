@@ -149,8 +149,18 @@ class EmbeddingEngine:
         busy = self._busy_seconds
         if self._busy_since is not None:
             busy += time.perf_counter() - self._busy_since
-        num_waiting = sum(1 for r in self._requests.values() if r.num_pooled == len(r.encoded))
-        return EngineStats(num_running=len(self._requests) - num_waiting,
+        # Read from other threads (the worker's heartbeat) while the engine thread adds and
+        # removes requests: the copy is retried if the dict changed size during it.
+        for _ in range(3):
+            try:
+                requests = list(self._requests.values())
+                break
+            except RuntimeError:
+                continue
+        else:
+            requests = []
+        num_waiting = sum(1 for r in requests if r.num_pooled == len(r.encoded))
+        return EngineStats(num_running=len(requests) - num_waiting,
                            num_waiting=num_waiting, num_kv_blocks_used=0,
                            num_kv_blocks_free=0, num_prefix_cache_hit_tokens=0,
                            num_preemptions=0, num_computed_tokens=self._num_computed_tokens,

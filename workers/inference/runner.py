@@ -171,12 +171,13 @@ def run_worker(settings: Settings | None = None, *, engine: LLMEngine | None = N
         # Beating before the consumer joins, and stopped (its row deleted) only after
         # the drain handed back what the worker could not finish.
         pulse = LoopPulse()  # the poll loop's; the heartbeat stops when it stalls
+        # A remote engine's pace is the server's own.
+        rate = ServiceRate(engine.stats) if engine is not None else None
         stack.enter_context(Heartbeat(session_factory(db_engine), worker_id=worker_id,
                                       interval_s=settings.worker_heartbeat_interval_s,
                                       model=settings.served_model_name,
-                                      # A remote engine's pace is the server's own.
-                                      pace=(ServiceRate(engine.stats).sample
-                                            if engine is not None else None),
+                                      pace=rate.sample if rate is not None else None,
+                                      probe_s=settings.worker_pace_probe_s,
                                       pulse=pulse,
                                       loop_stall_timeout_s=settings.worker_loop_stall_timeout_s,
                                       liveness_file=settings.worker_liveness_file))

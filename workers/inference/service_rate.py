@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -37,6 +38,11 @@ from workers.engine.outputs import EngineStats
 MIN_BUSY_S = 0.2
 # Engine steps over which the figures are smoothed (about a job's life: see above).
 SMOOTHING_STEPS = 64.0
+# An engine that held work this recently and holds none now ran dry between two polls of a
+# batch, not out of work: its pace ahead stays the one of the work it held. Taking the
+# full-batch pace of an idle engine then put a running tiny-model batch's estimates at
+# twice its pace or more, each time a sample caught the engine between polls.
+DRY_SPELL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +87,11 @@ class Pace:
 class ServiceRate:
     """Samples an engine's totals into a smoothed `Pace` (safe from any thread)."""
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._stats = stats
+        self._clock = clock
+        self._held_at = -math.inf  # when a sample last found the engine holding work
         self._lock = threading.Lock()
         self._last: EngineStats | None = None
         self._pace = Pace()
@@ -126,6 +135,11 @@ class ServiceRate:
             return self._pace
 
     def _pace_ahead(self, stats: EngineStats) -> float | None:
+        now = self._clock()
+        if stats.num_requests_left > 0:
+            self._held_at = now
+        elif now - self._held_at < DRY_SPELL_S:
+            return self._pace.tokens_per_s_ahead
         if stats.num_requests_left <= 0 and stats.full_batch_tokens_per_s:
             # Holding nothing: the next work is new work, as a batch's lines are, and it
             # runs at the width it fills, not at the pace of whatever ran last, often a

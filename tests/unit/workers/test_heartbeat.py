@@ -17,6 +17,7 @@ from storage.db import create_db_engine, session_factory
 from storage.jobs import create_job, get_job, mark_running
 from storage.models import Base, JobStatus, WorkerHeartbeat
 from storage.tenants import create_tenant
+from workers.inference import heartbeat as heartbeat_module
 from workers.inference.heartbeat import Heartbeat
 from workers.inference.job_store import JobStore
 from workers.inference.liveness import LoopPulse
@@ -157,3 +158,44 @@ def test_each_beat_carries_the_pace_and_the_work_left(sessions: sessionmaker[Ses
         left[0] = WorkLeft(0, 0, 0)
         wait_until("a beat with nothing left", lambda: rows(sessions)[0].num_requests_left == 0)
         assert rows(sessions)[0].num_tokens_to_compute == 0
+
+
+
+def test_a_pace_known_at_last_or_moved_beats_before_the_interval_and_a_steady_one_not(
+    sessions: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The estimates read the last beat's pace: a pace known where the last beat had none,
+    or moved by more than a quarter, is written at once, not an interval later; a pace that
+    holds (or moves less) waits for the interval."""
+    monkeypatch.setattr(heartbeat_module, "PACE_NEWS_GAP_S", 0.0)
+    paces = [Pace(None, None, WorkLeft(0, 0, 0))]
+    heartbeat = Heartbeat(sessions, worker_id="host-1", interval_s=600.0, model="m",
+                          pace=lambda: paces[-1], probe_s=0.01)
+    with heartbeat:
+        first = rows(sessions)[0].heartbeat_at
+        time.sleep(0.2)  # twenty probes of a pace still unknown
+        assert heartbeat.num_early_beats == 0
+        assert rows(sessions)[0].heartbeat_at == first
+        paces.append(Pace(500.0, 0.02, WorkLeft(3, 90, 60)))
+        wait_until("the pace known", lambda: rows(sessions)[0].tokens_per_s == 500.0)
+        assert rows(sessions)[0].num_requests_left == 3
+        paces.append(Pace(None, 0.02, WorkLeft(3, 80, 50), tokens_per_s_ahead=600.0))
+        time.sleep(0.2)  # +20%: not news
+        assert rows(sessions)[0].tokens_per_s == 500.0 and heartbeat.num_early_beats == 1
+        paces.append(Pace(None, 0.02, WorkLeft(3, 70, 40), tokens_per_s_ahead=300.0))
+        wait_until("the moved pace", lambda: rows(sessions)[0].tokens_per_s == 300.0)
+        assert rows(sessions)[0].num_tokens_to_compute == 70
+        time.sleep(0.2)
+        assert heartbeat.num_early_beats == 2, "one beat per piece of news"
+
+
+def test_a_moved_pace_beats_at_most_once_per_gap(sessions: sessionmaker[Session]) -> None:
+    """A pace that keeps swinging is written at most once per PACE_NEWS_GAP_S."""
+    swings = iter([100.0, 1000.0] * 10_000)
+    heartbeat = Heartbeat(sessions, worker_id="host-1", interval_s=600.0,
+                          pace=lambda: Pace(next(swings), 0.01), probe_s=0.01)
+    with heartbeat:
+        time.sleep(0.5)
+        assert heartbeat.num_early_beats == 0, "the first beat was under the gap ago"
+        wait_until("a moved pace after the gap", lambda: heartbeat.num_early_beats >= 1)
+        assert heartbeat.num_early_beats == 1

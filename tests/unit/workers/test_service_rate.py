@@ -7,7 +7,7 @@ import math
 import pytest
 
 from workers.engine.outputs import EngineStats
-from workers.inference.service_rate import SMOOTHING_STEPS, ServiceRate, WorkLeft
+from workers.inference.service_rate import DRY_SPELL_S, SMOOTHING_STEPS, ServiceRate, WorkLeft
 
 
 class Totals:
@@ -152,3 +152,21 @@ def test_holding_nothing_the_pace_is_a_full_batch_of_jobs_like_the_last() -> Non
     totals.stats.num_requests_left = 4
     totals.stats.num_tokens_to_compute, totals.stats.predicted_seconds_left = 100, 0.5
     assert rate.sample().reported_tokens_per_s == pytest.approx(100 / (0.5 * 1.25), rel=1e-3)
+
+
+def test_an_engine_dry_between_two_polls_keeps_the_pace_of_its_work() -> None:
+    """Holding a batch's lines at 1,200 tokens/s, then found holding nothing 0.25 s later
+    (between two polls of the batch): still 1,200, not the idle engine's full-batch 4,000;
+    idle past the dry spell, the full-batch pace for whatever comes next."""
+    totals, now = Totals(), [0.0]
+    rate = ServiceRate(totals, clock=lambda: now[0])
+    totals.stats.full_batch_tokens_per_s = 4000.0
+    totals.stats.num_requests_left = 4
+    totals.stats.num_tokens_to_compute, totals.stats.predicted_seconds_left = 600, 0.5
+    assert rate.sample().reported_tokens_per_s == pytest.approx(1200.0)
+    totals.stats.num_requests_left = totals.stats.num_tokens_to_compute = 0
+    totals.stats.predicted_seconds_left = None
+    now[0] = 0.25
+    assert rate.sample().reported_tokens_per_s == pytest.approx(1200.0)
+    now[0] = 0.25 + DRY_SPELL_S
+    assert rate.sample().reported_tokens_per_s == pytest.approx(4000.0)
