@@ -34,9 +34,10 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto | cpu | torch | triton | flash
     block_size: int | None = None
-    # What the KV pool stores: "auto" the model's dtype; "fp8" (or "fp8_e4m3") e4m3 bytes
-    # with a scale of 1, as vLLM's without calibrated scales: half a bf16 pool's bytes a
-    # token, so twice the sequences fit. Attention reads them back into the model's dtype.
+    # What the KV pool stores: "auto" the model's dtype; "fp8" (or "fp8_e4m3") e4m3 bytes,
+    # divided by the checkpoint's calibrated K/V scales where it has them (kv_scales), as
+    # vLLM's: half a bf16 pool's bytes a token, so twice the sequences fit. Attention reads
+    # them back into the model's dtype.
     kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None

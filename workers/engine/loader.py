@@ -22,7 +22,9 @@ from transformers import AutoConfig, PretrainedConfig
 
 from workers.engine import cpu_int4
 from workers.engine.attention import AttentionBackend
+from workers.engine.kv_scales import read_kv_scales, split_kv_scale_names
 from workers.engine.models import CausalLM, model_class_for
+from workers.engine.models.attention import Attention
 from workers.engine.models.experts import ExpertWeights
 from workers.engine.models.linear import FusedLinear
 from workers.engine.models.quant_linear import QuantLinear
@@ -98,9 +100,10 @@ def load_model(
             return file_of[name].get_tensor(name)
 
         present = set(file_of)
+        kv_scale_names, names = split_kv_scale_names(list(file_of))
         plans = []
         if scheme is not None and keeps_packed(quantized_weights, scheme, device, dtype):
-            plans = plan_packed(model, scheme, list(file_of), get,
+            plans = plan_packed(model, scheme, names, get,
                                 lambda n: file_of[n].get_slice(n).get_dtype(),
                                 lambda n: _target_of(n, model))
             swap_in_packed(model, plans, scheme, dtype)
@@ -113,7 +116,7 @@ def load_model(
             if device.type == "cpu":
                 prepare_cpu_projections(model, dtype, keep_memory=quantized_weights == "packed")
         taken = packed_source_names(plans, present)
-        for name, tensor in dequantized_tensors(scheme, [n for n in file_of if n not in taken],
+        for name, tensor in dequantized_tensors(scheme, [n for n in names if n not in taken],
                                                 get):
             target = _target_of(name, model)
             if target is None:
@@ -124,6 +127,7 @@ def load_model(
             sizes = _output_sizes(model, param_name)
             _copy_into(params[param_name], sizes, shard, tensor, name)
             loaded.add(target)
+        _set_kv_scales(model, read_kv_scales(kv_scale_names, get))
     _check_complete(model, params, loaded)
     model.eval()
     logger.info("loaded %s (%d files) as %s on %s%s", model_dir, len(files), dtype, device,
@@ -163,6 +167,22 @@ def prepare_cpu_projections(model: torch.nn.Module, dtype: torch.dtype, *,
     for module in model.modules():
         if isinstance(module, QuantLinear) and not module.prepare_int4(dtype) and not keep_memory:
             module.keep_dequantized(dtype)
+
+
+def _set_kv_scales(model: CausalLM, scales: dict[str, tuple[float, float]]) -> None:
+    """Hand each attention layer the checkpoint's calibrated fp8 KV scales."""
+    for path, (k_scale, v_scale) in scales.items():
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            module = None
+        if not isinstance(module, Attention):
+            raise ValueError(f"model checkpoint has KV cache scales for {path!r}, which is not "
+                             "an attention layer of this model")
+        module.set_kv_scales(k_scale, v_scale)
+    if scales:
+        logger.info("checkpoint carries calibrated KV cache scales for %d layers (used with "
+                    "kv_cache_dtype=fp8)", len(scales))
 
 
 def _target_of(name: str, model: CausalLM) -> tuple[str, int | None] | None:

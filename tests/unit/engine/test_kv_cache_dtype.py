@@ -59,31 +59,38 @@ def test_the_engine_generates_through_an_fp8_pool(model_dir: Path) -> None:
     assert engine.runner.kv_cache.view(torch.uint8).any()  # it holds something
 
 
+def pool_logits(model_dir: Path, prompts: list[list[int]], *, kv_cache_dtype: str,
+                backend: str = "cpu") -> torch.Tensor:
+    """Every position's logits with the prompts fed a token a step, so that attention reads
+    every key from the pool (none from the step's own fresh rows)."""
+    runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
+                                      kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64,
+                                      attention_backend=backend))
+    assert runner.backend.name == backend
+    seqs = [make_seq(p[:1], f"s{i}") for i, p in enumerate(prompts)]
+    place(seqs, [len(p) for p in prompts], runner.block_size)
+    steps = []
+    for pos in range(max(len(p) for p in prompts)):
+        live = [s for s, p in zip(seqs, prompts, strict=True) if pos < len(p)]
+        _, step_logits = runner.compute_logits(live, [1] * len(live))
+        steps.append(step_logits)
+        for seq, prompt in zip(seqs, prompts, strict=True):
+            if pos + 1 < len(prompt):
+                seq.num_computed_tokens = pos + 1
+                seq.append_token(prompt[pos + 1])
+    return torch.cat(steps)
+
+
 def test_decode_logits_over_an_fp8_pool_equal_the_torch_paths(model_dir: Path) -> None:
-    """The C++ kernel and the torch path read the same e4m3 bytes back. Prompts fed a token
-    a step, so that both attend every key from the pool: their logits agree to float32
-    rounding at every position. (Against a full-precision pool they differ by far more:
-    the tiny model's attention scores are large, and e4m3 keeps 3 bits of each mantissa.)"""
+    """The C++ kernel and the torch path read the same e4m3 bytes back: their logits agree
+    to float32 rounding at every position. (Against a full-precision pool they differ by
+    far more: the tiny model's attention scores are large, and e4m3 keeps 3 bits of each
+    mantissa.)"""
     rng = random.Random(5)
     prompts = [random_prompt(rng, n) for n in (5, 17, 40)]
-    logits = {}
-    for kv_cache_dtype, backend in (("fp8", "cpu"), ("fp8", "torch"), ("auto", "cpu")):
-        runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
-                                          kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64,
-                                          attention_backend=backend))
-        assert runner.backend.name == backend
-        seqs = [make_seq(p[:1], f"s{i}") for i, p in enumerate(prompts)]
-        place(seqs, [len(p) for p in prompts], runner.block_size)
-        steps = []
-        for pos in range(max(len(p) for p in prompts)):
-            live = [s for s, p in zip(seqs, prompts, strict=True) if pos < len(p)]
-            _, step_logits = runner.compute_logits(live, [1] * len(live))
-            steps.append(step_logits)
-            for seq, prompt in zip(seqs, prompts, strict=True):
-                if pos + 1 < len(prompt):
-                    seq.num_computed_tokens = pos + 1
-                    seq.append_token(prompt[pos + 1])
-        logits[kv_cache_dtype, backend] = torch.cat(steps)
+    logits = {(dtype, backend): pool_logits(model_dir, prompts, kv_cache_dtype=dtype,
+                                            backend=backend)
+              for dtype, backend in (("fp8", "cpu"), ("fp8", "torch"), ("auto", "cpu"))}
     torch.testing.assert_close(logits["fp8", "cpu"], logits["fp8", "torch"], atol=1e-4, rtol=1e-4)
     assert not torch.allclose(logits["fp8", "cpu"], logits["auto", "cpu"], atol=1e-2)
 

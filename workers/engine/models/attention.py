@@ -5,6 +5,7 @@ layer's own scale, sliding window and soft-capping) and the output projection.""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from workers.engine.attention import FULL_ATTENTION, AttentionBackend, AttentionParams
+from workers.engine.kv_dtypes import FP8_KV
 from workers.engine.models.hf_config import head_dim_of, num_kv_heads_of
 from workers.engine.models.linear import FusedLinear, Linear
 
@@ -46,6 +48,16 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = qk_norm, copy.deepcopy(qk_norm)
         self.backend = backend
         self.params = params
+        # The checkpoint's calibrated scales of an fp8 KV pool (see kv_scales), and the
+        # params with the softmax scale that reads keys stored divided by k_scale.
+        self.kv_scales: tuple[float, float] | None = None
+        self._fp8_params = params
+
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """Store K and V divided by these in an fp8 pool (1.0, 1.0: as they are)."""
+        self.kv_scales = None if (k_scale, v_scale) == (1.0, 1.0) else (k_scale, v_scale)
+        scale = self.params.scale if self.params.scale is not None else self.head_dim ** -0.5
+        self._fp8_params = dataclasses.replace(self.params, scale=scale * k_scale)
 
     def forward(
         self,
@@ -67,5 +79,10 @@ class Attention(nn.Module):
         qk = self.backend.pointwise.rotate(qk, rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.kv_scales is not None and k_cache.dtype == FP8_KV:
+            k_scale, v_scale = self.kv_scales
+            out = self.backend.forward(q, k / k_scale, v / v_scale, k_cache, v_cache, metadata,
+                                       self._fp8_params)
+            return self.o_proj(out * v_scale)
         out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, self.params)
         return self.o_proj(out)  # (N, H * D) -> (N, hidden)
