@@ -140,6 +140,9 @@ def main() -> None:
     parser.add_argument("--high-tokens", type=int, default=24)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--high-target-ms", type=float, default=40.0)
+    parser.add_argument("--high-slowdown", type=float, default=1.0,
+                        help="a step holding the high job at most this many times its own "
+                             "cost (0: none)")
     parser.add_argument("--arrive-after-steps", type=int, default=8,
                         help="engine steps of the low batch before the high job arrives")
     parser.add_argument("--repeats", type=int, default=3)
@@ -155,7 +158,8 @@ def main() -> None:
         engine = LLMEngine(
             EngineConfig(model=model, dtype=args.dtype, device=args.device,
                          skip_tokenizer_init=True,
-                         step_time_targets={HIGH: args.high_target_ms / 1000})
+                         step_time_targets={HIGH: args.high_target_ms / 1000},
+                         step_slowdowns={HIGH: args.high_slowdown} if args.high_slowdown else {})
         )  # fmt: skip
         vocab = min(engine.vocab_size, 30_000)
         rng = random.Random(0)
@@ -172,13 +176,15 @@ def main() -> None:
         mixed_low, mixed_high = run_phase(engine, lows, args, high_ids, "mixed")
         assert mixed_high is not None
         engine.scheduler.step_time_targets = {}
+        engine.scheduler.step_slowdowns = {}
         plain_low, plain_high = run_phase(engine, lows, args, high_ids, "plain")
         assert plain_high is not None
 
     load = os.getloadavg()
     print(f"model {args.model}, {args.num_low} low jobs x {args.low_tokens} tokens, "
           f"high job {args.high_tokens} tokens, prompts {args.prompt_len} tokens, "
-          f"high target {args.high_target_ms:.0f} ms, load {load[0]:.1f}/{load[1]:.1f}")
+          f"high target {args.high_target_ms:.0f} ms, slowdown {args.high_slowdown or 'none'}, "
+          f"load {load[0]:.1f}/{load[1]:.1f}")
     print(f"idle   high: completion {idle_completion:.3f} s, TTFT {idle_ttft:.3f} s")
     print(f"solo   low: {solo.tokens_per_s:.0f} tok/s over {solo.seconds:.1f} s")
     phases = (("classes", mixed_low, mixed_high), ("no classes", plain_low, plain_high))

@@ -137,6 +137,17 @@ class Settings(BaseSettings):
     # within the drift between two runs of it alone (bench.tenant_fairness).
     engine_step_target_normal_ms: float | None = Field(default=100.0, gt=0)
     engine_step_target_low_ms: float | None = Field(default=None, gt=0)
+    # And relative to the device and model: a step holding a job of this priority may
+    # take this many times what its own (and any more urgent) work alone costs. A target
+    # in ms binds only where full steps are slower than it: on the tiny model a 256-wide
+    # step took ~15 ms, under the 40 ms `high` target, and a high job ran 17-21x its time
+    # alone; at 1.0 it ran as fast as alone (0.99x), the low batch at 99% of its pace
+    # (bench.priority_latency). Above 1.0 low work shares those steps as the cost model
+    # prices them; at 1.1-1.5 the tiny model's high job ran 1.5-2.5x its time alone, the
+    # fitted cost being least exact at a step's narrowest widths. None: no bound.
+    engine_step_slowdown_high: float | None = Field(default=1.0, ge=1)
+    engine_step_slowdown_normal: float | None = Field(default=None, ge=1)
+    engine_step_slowdown_low: float | None = Field(default=None, ge=1)
     # The longest the prefill work of one step may add to it (priced by the same cost model).
     # A job arriving mid-step waits for that step, whatever its priority: on a 2-core CPU
     # a 2,048-token step of SmolLM2 prefill took ~25 s under load. None: the token budget

@@ -60,6 +60,10 @@ class EngineConfig:
     # sequences of that priority (less urgent ones sit steps out to keep it); a priority
     # not listed has no target. Empty: every step runs as wide as the budget allows.
     step_time_targets: dict[int, float] = field(default_factory=dict)
+    # And priority value -> how many times the cost of its own work (with any more urgent
+    # work) a step holding it may take: a bound that scales with the device and the model,
+    # where seconds bind only where full steps are slower than them.
+    step_slowdowns: dict[int, float] = field(default_factory=dict)
     # Seconds the prefill chunks of one step may add to it (the cost model prices them): a
     # request arriving mid-step waits for the step, so this bounds how long wide prefill
     # of less urgent work keeps it out. None: the token budget alone sizes a step.
@@ -113,5 +117,8 @@ class EngineConfig:
                 raise ValueError(
                     f"step_time_targets[{priority}] must be > 0 seconds, got {seconds}"
                 )
+        for priority, factor in self.step_slowdowns.items():
+            if not factor >= 1:
+                raise ValueError(f"step_slowdowns[{priority}] must be >= 1, got {factor}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")

@@ -99,6 +99,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             watermark=config.watermark,
             step_time_targets=config.step_time_targets,
+            step_slowdowns=config.step_slowdowns,
             max_prefill_step_time=config.max_prefill_step_time,
             tenant_max_loss=config.tenant_max_loss,
             kv_window=kv_window(self.runner.hf_config),

@@ -9,8 +9,10 @@ Responsibilities:
   running sequences, one priority level at a time, most urgent first: its decodes, its
   prefill chunks, then admissions of its waiting sequences;
 - latency classes: once a step holds sequences of a priority with a target step time
-  (`step_time_targets`), less urgent work joins it only while the cost model predicts the
-  step stays within that target; the rest sit the step out keeping their KV blocks
+  (`step_time_targets`, seconds) or a slowdown bound (`step_slowdowns`: how many times
+  the cost of the step with only that priority's work and more urgent work), less urgent
+  work joins it only while the cost model predicts the step stays within both; the rest
+  sit the step out keeping their KV blocks
   (a prefill chunk shrinks to fit first). With no urgent work in a step nothing is held
   back, so low priorities never starve for want of a target of their own;
 - within a level, tenants over their weighted share of its running sequences join the
@@ -116,6 +118,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         watermark: float = 0.01,
         step_time_targets: Mapping[int, float] | None = None,
+        step_slowdowns: Mapping[int, float] | None = None,
         cost_model: StepCostModel | None = None,
         kv_window: int | None = None,
         max_prefill_step_time: float | None = None,
@@ -141,6 +144,15 @@ class Scheduler:
         for priority, seconds in self.step_time_targets.items():
             if not seconds > 0:
                 raise ValueError(f"step time target of priority {priority} must be > 0")
+        # Priority value -> how many times its own work's cost a step holding it may take.
+        # A target in seconds binds only where a full step is slower than it: a tiny
+        # model's 256-wide step took ~15 ms against a 40 ms `high` target, so a high job
+        # ran every step at that width, 21x its time alone (bench/priority_latency.py).
+        self.step_slowdowns = dict(step_slowdowns or {})
+        for priority, factor in self.step_slowdowns.items():
+            if not factor >= 1:
+                raise ValueError(f"step slowdown of priority {priority} must be >= 1, got "
+                                 f"{factor}")
         if max_prefill_step_time is not None and not max_prefill_step_time > 0:
             raise ValueError(f"max_prefill_step_time must be > 0, got {max_prefill_step_time}")
         self.max_prefill_step_time = max_prefill_step_time
@@ -209,6 +221,9 @@ class Scheduler:
             self._admit_waiting(step, max_priority=level)
             if any(s.priority == level for s in step.scheduled):
                 step.levels_scheduled.add(level)
+                factor = self.step_slowdowns.get(level)
+                if factor is not None and self.cost_model.is_fitted:
+                    step.slowdown_caps.append(factor * self.cost_model.predict(step.shape))
         # Every request fits the pool and the budget alone (checked in add), and the most
         # urgent level present is never capped, so with work pending something always
         # runs; an empty batch here would be a livelock.
@@ -275,6 +290,7 @@ class Scheduler:
         targets = [
             self.step_time_targets[p] for p in step.levels_scheduled if p in self.step_time_targets
         ]
+        targets += step.slowdown_caps
         return min(targets) if targets else None
 
     def _num_within_cap(self, step: StepDraft, num_context_tokens: int, num_new: int) -> int:
@@ -371,7 +387,7 @@ class Scheduler:
         caching = self.block_manager.enable_prefix_caching
         scheduled, running_status = step.scheduled, SequenceStatus.RUNNING
         num_fast = num_fast_kv = 0
-        for seq in decodes:
+        for i, seq in enumerate(decodes):
             if step.budget <= 0:
                 break
             if seq.status is not running_status:
@@ -380,6 +396,13 @@ class Scheduler:
             if step.cap is not None or end > len(seq.block_table) * bs:
                 step.shape = step.shape.plus(num_fast, num_fast_kv, num_fast)
                 num_fast = num_fast_kv = 0
+                if step.cap is not None and not self._a_decode_fits(step):
+                    # Not even a decode with no context fits: none of the rest does. Pricing
+                    # each of them took ~2 us, 0.9 ms a step of a tiny model with 400
+                    # sequences sitting out beside a `high` one, half its step.
+                    step.num_held_back += sum(1 for s in decodes[i:]
+                                              if s.status is running_status)
+                    return
                 self._schedule_running(seq, step)
                 continue
             scheduled[seq] = 1
@@ -389,6 +412,12 @@ class Scheduler:
             if caching and end % bs == 0:  # this token completes a block
                 step.completing_hashes.update(self.block_manager.hashes_completed_by(seq, 1))
         step.shape = step.shape.plus(num_fast, num_fast_kv, num_fast)
+
+    def _a_decode_fits(self, step: StepDraft) -> bool:
+        """Whether one more decode, of the least context, keeps the step within its cap
+        (the coefficients are >= 0, so a decode with more context costs no less)."""
+        assert step.cap is not None
+        return self._num_within_cap(step, 0, 1) > 0
 
     def _schedule_running(self, seq: Sequence, step: StepDraft) -> None:
         num_new = min(seq.num_uncomputed_tokens, step.budget)

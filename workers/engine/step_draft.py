@@ -27,6 +27,9 @@ class StepDraft:
     # Priority levels with a sequence in this step, and the time cap they impose.
     levels_scheduled: set[int] = field(default_factory=set)
     cap: float | None = None
+    # Caps set by levels with a slowdown bound: that many times the step's cost once the
+    # level (and every more urgent one) was in it.
+    slowdown_caps: list[float] = field(default_factory=list)
     num_held_back: int = 0
     # The prefill chunks of this step alone, priced against `max_prefill_step_time`
     # (a chunk of a sequence preempted later in the step stays counted: the bound errs

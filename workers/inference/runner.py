@@ -75,6 +75,7 @@ def build_engine(settings: Settings) -> LLMEngine:
         kv_cache_memory_bytes=settings.engine_kv_cache_memory_bytes,
         kv_cache_dtype=settings.engine_kv_cache_dtype,
         step_time_targets=step_time_targets(settings),
+        step_slowdowns=step_slowdowns(settings),
         max_prefill_step_time=(None if settings.engine_max_prefill_step_ms is None
                                else settings.engine_max_prefill_step_ms / 1000),
         tenant_max_loss=settings.engine_tenant_max_loss or None,
@@ -87,12 +88,20 @@ def build_engine(settings: Settings) -> LLMEngine:
 
 def step_time_targets(settings: Settings) -> dict[int, float]:
     """Engine priority value -> target step seconds, from the `engine_step_target_*_ms`."""
-    targets_ms = {
-        Priority.HIGH: settings.engine_step_target_high_ms,
-        Priority.NORMAL: settings.engine_step_target_normal_ms,
-        Priority.LOW: settings.engine_step_target_low_ms,
-    }
-    return {p.rank: ms / 1000 for p, ms in targets_ms.items() if ms is not None}
+    return _by_rank({Priority.HIGH: settings.engine_step_target_high_ms,
+                     Priority.NORMAL: settings.engine_step_target_normal_ms,
+                     Priority.LOW: settings.engine_step_target_low_ms}, scale=1e-3)
+
+
+def step_slowdowns(settings: Settings) -> dict[int, float]:
+    """Engine priority value -> step slowdown bound, from the `engine_step_slowdown_*`."""
+    return _by_rank({Priority.HIGH: settings.engine_step_slowdown_high,
+                     Priority.NORMAL: settings.engine_step_slowdown_normal,
+                     Priority.LOW: settings.engine_step_slowdown_low})
+
+
+def _by_rank(values: dict[Priority, float | None], scale: float = 1.0) -> dict[int, float]:
+    return {p.rank: v * scale for p, v in values.items() if v is not None}
 
 
 def announce_model(settings: Settings, redis_client: redis.Redis,

@@ -30,15 +30,20 @@ def test_engine_fits_its_cost_model_from_its_own_steps(model_dir: Path) -> None:
     assert sum(model.coefficients()) > 0
 
 
-def test_low_requests_sit_out_while_a_high_one_runs_and_lose_nothing(model_dir: Path) -> None:
-    """A target no step can meet: low work sits out entirely while the high request runs,
-    keeps its KV (no preemption), resumes after, and produces what it would alone."""
+@pytest.mark.parametrize("bound", [{"step_time_targets": {0: 1e-9}},
+                                   {"step_slowdowns": {0: 1.0}}])
+def test_low_requests_sit_out_while_a_high_one_runs_and_lose_nothing(
+    model_dir: Path, bound: dict[str, dict[int, float]],
+) -> None:
+    """A target no step can meet, or a slowdown bound of 1 (a step no slower than the high
+    request alone): low work sits out entirely while the high request runs, keeps its KV
+    (no preemption), resumes after, and produces what it would alone."""
     alone = make_engine(model_dir)
     for i in range(4):
         alone.add_request(f"low{i}", [5 + i, 6, 7, 8], greedy(20), priority=2)
     expected = {rid: outs[-1].token_ids for rid, outs in run_all(alone).items()}
 
-    engine = make_engine(model_dir, step_time_targets={0: 1e-9})
+    engine = make_engine(model_dir, **bound)
     for i in range(4):
         engine.add_request(f"low{i}", [5 + i, 6, 7, 8], greedy(20), priority=2)
     for _ in range(10):  # enough steps to fit the cost model
@@ -60,3 +65,5 @@ def test_low_requests_sit_out_while_a_high_one_runs_and_lose_nothing(model_dir: 
 def test_step_time_targets_must_be_positive(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="step_time_targets"):
         EngineConfig(model=str(model_dir), step_time_targets={0: -1.0})
+    with pytest.raises(ValueError, match=r"step_slowdowns\[0\] must be >= 1"):
+        EngineConfig(model=str(model_dir), step_slowdowns={0: 0.5})

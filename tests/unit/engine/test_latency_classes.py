@@ -161,3 +161,40 @@ def test_earliest_deadline_first_within_a_priority() -> None:
 def test_a_non_positive_target_is_refused() -> None:
     with pytest.raises(ValueError, match="step time target"):
         make_scheduler(step_time_targets={HIGH: 0.0})
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.3])
+def test_a_slowdown_bound_holds_steps_to_a_multiple_of_the_urgent_work_alone(
+    factor: float,
+) -> None:
+    """A target in seconds far above every step binds nothing; a slowdown bound of `factor`
+    keeps each step holding the high sequence within `factor` times the step with only it.
+    At 1.0 the low sequences sit out whole; above it some of them join."""
+    sched = scheduler(step_time_targets={HIGH: 1.0}, step_slowdowns={HIGH: factor})
+    driver = SchedulerDriver(sched)
+    reqs = Requests()
+    lows = start_lows(sched, driver, reqs, 20)
+    high = reqs.add(sched, [40, 41], priority=HIGH, max_tokens=6)
+    decode_steps = joined = 0
+    while not high.is_finished:
+        alone = StepShape(1, high.num_computed_tokens + 1, 1)  # if this step decodes it
+        out, _ = driver.step()
+        assert high in out.seqs
+        i = out.seqs.index(high)
+        if out.num_scheduled_tokens[i] != 1:
+            continue
+        decode_steps += 1
+        assert sched.cost_model.predict(out.shape) <= factor * sched.cost_model.predict(alone) \
+            + 1e-12
+        joined += len(out.seqs) - 1
+        assert out.num_held_back == len(lows) - (len(out.seqs) - 1)
+    assert decode_steps == 5
+    assert (joined == 0) if factor == 1.0 else (0 < joined < 5 * len(lows))
+    assert all(low.num_preemptions == 0 for low in lows)
+    driver.run()  # the lows finish once the high one is gone
+    assert all(low.is_finished for low in lows)
+
+
+def test_slowdown_bounds_below_one_are_refused() -> None:
+    with pytest.raises(ValueError, match="step slowdown of priority 0 must be >= 1"):
+        scheduler(step_slowdowns={HIGH: 0.9})
