@@ -6,7 +6,7 @@ One invocation, one engine (as one worker holds it), four phases:
   solo     --num-low low jobs alone: their output tokens/s
   mixed    the same low jobs; once they all run, the high job arrives; its completion and
            TTFT, and the low jobs' tokens/s over the whole phase
-  mixed-untargeted   the same with the latency classes off (step_time_targets empty), to
+  mixed-untargeted   the same with the latency classes off (no targets, no bounds), to
            show what they change
 
 Targets (issue: priority that holds under a full batch): mixed completion <= 1.5x idle,
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workers.engine import EngineConfig, LLMEngine, SamplingParams
+from workers.engine.latency_classes import LatencyClasses
 
 HIGH, LOW = 0, 2
 
@@ -175,8 +176,7 @@ def main() -> None:
         solo, _ = run_phase(engine, lows, args, None, "solo")
         mixed_low, mixed_high = run_phase(engine, lows, args, high_ids, "mixed")
         assert mixed_high is not None
-        engine.scheduler.step_time_targets = {}
-        engine.scheduler.step_slowdowns = {}
+        engine.scheduler.latency_classes = LatencyClasses()
         plain_low, plain_high = run_phase(engine, lows, args, high_ids, "plain")
         assert plain_high is not None
 

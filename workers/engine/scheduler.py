@@ -8,12 +8,10 @@ Responsibilities:
 - spend a token budget (`max_num_batched_tokens`) per step under a cap of `max_num_seqs`
   running sequences, one priority level at a time, most urgent first: its decodes, its
   prefill chunks, then admissions of its waiting sequences;
-- latency classes: once a step holds sequences of a priority with a target step time
-  (`step_time_targets`, seconds) or a slowdown bound (`step_slowdowns`: how many times
-  the cost of the step with only that priority's work and more urgent work), less urgent
-  work joins it only while the cost model predicts the step stays within both; the rest
-  sit the step out keeping their KV blocks
-  (a prefill chunk shrinks to fit first). With no urgent work in a step nothing is held
+- latency classes (latency_classes): once a step holds sequences of a priority with a
+  target step time or a slowdown bound, less urgent work joins it only while the cost
+  model predicts the step stays within them; the rest sit the step out keeping their KV
+  blocks (a prefill chunk shrinks to fit first). With no urgent work in a step nothing is held
   back, so low priorities never starve for want of a target of their own;
 - within a level, tenants over their weighted share of its running sequences join the
   step after those under it, within a cap bounded by their loss (`tenant_max_loss`,
@@ -44,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from workers.engine.block_manager import BlockManager
+from workers.engine.latency_classes import LatencyClasses
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.step_cost import EMPTY_STEP, StepCostModel, StepShape
 from workers.engine.step_draft import StepDraft
@@ -138,21 +137,8 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
         self.num_watermark_blocks = int(watermark * block_manager.num_blocks)
-        # Priority value -> seconds a step may take while it holds sequences of that
-        # priority; a priority missing here has no target.
-        self.step_time_targets = dict(step_time_targets or {})
-        for priority, seconds in self.step_time_targets.items():
-            if not seconds > 0:
-                raise ValueError(f"step time target of priority {priority} must be > 0")
-        # Priority value -> how many times its own work's cost a step holding it may take.
-        # A target in seconds binds only where a full step is slower than it: a tiny
-        # model's 256-wide step took ~15 ms against a 40 ms `high` target, so a high job
-        # ran every step at that width, 21x its time alone (bench/priority_latency.py).
-        self.step_slowdowns = dict(step_slowdowns or {})
-        for priority, factor in self.step_slowdowns.items():
-            if not factor >= 1:
-                raise ValueError(f"step slowdown of priority {priority} must be >= 1, got "
-                                 f"{factor}")
+        self.latency_classes = LatencyClasses(dict(step_time_targets or {}),
+                                              dict(step_slowdowns or {}))
         if max_prefill_step_time is not None and not max_prefill_step_time > 0:
             raise ValueError(f"max_prefill_step_time must be > 0, got {max_prefill_step_time}")
         self.max_prefill_step_time = max_prefill_step_time
@@ -210,7 +196,7 @@ class Scheduler:
         for level in levels:
             # The tightest target among the more urgent sequences already in this step;
             # the first level present never has one, so the most urgent work always runs.
-            step.cap = self._cap(step)
+            step.cap = self.latency_classes.cap(step, self.cost_model)
             group = running if len(levels) == 1 else [s for s in running if s.priority == level]
             split = ShareSplit(group, [])
             if self.tenant_share is not None and self.cost_model.is_fitted:
@@ -220,10 +206,7 @@ class Scheduler:
                 tenant_lost_s += self._schedule_over_share(split, step)
             self._admit_waiting(step, max_priority=level)
             if any(s.priority == level for s in step.scheduled):
-                step.levels_scheduled.add(level)
-                factor = self.step_slowdowns.get(level)
-                if factor is not None and self.cost_model.is_fitted:
-                    step.slowdown_caps.append(factor * self.cost_model.predict(step.shape))
+                self.latency_classes.level_scheduled(step, level, self.cost_model)
         # Every request fits the pool and the budget alone (checked in add), and the most
         # urgent level present is never capped, so with work pending something always
         # runs; an empty batch here would be a livelock.
@@ -282,16 +265,6 @@ class Scheduler:
         self._schedule_group([s for s in rest if s.num_uncomputed_tokens > 1], step)
         step.cap = level_cap
         return lost_seconds(under_s, full_s, predict(step.shape))
-
-    def _cap(self, step: StepDraft) -> float | None:
-        """Seconds the step may take, from the targets of the levels it already holds."""
-        if not self.cost_model.is_fitted:
-            return None
-        targets = [
-            self.step_time_targets[p] for p in step.levels_scheduled if p in self.step_time_targets
-        ]
-        targets += step.slowdown_caps
-        return min(targets) if targets else None
 
     def _num_within_cap(self, step: StepDraft, num_context_tokens: int, num_new: int) -> int:
         """How many of `num_new` tokens fit the step's cap (all of them with no cap)."""
