@@ -89,6 +89,7 @@ class Heartbeat:
         self._beaten_at = -math.inf
         # Beats written before their interval because the pace was news.
         self.num_early_beats = 0
+        self._pace_failed = False  # the last read of the pace raised (logged once)
         self._is_stalled = False
         # Ticks given up because the poll loop had stalled.
         self.num_skipped_beats = 0
@@ -115,7 +116,7 @@ class Heartbeat:
         """Stamp the row now (inserting it if missing), with the pace measured since (or
         `pace`, just sampled)."""
         if pace is None:
-            pace = self.pace() if self.pace is not None else Pace()
+            pace = self._read_pace() or Pace()
         self._beaten_tokens_per_s = pace.reported_tokens_per_s
         self._beaten_at = time.monotonic()
         left = pace.work_left
@@ -165,9 +166,8 @@ class Heartbeat:
                 return
             pace: Pace | None = None
             if time.monotonic() < due:
-                assert self.pace is not None
-                pace = self.pace()
-                if not self._is_news(pace):
+                pace = self._read_pace()
+                if pace is None or not self._is_news(pace):
                     continue
                 self.num_early_beats += 1
             due = time.monotonic() + self.interval_s
@@ -180,6 +180,23 @@ class Heartbeat:
             except SQLAlchemyError as e:
                 logger.warning("heartbeat of %s failed (%s); retrying in %.1fs",
                                self.worker_id, e, self.interval_s)
+
+    def _read_pace(self) -> Pace | None:
+        """The pace now; None without one or when it cannot be read (logged once): a beat
+        without a pace still keeps the worker alive, and a dead heartbeat thread would
+        hand its jobs back."""
+        if self.pace is None:
+            return None
+        try:
+            pace = self.pace()
+        except Exception:
+            if not self._pace_failed:
+                logger.exception("worker %s: cannot read its pace; beating without it",
+                                 self.worker_id)
+            self._pace_failed = True
+            return None
+        self._pace_failed = False
+        return pace
 
     def _is_news(self, pace: Pace) -> bool:
         """Whether `pace` differs enough from the last beat's to be written before the

@@ -202,3 +202,25 @@ def test_a_moved_pace_beats_at_most_once_per_gap(
         assert heartbeat.num_early_beats == 0, "the first beat was under the gap ago"
         wait_until("a moved pace after the gap", lambda: heartbeat.num_early_beats >= 1)
         assert heartbeat.num_early_beats == 1
+
+
+def test_a_pace_that_cannot_be_read_leaves_the_beats_going_without_it(
+    sessions: sessionmaker[Session],
+) -> None:
+    """Liveness matters more than the pace: a pace that raises (the engine's stats read
+    mid-step, say) is logged, and the row is still stamped at every interval."""
+    calls = [0]
+
+    def pace() -> Pace:
+        calls[0] += 1
+        raise RuntimeError("dictionary changed size during iteration")
+
+    heartbeat = Heartbeat(sessions, worker_id="host-1", interval_s=0.3, pace=pace,
+                          probe_s=0.01)
+    with heartbeat:
+        (row,) = rows(sessions)
+        assert row.tokens_per_s is None
+        first = row.heartbeat_at
+        wait_until("probes that fail", lambda: calls[0] > 5)
+        wait_until("the interval's beat", lambda: rows(sessions)[0].heartbeat_at > first)
+        assert heartbeat.is_running and heartbeat.num_early_beats == 0
