@@ -1,7 +1,7 @@
 """Mixtures of experts decode greedily as Hugging Face does, token for token (fp32).
 
 Tiny random-weight Mixtral (also with a sliding window), Qwen2-MoE (a shared expert, a
-dense layer among sparse ones, unnormalised routing) and Qwen3-MoE models, built here:
+dense layer among sparse ones, unnormalised routing; and one without q/k/v biases) and Qwen3-MoE models, built here:
 prompts of 1-200 tokens, some sharing a prefix, under prefix caching with chunked prefill,
 and a pool small enough to force preemptions; on the torch attention path and on the
 default CPU backend.
@@ -44,6 +44,12 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], Any, dict[str, Any]]] = {
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
                   {"intermediate_size": 128, "moe_intermediate_size": 40, "num_experts": 8,
                    "num_experts_per_tok": 2, "norm_topk_prob": True, "head_dim": 32}),
+    # Qwen2-MoE's config can drop the q/k/v biases; renormalised routing.
+    "qwen2_moe-no-qkv-bias": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                              {"intermediate_size": 128, "moe_intermediate_size": 48,
+                               "num_experts": 4, "num_experts_per_tok": 2,
+                               "shared_expert_intermediate_size": 64, "norm_topk_prob": True,
+                               "qkv_bias": False}),
     # Every layer windowed: keys further back than 24 positions are never read.
     "mixtral-window": (MixtralConfig, MixtralForCausalLM,
                        {"intermediate_size": 96, "num_local_experts": 4,

@@ -44,13 +44,15 @@ class LlamaDecoderLayer(nn.Module):
         eps = hf_config.rms_norm_eps
         hidden = hf_config.hidden_size
         self.input_layernorm = RMSNorm(hidden, eps)
-        # Qwen2 biases q/k/v only; Llama's attention_bias covers all four projections.
+        # Qwen2 biases q/k/v only (Qwen2-MoE as its `qkv_bias` says); Llama's
+        # attention_bias covers all four projections.
         is_qwen2 = hf_config.model_type in ("qwen2", "qwen2_moe")
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        qwen2_qkv_bias = is_qwen2 and bool(getattr(hf_config, "qkv_bias", True))
         window = layer_windows(hf_config)[layer_index]
         self.self_attn = Attention(
             hf_config, backend,
-            qkv_bias=is_qwen2 or attention_bias, o_bias=not is_qwen2 and attention_bias,
+            qkv_bias=qwen2_qkv_bias or attention_bias, o_bias=not is_qwen2 and attention_bias,
             params=AttentionParams(sliding_window=window),
             qk_norm=RMSNorm(head_dim_of(hf_config), eps) if self.qk_norm else None,
         )  # fmt: skip
