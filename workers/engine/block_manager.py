@@ -59,9 +59,11 @@ def chain_hash(parent_hash: bytes, token_ids: list[int]) -> bytes:
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
-def root_hash(cache_salt: str | None) -> bytes:
-    """The parent hash of a sequence's first block; the salt keeps tenants apart."""
-    return hashlib.sha256(b"salt:" + (cache_salt or "").encode()).digest()
+def root_hash(cache_salt: str | None, rope_long: bool = False) -> bytes:
+    """The parent hash of a sequence's first block; the salt keeps tenants apart, and a
+    longrope model's long mode keeps its KV apart from the short mode's."""
+    mode = b":rope-long" if rope_long else b""
+    return hashlib.sha256(b"salt:" + (cache_salt or "").encode() + mode).digest()
 
 
 class BlockManager:
@@ -117,7 +119,7 @@ class BlockManager:
         assert num_full_blocks * bs <= seq.num_tokens
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else root_hash(seq.params.cache_salt)
+            parent = hashes[-1] if hashes else root_hash(seq.params.cache_salt, seq.rope_long)
             hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 

@@ -103,6 +103,7 @@ class LLMEngine:
             max_prefill_step_time=config.max_prefill_step_time,
             tenant_max_loss=config.tenant_max_loss,
             kv_window=kv_window(self.runner.hf_config),
+            rope_switch=self.runner.longrope_switch,
         )
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()

@@ -115,6 +115,9 @@ class ModelRunner:
             self.model_dir, self.hf_config, self.backend, self.dtype, self.device,
             quantized_weights=config.quantized_weights,
         )
+        longrope = self.model.longrope
+        # A sequence in longrope's long mode reads the table's long rows (see rotary.py).
+        self.longrope_switch, self._long_rope_offset = longrope or (None, 0)
         packed_dtype = packing_dtype(self.device, self.dtype)
         if packed_dtype is not None:
             self.model.pack_weights(packed_dtype)
@@ -298,7 +301,17 @@ class ModelRunner:
             row_of[i] = row
         step.sample_seq_indices = [i for i, row in enumerate(row_of) if row >= 0]
         step.sample_token_rows = [row for row in row_of if row >= 0]
+        if self._long_rope_offset:
+            self._offset_long_rope(step, seqs)
         return step
+
+    def _offset_long_rope(self, step: _Step, seqs: list[Sequence]) -> None:
+        """Positions of sequences in longrope's long mode moved to the table's long rows."""
+        offset, positions, row = self._long_rope_offset, step.positions, 0
+        for i, n in zip(step.order, step.query_lens, strict=True):
+            if seqs[i].rope_long:
+                positions[row:row + n] = [p + offset for p in positions[row:row + n]]
+            row += n
 
     def _check_scheduled(self, seq: Sequence, n: int, end: int) -> None:
         """Scheduler/runner contract checks, cheap enough to run on every step."""

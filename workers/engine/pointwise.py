@@ -29,9 +29,14 @@ class TorchPointwise:
         return cos, sin
 
     def rotate(self, x: torch.Tensor, rope: Any) -> torch.Tensor:
-        """x (N, heads, D) rotated NeoX style (see RotaryEmbedding), as a new tensor."""
+        """x (N, heads, D) rotated NeoX style (see RotaryEmbedding), as a new tensor; with a
+        table of R < D dimensions (partial rotary) the first R, the rest passed through."""
         cos, sin = rope
-        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+        rotated = cos.shape[-1]
+        if rotated == x.shape[-1]:
+            return x * cos + x.roll(rotated // 2, dims=-1) * sin
+        head, rest = x[..., :rotated], x[..., rotated:]
+        return torch.cat([head * cos + head.roll(rotated // 2, dims=-1) * sin, rest], dim=-1)
 
     def add_rms_norm(
         self, norm: Any, delta: torch.Tensor | None, residual: torch.Tensor

@@ -27,7 +27,9 @@ Responsibilities:
 - let a strictly more urgent waiting sequence displace the least urgent running one when
   the sequence cap or the KV pool is full (equal priorities never displace each other);
 - keep a free-block watermark when admitting, so running sequences rarely need preempting;
-- apply sampled tokens and stop conditions, and free whatever finishes.
+- apply sampled tokens and stop conditions, and free whatever finishes;
+- on a longrope model, recompute a sequence once it outgrows the original context, so that
+  every position takes the long factors (as Hugging Face re-encodes it then).
 """
 
 from __future__ import annotations
@@ -122,15 +124,18 @@ class Scheduler:
         kv_window: int | None = None,
         max_prefill_step_time: float | None = None,
         tenant_max_loss: float | None = None,
+        rope_switch: int | None = None,
     ) -> None:
         """kv_window: the widest sliding window when every layer has one (blocks before it
         are given back as sequences advance), None when any layer attends to everything.
         max_prefill_step_time: seconds the prefill work of one step may add to it, priced
         by the cost model (None: the token budget alone sizes it).
         tenant_max_loss: the throughput tenants over their share of a priority may lose
-        so that tenants under it take shorter steps (tenant_share; None: not capped)."""
+        so that tenants under it take shorter steps (tenant_share; None: not capped).
+        rope_switch: a longrope model's original_max_position_embeddings (None: not one)."""
         self.block_manager = block_manager
         self.kv_window = kv_window
+        self.rope_switch = rope_switch
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -180,6 +185,7 @@ class Scheduler:
                 f"{self.max_num_batched_tokens} with chunked prefill off"
             )
         seq.status = SequenceStatus.WAITING
+        seq.rope_long = self.rope_switch is not None and seq.num_tokens > self.rope_switch
         self.tenant_clocks.stamp(seq)
         bisect.insort(self.waiting, seq, key=urgency)
 
@@ -301,6 +307,7 @@ class Scheduler:
         updated: list[Sequence] = []
         block_size = self.block_manager.block_size
         running = SequenceStatus.RUNNING
+        rope_switch = self.rope_switch
         for seq, n, token in zip(out.seqs, out.num_scheduled_tokens, sampled, strict=True):
             if seq.status is not running:
                 # Ended by a stop string (or aborted) while this step ran: the engine
@@ -322,7 +329,19 @@ class Scheduler:
             status = self._stop_status(seq)
             if status is not None:
                 self.finish(seq, status)
+            elif rope_switch is not None and not seq.rope_long and seq.num_tokens > rope_switch:
+                self._recompute_long(seq)
         return updated
+
+    def _recompute_long(self, seq: Sequence) -> None:
+        """Back to the waiting line to recompute all it has with longrope's long factors
+        (its KV holds the short ones); its block hashes change with the mode."""
+        self.running.remove(seq)
+        self.block_manager.forget(seq)
+        seq.rope_long = True
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=urgency)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Take a sequence out of the engine for good and free its blocks."""

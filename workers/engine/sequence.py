@@ -85,6 +85,9 @@ class Sequence:
         # Prompt tokens found in the prefix cache at the last admission (for stats).
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        # Longrope's long factors for every position (the sequence is longer than the
+        # model's original context; set by the scheduler, read by the runner).
+        self.rope_long = False
         self.output_logprobs: list[float] = []
         # The grammar its output must follow (`params.json_schema`), set by the engine.
         self.grammar: GrammarState | None = None

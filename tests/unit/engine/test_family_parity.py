@@ -99,7 +99,7 @@ def test_family_greedy_matches_hugging_face(family: Any, config: str, backend: s
         ("gpt2", {}, "architecture 'gpt2' is not supported"),
         ("llama", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}},
          "rope_scaling type 'proportional'"),
-        ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
+        ("phi3", {"partial_rotary_factor": 0.01}, "partial_rotary_factor"),
         ("gemma2", {"hidden_activation": "relu"}, "hidden_activation 'relu'"),
         ("qwen3", {"layer_types": ["chunked_attention"] * 2}, "layer_types"),
     ],

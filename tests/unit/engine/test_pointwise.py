@@ -36,19 +36,25 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_matches_the_formula(dtype: torch.dtype) -> None:
-    """q and k heads of a strided q/k/v buffer, rotated where they lie; v untouched."""
-    rotary = RotaryEmbedding(1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)), 2048)
+@pytest.mark.parametrize("rotated", [64, 48])
+def test_rotary_in_place_matches_the_formula(dtype: torch.dtype, rotated: int) -> None:
+    """q and k heads of a strided q/k/v buffer, rotated where they lie; v untouched. With
+    48 of 64 dimensions (partial rotary) the last 16 of each head pass through."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotated, 2).float() / rotated))
+    rotary = RotaryEmbedding(inv_freq, 2048)
     rotary.reset_table(torch.device("cpu"), dtype)
     positions = torch.tensor([0, 1, 5, 2047, 300, 300])
     qkv = torch.randn(6, (9 + 3 + 3) * 64).to(dtype)
     qk = qkv[:, : 12 * 64].view(6, 12, 64)
     v_before = qkv[:, 12 * 64 :].clone()
+    before = qk.clone()
     want = TORCH_POINTWISE.rotate(qk, rotary(positions, TORCH_POINTWISE))
     got = CPU_POINTWISE.rotate(qk, rotary(positions, CPU_POINTWISE))
     assert got.data_ptr() == qk.data_ptr()
     close(got, want)
     assert torch.equal(qkv[:, 12 * 64 :], v_before)
+    assert torch.equal(got[..., rotated:], before[..., rotated:])
+    assert not torch.equal(got[1:, :, :rotated], before[1:, :, :rotated])
     with pytest.raises(RuntimeError, match="position 2048 is outside the rotary table"):
         CPU_POINTWISE.rotate(qk, rotary(torch.full((6,), 2048), CPU_POINTWISE))
 
@@ -79,9 +85,10 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(RuntimeError, match="positions must be"):
         ops.rotary_embedding(torch.randn(2, 3, 8), torch.zeros(2, dtype=torch.int32),
                              torch.randn(10, 16))
-    with pytest.raises(RuntimeError, match="table must be"):
-        ops.rotary_embedding(torch.randn(2, 3, 8), torch.zeros(2, dtype=torch.int64),
-                             torch.randn(10, 8))
+    for width in (6, 20):  # not [cos|cos|-sin|sin] of an even count; wider than a head
+        with pytest.raises(RuntimeError, match="table must be"):
+            ops.rotary_embedding(torch.randn(2, 3, 8), torch.zeros(2, dtype=torch.int64),
+                                 torch.randn(10, width))
     with pytest.raises(RuntimeError, match="weight must be"):
         ops.add_rms_norm(torch.empty(2, 8), torch.randn(2, 8), None, torch.ones(8).half(), 1e-5)
     with pytest.raises(RuntimeError, match="delta must be"):

@@ -55,10 +55,10 @@ WINDOW = 24
 LONGROPE = {
     "rope_type": "longrope",
     "rope_theta": 10000.0,
-    # Hugging Face picks short or long factors per forward pass by its longest position,
-    # the engine per position (see rotary.py): the parity prompts stay below the switch,
-    # where both agree; factor = 1024 / 512 still scales attention (attention_factor).
-    "original_max_position_embeddings": 512,
+    # The parity prompts (1-150 tokens, decoding up to 20) cross the switch in every way:
+    # within a prompt, at the first decode, and later in the decode; Hugging Face's Phi-3
+    # re-encodes a sequence with the long factors when it crosses, and so does the engine.
+    "original_max_position_embeddings": 64,
     "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0],
     "long_factor": [1.0, 1.3, 1.7, 2.5, 4.0, 6.0, 9.0, 12.0],
 }
@@ -79,7 +79,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW,
                                "max_window_layers": 0}),
     "mistral-window": ("mistral", {"sliding_window": WINDOW}),
-    "phi3-longrope": ("phi3", {"rope_parameters": LONGROPE, "max_position_embeddings": 1024}),
+    # Phi3Config takes the original length from its own key, over the rope dict's.
+    "phi3-longrope": ("phi3", {"rope_parameters": LONGROPE, "max_position_embeddings": 1024,
+                               "original_max_position_embeddings": 64}),
+    # Phi-4-mini rotates three quarters of each head.
+    "phi3-partial-rotary": ("phi3", {"partial_rotary_factor": 0.75}),
     "llama-yarn": ("llama", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 256}}),

@@ -97,17 +97,19 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
 
 // In place on qk (N, heads, D): x * cos + rotate_half(x) * sin, NeoX style, with table rows
 // [cos | cos | -sin | sin] (the model's RotaryEmbedding table) picked by positions (N,).
+// A table of R < D dimensions (partial rotary) rotates the first R of each head.
 template <typename T>
 void rotary_impl(const at::Tensor& qk, const at::Tensor& positions, const at::Tensor& table) {
-  const int64_t rows = qk.size(0), heads = qk.size(1), D = qk.size(2), half = D / 2;
+  const int64_t rows = qk.size(0), heads = qk.size(1), D = qk.size(2);
+  const int64_t R = table.size(1) / 2, half = R / 2;
   const int64_t s_row = qk.stride(0), s_head = qk.stride(1);
   T* base = qk.data_ptr<T>();
   const T* tab = table.data_ptr<T>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   at::parallel_for(0, rows, grain(heads * D), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* cos = tab + pos[r] * 2 * D;
-      const T* sin = cos + D;
+      const T* cos = tab + pos[r] * 2 * R;
+      const T* sin = cos + R;
       for (int64_t h = 0; h < heads; ++h) {
         T* x = base + r * s_row + h * s_head;
         // Iteration i reads and writes only x[i] and x[i + half]; the table never aliases x.
@@ -131,9 +133,10 @@ void rotary_embedding(const at::Tensor& qk, const at::Tensor& positions, const a
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.numel() == qk.size(0),
               "positions must be contiguous int64 (N,)");
-  TORCH_CHECK(table.is_contiguous() && table.dim() == 2 && table.size(1) == 2 * qk.size(2) &&
+  TORCH_CHECK(table.is_contiguous() && table.dim() == 2 && table.size(1) % 4 == 0 &&
+                  table.size(1) > 0 && table.size(1) <= 2 * qk.size(2) &&
                   table.scalar_type() == qk.scalar_type(),
-              "table must be contiguous (P, 2 D) of qk's dtype");
+              "table must be contiguous (P, 2 R) of qk's dtype, R <= D and even");
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t r = 0; r < positions.numel(); ++r) {
     TORCH_CHECK(pos[r] >= 0 && pos[r] < table.size(0),

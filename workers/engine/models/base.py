@@ -72,6 +72,21 @@ class CausalLM(nn.Module):
         self.packed_logits_weight = pack_weight(self._logits_weight, dtype)
 
     @property
+    def longrope(self) -> tuple[int, int] | None:
+        """(original_max_position_embeddings, the offset of the long rows) when the rotary
+        tables hold longrope's two sets of factors (see rotary.py); None otherwise."""
+        tables = [m for m in self.modules() if isinstance(m, RotaryEmbedding)]
+        modes = {(m.spec.switch_position, m.long_offset) for m in tables}
+        if all(offset is None for _, offset in modes):
+            return None
+        if len(modes) != 1:
+            raise ValueError("model mixes longrope with other rope kinds across its layers; "
+                             "not supported")
+        switch, offset = modes.pop()
+        assert switch is not None and offset is not None
+        return switch, offset
+
+    @property
     def layers(self) -> list[Any]:
         """The decoder layers, in order."""
         return list(self.model.layers)

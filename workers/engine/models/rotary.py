@@ -3,15 +3,18 @@ cos/sin table the pointwise kernels read.
 
 Scaled kinds (linear, llama3, yarn, dynamic, longrope) take their frequencies and
 attention factor from transformers' own `ROPE_INIT_FUNCTIONS`, so they match Hugging Face
-bit for bit. Two kinds recompute frequencies as a sequence grows in Hugging Face, and are
-fixed per position here:
+bit for bit. Two kinds recompute frequencies as a sequence grows in Hugging Face:
 - dynamic (NTK) changes them only past `max_position_embeddings`, which max_model_len
   never exceeds: every served position uses the unscaled frequencies, as Hugging Face does.
-- longrope switches from its short to its long factors once a sequence passes
-  `original_max_position_embeddings`; Hugging Face then uses the long factors for every
-  position of later forward passes (keys already cached keep the short ones), while here
-  position p uses the long factors exactly when p >= original_max_position_embeddings
-  (as vLLM does). Sequences that stay within the original length are identical.
+- longrope uses its short factors while a sequence holds at most
+  `original_max_position_embeddings` tokens and its long factors for every position once
+  it is longer (Hugging Face's Phi-3 drops its cache to re-encode the whole sequence when
+  it crosses). The table holds both sets, short rows first and long rows `long_offset`
+  further on; the model runner adds that offset to the positions of a sequence in long
+  mode (`Sequence.rope_long`), and the scheduler recomputes a sequence that crosses.
+
+`partial_rotary_factor` < 1 (Phi-4-mini) rotates the first `head_dim * factor` dimensions
+of each head and passes the rest through, as Hugging Face's Phi-3 does.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longr
 
 @dataclass(frozen=True, slots=True)
 class RopeSpec:
-    """Frequencies of one rotary table: below `switch_position` the first set, from it on
-    the second (longrope's long factors); cos and sin scaled by `attention_scaling`."""
+    """Frequencies of one rotary table (rotating 2 * len(inv_freq) dimensions of a head):
+    longrope's long factors besides, for sequences longer than `switch_position`; cos and
+    sin scaled by `attention_scaling`."""
 
     inv_freq: torch.Tensor  # (D/2,) float32
     attention_scaling: float = 1.0
@@ -66,10 +70,12 @@ def rope_spec(hf_config: PretrainedConfig, layer_type: str | None = None) -> Rop
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     partial = float(params.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"model partial_rotary_factor {partial} is not supported (1.0 only)")
+    head_dim = head_dim_of(hf_config)
+    dim = int(head_dim * partial)  # Hugging Face's rounding
+    if not 0 < partial <= 1 or dim < 2 or dim % 2:
+        raise ValueError(f"model partial_rotary_factor {partial} does not rotate an even number "
+                         f"of a head's {head_dim} dimensions")
     if rope_type in ("default", "dynamic"):  # dynamic: unscaled up to max_position_embeddings
-        dim = head_dim_of(hf_config)
         theta = float(params.get("rope_theta", 10000.0))
         # Same arithmetic as Hugging Face so fp32 results match bit for bit.
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
@@ -77,7 +83,11 @@ def rope_spec(hf_config: PretrainedConfig, layer_type: str | None = None) -> Rop
     kwargs: dict[str, Any] = {} if layer_type is None else {"layer_type": layer_type}
     # On the CPU even while the model is built on the meta device: the table needs values.
     with torch.device("cpu"):
-        return _scaled_spec(hf_config, params, rope_type, **kwargs)
+        spec = _scaled_spec(hf_config, params, rope_type, **kwargs)
+    if 2 * spec.inv_freq.numel() != dim:
+        raise ValueError(f"model rope_scaling {rope_type!r} rotates {2 * spec.inv_freq.numel()} "
+                         f"dimensions of a head where partial_rotary_factor asks {dim}")
+    return spec
 
 
 def _scaled_spec(
@@ -102,11 +112,13 @@ def rope_inv_freq(hf_config: PretrainedConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding from a precomputed (max_positions, 2 D) table.
+    """Rotary position embedding from a precomputed (rows, 2 R) table, R the rotated
+    dimensions of a head.
 
     Rows hold [cos | cos | -sin | sin] so that rotating is x * cos + roll(x) * sin:
     roll swaps the halves (x1, x2) -> (x2, x1), which with the signed sine gives Hugging
-    Face's rotate_half(x) * sin = (-x2 * sin, x1 * sin), bit for bit.
+    Face's rotate_half(x) * sin = (-x2 * sin, x1 * sin), bit for bit. With longrope the
+    table has `max_positions` rows of the short factors, then as many of the long ones.
     """
 
     def __init__(self, spec: RopeSpec | torch.Tensor, max_positions: int) -> None:
@@ -116,17 +128,21 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.register_buffer("table", self._table(), persistent=False)
 
+    @property
+    def long_offset(self) -> int | None:
+        """What a sequence in longrope's long mode adds to its positions (None: no modes)."""
+        return self.max_positions if self.spec.long_inv_freq is not None else None
+
     def _table(self) -> torch.Tensor:
         spec = self.spec
         positions = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
-        freqs = positions[:, None] * spec.inv_freq[None, :]  # (P, D/2)
-        if spec.long_inv_freq is not None and spec.switch_position is not None:
-            long = positions[:, None] * spec.long_inv_freq[None, :]
-            freqs = torch.where(positions[:, None] >= spec.switch_position, long, freqs)
+        freqs = positions[:, None] * spec.inv_freq[None, :]  # (P, R/2)
+        if spec.long_inv_freq is not None:
+            freqs = torch.cat([freqs, positions[:, None] * spec.long_inv_freq[None, :]])
         cos, sin = freqs.cos(), freqs.sin()
         if spec.attention_scaling != 1.0:
             cos, sin = cos * spec.attention_scaling, sin * spec.attention_scaling
-        return torch.cat([cos, cos, -sin, sin], dim=-1)  # (P, 2 D)
+        return torch.cat([cos, cos, -sin, sin], dim=-1)  # (P or 2 P, 2 R)
 
     def reset_table(self, device: torch.device, dtype: torch.dtype) -> None:
         """Recompute the table (after building on the meta device)."""
