@@ -24,6 +24,7 @@ import orjson
 import redis
 
 from core import metrics
+from core.greedy import GREEDY_TEMPERATURE
 from storage.cache_ledger import CacheLedger, LedgerChange
 from storage.db import ORJSON_OPTIONS, stdlib_json_default
 from storage.redis_batch import Outcome, RedisBatch
@@ -64,10 +65,11 @@ DEFAULT_VALUES: dict[str, Any] = {
 
 
 def is_deterministic(body: dict[str, Any]) -> bool:
-    """True when the request's output is fixed: temperature 0, or an explicit seed."""
+    """True when the request's output is fixed: greedy (temperature 0, or below the engine's
+    GREEDY_TEMPERATURE), or an explicit seed."""
     temperature = body.get("temperature")
     seed = body.get("seed")
-    is_greedy = _is_number(temperature) and temperature == 0
+    is_greedy = _is_greedy(temperature)
     has_seed = isinstance(seed, int) and not isinstance(seed, bool)
     return is_greedy or has_seed
 
@@ -87,7 +89,8 @@ def canonical_request(body: dict[str, Any]) -> dict[str, Any]:
     if stop:
         # Which stop string matches first does not depend on their order; [] is no stop.
         canonical["stop"] = sorted(set(stop), key=str) if isinstance(stop, list) else stop
-    if canonical.get("temperature") == 0:
+    if _is_greedy(canonical.get("temperature")):
+        canonical["temperature"] = 0  # the engine decodes them all greedily
         for name in GREEDY_IRRELEVANT_FIELDS:
             canonical.pop(name, None)
     for name, default in DEFAULT_VALUES.items():
@@ -226,6 +229,11 @@ def _canonical_value(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_canonical_value(v) for v in value]
     return value
+
+
+def _is_greedy(temperature: Any) -> bool:
+    """A temperature the engine decodes greedily (0 included)."""
+    return _is_number(temperature) and cast(float, temperature) < GREEDY_TEMPERATURE
 
 
 def _is_number(value: Any) -> bool:

@@ -158,7 +158,8 @@ class Sampler:
             temps = _on([rows_params[i].temperature for i in wide], logits.dtype,
                         logits.device)
             # (r, V): temperature-scaled scores of these rows.
-            scores = _rows_of(logits, [random_rows[i] for i in wide], index[rows]) / temps[:, None]
+            scores = _scaled(_rows_of(logits, [random_rows[i] for i in wide], index[rows]),
+                             temps[:, None])
             picked[rows] = _pick_in_vocabulary(scores, [rows_params[i] for i in wide],
                                                uniforms[rows])
         return greedy.index_copy(0, index, picked)
@@ -175,6 +176,20 @@ class Sampler:
                 values, torch.float32, self.device
             )
         return uniforms
+
+
+def _best(logits: torch.Tensor) -> torch.Tensor:
+    """(r, 1): each row's best logit, the bar weights are taken from; -inf where every
+    token is masked is kept finite, since -inf - -inf is NaN."""
+    return logits.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(logits.dtype).min)
+
+
+def _scaled(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """(logits - best) / T per row: the scores softmax would see, the best exactly 0.
+    Shifted after the division, logits / T overflows to inf at tiny temperatures, and
+    softmax's own shift makes that inf - inf = NaN; shifted first, a score can only
+    overflow to -inf, a weight of 0."""
+    return (logits - _best(logits)).div_(temps)
 
 
 def _rows_of(matrix: torch.Tensor, rows: list[int], index: torch.Tensor) -> torch.Tensor:
@@ -196,14 +211,15 @@ def _pick_in_vocabulary(scores: torch.Tensor, params: list[SamplingParams],
     return _inverse_cdf(torch.softmax(scores, dim=-1), uniforms)
 
 
-def _total_weights(logits: torch.Tensor, temps: torch.Tensor, top: torch.Tensor
+def _total_weights(logits: torch.Tensor, temps: torch.Tensor, best: torch.Tensor
                    ) -> torch.Tensor:
-    """(r, 1): each row's sum of exp(logits / temperature - top) over the vocabulary."""
+    """(r, 1): each row's sum of exp((logits - best) / temperature) over the vocabulary,
+    `best` (r, 1) its best logit."""
     if logits.device.type == "cpu" and _draws_in_kernel():
         return torch.ops.batchinfer_cpu.total_weights(
             logits.float().contiguous(), (1.0 / temps[:, 0]).float().contiguous(),
-            top[:, 0].float().contiguous())[:, None]
-    return torch.exp(logits / temps - top).sum(dim=-1, keepdim=True)
+            best[:, 0].float().contiguous())[:, None]
+    return torch.exp((logits - best) / temps).sum(dim=-1, keepdim=True)
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -265,7 +281,8 @@ def _pick_among_candidates(logits: torch.Tensor, params: list[SamplingParams],
     temps = _on([p.temperature for p in params], logits.dtype, device)[:, None]
     # A positive temperature keeps the order: the best logits are the best scores.
     values, ids = logits.topk(num, dim=-1)  # (r, num), best first
-    values = values / temps
+    best = values[:, :1].clamp(min=torch.finfo(values.dtype).min)  # as _best(logits)
+    values = (values - best) / temps  # as _scaled(logits, temps): the best exactly 0
     has_k = _on([p.top_k is not None for p in params], torch.bool, device)
     ks = _on([min(p.top_k or vocab, vocab) for p in params], torch.int64, device)
     # top-k keeps the ties at the k-th score: the k-th candidate's score is the bar.
@@ -275,12 +292,11 @@ def _pick_among_candidates(logits: torch.Tensor, params: list[SamplingParams],
     # k-th score is a candidate's and no tie of it may go on past the last candidate.
     topk_fits = (ks <= num) & (values[:, -1] < kth[:, 0]) if num < vocab else (
         torch.ones_like(has_k))
-    top = values[:, :1]
-    unnormalised = torch.exp(values - top) * keep
+    unnormalised = torch.exp(values) * keep
     # The nucleus is taken over the mass top-k kept (the whole vocabulary without top-k).
     whole = unnormalised.sum(dim=-1, keepdim=True)
     if not all(p.top_k is not None for p in params):
-        whole = torch.where(has_k[:, None], whole, _total_weights(logits, temps, top))
+        whole = torch.where(has_k[:, None], whole, _total_weights(logits, temps, best))
     probs = unnormalised / whole
     top_p = _on([p.top_p if p.top_p < 1.0 else float("inf") for p in params], probs.dtype,
                 device)

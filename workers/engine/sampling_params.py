@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core.greedy import GREEDY_TEMPERATURE
+
 
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop, for one request.
 
-    `temperature == 0` means greedy. `seed` makes sampling reproducible whatever else
-    shares the batch. `logprobs` asks for the log-probability of every sampled token.
+    `temperature` 0, or any below GREEDY_TEMPERATURE, means greedy (a `seed` then
+    changes nothing). `seed` makes sampling reproducible whatever else shares the batch.
+    `logprobs` asks for the log-probability of every sampled token.
     Penalties and `logit_bias` (token id -> bias) adjust the logits as OpenAI's do;
     `json_schema` (JSON text) constrains the output to documents the schema accepts;
     `structural_tag` (xgrammar's structural tag, JSON text) constrains the parts of a free
@@ -63,7 +66,7 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         """True when the most likely token is always taken."""
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

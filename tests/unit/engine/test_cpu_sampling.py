@@ -6,6 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.engine.test_sampler import (
+    TINY_TEMPERATURES,
+    tiny_temperature_logits,
+    tokens_at,
+)
 from workers.engine import cpu_kernels
 from workers.engine.sampler import Sampler, _inverse_cdf, seeded_uniform
 from workers.engine.sampling_params import SamplingParams
@@ -85,15 +90,15 @@ def test_the_sampler_draws_plain_rows_with_it_and_keeps_seeds_row_bound() -> Non
 
 
 def test_total_weights_are_the_torch_sums() -> None:
-    """The nucleus's mass over the whole vocabulary: exp(s x scale - top) summed per row,
+    """The nucleus's mass over the whole vocabulary: exp((s - top) x scale) summed per row,
     masked tokens adding nothing."""
     gen = torch.Generator().manual_seed(5)
     scores = torch.randn(9, 3000, generator=gen) * 4
     scores[:, ::5] = float("-inf")
     scales = torch.rand(9, generator=gen) + 0.5
-    tops = (scores * scales[:, None]).amax(dim=-1)
+    tops = scores.amax(dim=-1)
     got = torch.ops.batchinfer_cpu.total_weights(scores, scales, tops)
-    want = torch.exp(scores * scales[:, None] - tops[:, None]).sum(dim=-1)
+    want = torch.exp((scores - tops[:, None]) * scales[:, None]).sum(dim=-1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     with pytest.raises(RuntimeError, match="one per row"):
         torch.ops.batchinfer_cpu.total_weights(scores, scales[:3], tops)
@@ -130,3 +135,50 @@ def test_the_sampler_takes_greedy_rows_from_the_kernel_beside_drawn_ones() -> No
     uniforms = torch.tensor([seeded_uniform(1, 0), seeded_uniform(2, 0)])
     assert [tokens[1], tokens[3]] == torch_rule(
         logits[[1, 3]], torch.full((2,), 1 / 0.7), uniforms).tolist()
+
+
+EXTREME_SCALES = [1e8, 1e20, 1e30, torch.finfo(torch.float32).max, float("inf")]
+
+
+@pytest.mark.parametrize("scale", EXTREME_SCALES)
+def test_an_extreme_scale_draws_the_best_token(scale: float) -> None:
+    """1/T for T from 1e-8 down past float32's range: each row's best token, whatever the
+    uniform (tied best tokens share the draw), and a total weight of one per best token.
+    Before, s x scale - max lost the best token's weight to rounding (the last token was
+    drawn) or made NaN of it."""
+    gen = torch.Generator().manual_seed(2)
+    scores = torch.randn(6, 49_152, generator=gen) * 3 + 20
+    scores[5, [100, 40_000]] = scores[5].max() + 1  # a tie at the best
+    best = scores.argmax(dim=-1)
+    scales = torch.full((6,), scale)
+    for u in (0.0, 0.5, 1 - 2**-24):
+        tokens = draw(scores, torch.arange(6), scales, torch.full((6,), u))
+        assert tokens[:5].tolist() == best[:5].tolist()
+        assert tokens[5].item() == (100 if u < 0.5 else 40_000)
+    totals = torch.ops.batchinfer_cpu.total_weights(scores, scales, scores.amax(dim=-1))
+    assert totals.tolist() == [1.0] * 5 + [2.0]
+
+
+@pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
+def test_a_tiny_temperature_takes_the_greedy_token_beside_the_kernels(
+        temperature: float) -> None:
+    """The CPU sampling path (test_sampler has the torch one): the temperature-0 token,
+    seeded or not, whatever the filters; before, the kernel drew token 0, the last token
+    or a near tie's runner-up."""
+    logits = tiny_temperature_logits(temperature)
+    assert tokens_at(logits, temperature) == tokens_at(logits, 0.0)
+    assert tokens_at(logits, 0.0) == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [1e-8, 1e-20, 1e-45])
+def test_the_kernel_draw_takes_the_best_token_at_tiny_temperatures(
+        temperature: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draw itself, with the greedy bound out of the way: the best token of each row
+    of large logits, by the kernels (plain rows) or the candidates and the kernel's total
+    weight (filtered rows). Before, rounding left no weight in about one plain row in six
+    at 1e-8, and 1e-45 made NaN weights."""
+    monkeypatch.setattr(SamplingParams, "is_greedy",
+                        property(lambda params: params.temperature == 0))
+    # No near ties: the best is clear.
+    logits = tiny_temperature_logits(temperature, num_rows=128)[:64]
+    assert tokens_at(logits, temperature) == logits.argmax(dim=-1).tolist()

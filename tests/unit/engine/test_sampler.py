@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from core.greedy import GREEDY_TEMPERATURE
 from tests.unit.engine.checkpoints import make_seq, place, save_llama
+from workers.engine import sampler as sampler_module
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampler import Sampler, _pick_in_vocabulary, seeded_uniform
@@ -204,3 +206,75 @@ def test_a_nucleus_wider_than_every_candidate_list_is_drawn_over_the_vocabulary(
     """A flat row of 10,000 tokens: top_p 0.9 keeps ~9,000 of them."""
     counts = draw(torch.zeros(1, 10_000), SamplingParams(temperature=1.0, top_p=0.9), 4000)
     assert len(counts) > 3000 and max(counts) > 8000
+
+
+# Below GREEDY_TEMPERATURE, down to 1e-45, whose 1/T overflows float32.
+TINY_TEMPERATURES = [1e-6, 1e-8, 1e-20, 1e-45]
+FILTERS: list[dict[str, Any]] = [{}, {"top_k": 50}, {"top_p": 0.9}, {"top_k": 5, "top_p": 0.5}]
+
+
+def tiny_temperature_logits(temperature: float, num_rows: int = 32,
+                            vocab: int = 1000) -> torch.Tensor:
+    """Rows a draw at `temperature` gets wrong or takes apart from greedy: the first half
+    a model's with large logits, whose scaled values lose the best token to rounding or
+    overflow; the second with a runner-up `temperature` / 2 below the best (float32's
+    smallest normal gap where that is 0), before it in token order: at that temperature
+    a draw takes it about one time in three."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(num_rows, vocab, generator=gen) * 3
+    half = num_rows // 2
+    logits[:half] += 20
+    logits[half:] -= 20
+    for row in range(half, num_rows):
+        first, second = sorted(torch.randperm(vocab, generator=gen)[:2].tolist())
+        logits[row, second] = 0.0
+        logits[row, first] = -max(temperature / 2, torch.finfo(torch.float32).tiny)
+    return logits
+
+
+def tokens_at(logits: torch.Tensor, temperature: float) -> list[int]:
+    """One batch at `temperature`: rows seeded and not, with each of FILTERS in turn."""
+    params = [SamplingParams(temperature=temperature, seed=row if row % 2 else None,
+                             **FILTERS[row % len(FILTERS)]) for row in range(len(logits))]
+    steps = list(range(len(logits)))
+    return [t.token_id for t in Sampler(0, CPU).sample(logits, params, steps)]
+
+
+def test_temperatures_below_the_bound_are_greedy() -> None:
+    assert all(SamplingParams(temperature=t).is_greedy
+               for t in [0.0, *TINY_TEMPERATURES, GREEDY_TEMPERATURE * 0.99])
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).is_greedy
+
+
+@pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
+def test_a_tiny_temperature_takes_the_greedy_token(temperature: float,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the torch path (the CPU kernels' in test_cpu_sampling): the temperature-0 token,
+    seeded or not, whatever the filters; before, 1e-45 drew from NaNs and near ties drew
+    the runner-up."""
+    monkeypatch.setattr(sampler_module, "_draws_in_kernel", lambda: False)
+    logits = tiny_temperature_logits(temperature)
+    assert tokens_at(logits, temperature) == tokens_at(logits, 0.0)
+    assert tokens_at(logits, 0.0) == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-45])
+def test_the_torch_draw_stays_finite_where_one_over_t_overflows(
+        temperature: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draw itself, with the greedy bound out of the way: logits / T overflowed to inf
+    and softmax made NaN of it; shifted by the best logit first, only the best has weight."""
+    monkeypatch.setattr(sampler_module, "_draws_in_kernel", lambda: False)
+    monkeypatch.setattr(SamplingParams, "is_greedy",
+                        property(lambda params: params.temperature == 0))
+    logits = tiny_temperature_logits(temperature)[:16]  # no near ties: the best is clear
+    assert tokens_at(logits, temperature) == logits.argmax(dim=-1).tolist()
+
+
+def test_tiny_temperatures_generate_the_greedy_text(runner: ModelRunner) -> None:
+    """One batch, one prompt, every tiny temperature beside 0 (seeded or not): one text."""
+    prompt = list(range(10, 50))
+    seqs = [make_seq(prompt, "greedy", temperature=0.0)]
+    seqs += [make_seq(prompt, f"t{i}", temperature=t, seed=i if i % 2 else None)
+             for i, t in enumerate(TINY_TEMPERATURES)]
+    outputs = generate(runner, seqs, 8)
+    assert all(out == outputs[0] for out in outputs[1:])

@@ -17,6 +17,8 @@ CHAT = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens
     [
         ({"temperature": 0}, True),
         ({"temperature": 0.0}, True),
+        ({"temperature": 1e-8}, True),  # greedy in the engine too
+        ({"temperature": 1e-5}, False),
         ({"temperature": 0.7, "seed": 42}, True),
         ({"seed": 0}, True),
         ({}, False),
@@ -48,8 +50,10 @@ def test_equivalent_bodies_share_a_key() -> None:
     assert key(stream=False, cache_key="k", model="ignored-in-body") == base
     assert key(n=1, logprobs=False, top_p=1.0, presence_penalty=0.0, stop=None) == base
     assert key(stop=[]) == base
-    # Greedy decoding ignores the sampling knobs.
+    # Greedy decoding ignores the sampling knobs; a temperature the engine decodes
+    # greedily is 0.
     assert key(top_p=0.5, top_k=5, seed=7) == base
+    assert key(temperature=1e-9, top_p=0.5) == base
     # max_completion_tokens is the newer name of max_tokens.
     renamed = {k: v for k, v in CHAT.items() if k != "max_tokens"}
     renamed.update(max_completion_tokens=8, temperature=0)

@@ -9,10 +9,10 @@
 // times and nothing is written but the token: its maximum, its total weight, then blocks
 // of weight skipped until the one holding the draw, scanned token by token.
 //
-// The rule is the torch path's: weights exp(s / T - max), the first token whose cumulative
-// weight exceeds u times the total, and where rounding leaves none, the last token with
-// weight. The sums are taken in another order than torch's, so a draw whose uniform falls
-// within a rounding error of a token's boundary may take its neighbour.
+// The rule is the torch path's: weights exp((s - max) / T), the first token whose
+// cumulative weight exceeds u times the total, and where rounding leaves none, the last
+// token with weight. The sums are taken in another order than torch's, so a draw whose
+// uniform falls within a rounding error of a token's boundary may take its neighbour.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace {
@@ -35,28 +36,43 @@ constexpr int64_t kBlock = 256;
 // fast_exp is 0 below this: a token further below the row's maximum has no weight.
 constexpr float kNoWeight = -87.0f;
 
+// The scale as a finite number: one past float32's range (1/T for T below ~3e-39) would
+// make the best token's weight exp(0 x inf) = NaN; at the largest finite scale it is 1 and
+// every lower token's 0, the draw's limit as T goes to 0. Tested on the bits, since
+// -ffast-math lets the compiler assume that no float is infinite or NaN.
+float finite_scale(float scale) {
+  uint32_t bits;
+  std::memcpy(&bits, &scale, sizeof bits);
+  return (bits & 0x7fffffffu) >= 0x7f800000u ? std::numeric_limits<float>::max() : scale;
+}
+
+// Each weight is exp((s - top) x scale), top the row's best score: the best's exponent is
+// exactly 0 whatever the scale. As s x scale - max(s x scale), which the compiler fuses
+// into one multiply-add, it was the product's rounding error instead: below -87 at scales
+// near 1e8, so that no token had weight and the draw fell to the last token.
 int64_t draw_row(const float* s, int64_t vocab, float scale, float uniform) {
+  scale = finite_scale(scale);
   float top = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : top)
-  for (int64_t i = 0; i < vocab; ++i) top = s[i] * scale > top ? s[i] * scale : top;
+  for (int64_t i = 0; i < vocab; ++i) top = s[i] > top ? s[i] : top;
   if (!(top > -std::numeric_limits<float>::infinity())) return 0;  // no token has weight
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
-  for (int64_t i = 0; i < vocab; ++i) total += fast_exp(s[i] * scale - top);
+  for (int64_t i = 0; i < vocab; ++i) total += fast_exp((s[i] - top) * scale);
   int64_t last = vocab - 1;  // the last token with weight: where rounding leaves none
-  while (last > 0 && s[last] * scale - top < kNoWeight) --last;
+  while (last > 0 && (s[last] - top) * scale < kNoWeight) --last;
   const float target = uniform * total;
   float cumulative = 0.f;
   int64_t i = 0;
   for (; i + kBlock <= vocab; i += kBlock) {
     float block = 0.f;
 #pragma omp simd reduction(+ : block)
-    for (int64_t j = i; j < i + kBlock; ++j) block += fast_exp(s[j] * scale - top);
+    for (int64_t j = i; j < i + kBlock; ++j) block += fast_exp((s[j] - top) * scale);
     if (cumulative + block > target) break;
     cumulative += block;
   }
   for (; i < vocab; ++i) {
-    cumulative += fast_exp(s[i] * scale - top);
+    cumulative += fast_exp((s[i] - top) * scale);
     if (cumulative > target) return i < last ? i : last;
   }
   return last;
@@ -99,8 +115,9 @@ at::Tensor draw_tokens(const at::Tensor& scores, const at::Tensor& rows,
   return out;
 }
 
-// Per row r: the sum over the vocabulary of exp(scores[r] * scales[r] - tops[r]) (a
-// nucleus's mass over the whole vocabulary, where the sampler took only its candidates).
+// Per row r: the sum over the vocabulary of exp((scores[r] - tops[r]) * scales[r]) (a
+// nucleus's mass over the whole vocabulary, where the sampler took only its candidates),
+// tops[r] the row's best score, whose weight is then exactly 1 (see draw_row).
 at::Tensor total_weights(const at::Tensor& scores, const at::Tensor& scales,
                          const at::Tensor& tops) {
   TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat &&
@@ -120,9 +137,10 @@ at::Tensor total_weights(const at::Tensor& scores, const at::Tensor& scales,
   at::parallel_for(0, num, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = s + r * stride;
+      const float row_scale = finite_scale(scale[r]), row_top = top[r];
       float total = 0.f;
 #pragma omp simd reduction(+ : total)
-      for (int64_t i = 0; i < vocab; ++i) total += fast_exp(row[i] * scale[r] - top[r]);
+      for (int64_t i = 0; i < vocab; ++i) total += fast_exp((row[i] - row_top) * row_scale);
       o[r] = total;
     }
   });
