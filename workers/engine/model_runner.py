@@ -117,7 +117,8 @@ class ModelRunner:
         )
         longrope = self.model.longrope
         # A sequence in longrope's long mode reads the table's long rows (see rotary.py).
-        self.longrope_switch, self._long_rope_offset = longrope or (None, 0)
+        self.longrope_switch: int | None = None if longrope is None else longrope[0]
+        self._long_rope_offset = 0 if longrope is None else longrope[1]
         packed_dtype = packing_dtype(self.device, self.dtype)
         if packed_dtype is not None:
             self.model.pack_weights(packed_dtype)

@@ -1,10 +1,10 @@
 """Mixtures of experts decode greedily as Hugging Face does, token for token (fp32).
 
 Tiny random-weight Mixtral (also with a sliding window), Qwen2-MoE (a shared expert, a
-dense layer among sparse ones, unnormalised routing; and one without q/k/v biases) and Qwen3-MoE models, built here:
-prompts of 1-200 tokens, some sharing a prefix, under prefix caching with chunked prefill,
-and a pool small enough to force preemptions; on the torch attention path and on the
-default CPU backend.
+dense layer among sparse ones, unnormalised routing; and one without q/k/v biases) and
+Qwen3-MoE models, built here: prompts of 1-200 tokens, some sharing a prefix, under prefix
+caching with chunked prefill, and a pool small enough to force preemptions; on the torch
+attention path and on the default CPU backend.
 """
 
 from __future__ import annotations
