@@ -20,6 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from workers.engine.prompts import render_chat
 from workers.engine.tokenizing import encode_ids
 
 logger = logging.getLogger(__name__)
@@ -78,13 +79,13 @@ class ModelContext:
             return None
         with self._lock:
             if "messages" in body:
+                # As the worker renders them: its tools, and tool history, included.
                 try:
-                    text = self.tokenizer.apply_chat_template(
-                        body["messages"], tokenize=False, add_generation_prompt=True)
-                except Exception as e:  # jinja raises its own errors from inside templates
-                    raise PromptRenderError(f"cannot render the chat messages: {e}") from e
-                # The template already places special tokens such as BOS.
-                return self._count(text, add_special_tokens=False)
+                    _, token_ids = render_chat(self.tokenizer, body["messages"],
+                                               body.get("tools"))
+                except ValueError as e:
+                    raise PromptRenderError(str(e).removeprefix("prompt: ")) from e
+                return len(token_ids)
             return self._count(body["prompt"], add_special_tokens=True)
 
     def _count(self, text: str, *, add_special_tokens: bool) -> int:

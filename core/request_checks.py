@@ -117,7 +117,14 @@ def _check_chat_extras(request: ChatCompletionRequest | JobCreate) -> None:
                                  "'prompt' (a text completion).", param="messages")
         if request.prompt is not None:
             _only(request.logprobs in (None, False, 0), "logprobs", LOGPROBS_ALTERNATIVES)
+    called: set[str] = set()
     for i, message in enumerate(request.messages or []):
+        called.update(call.id for call in message.tool_calls or [])
+        if message.role == "tool" and message.tool_call_id not in called:
+            raise RequestRefused(
+                "messages with role 'tool' must answer a tool call of an earlier assistant "
+                f"message: tool_call_id {message.tool_call_id!r} matches none.",
+                param=f"messages[{i}].tool_call_id")
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
                 _only(part.type == "text", f"messages[{i}].content[{j}].type",

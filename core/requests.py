@@ -173,21 +173,73 @@ class ContentPart(ClientObject):
         return self
 
 
-class ChatMessage(ClientObject):
-    """One message of a chat conversation."""
+class CalledFunction(ClientObject):
+    """The function of an earlier tool call: its name and its arguments as JSON text."""
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[ContentPart]
+    name: Annotated[Text, Field(min_length=1, max_length=64)]
+    arguments: Text
+
+
+class MessageToolCall(ClientObject):
+    """A tool call an earlier assistant message made (sent back with its result)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: Annotated[Text, Field(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(ClientObject):
+    """One message of a chat conversation: a turn, an assistant's tool calls, or a tool's
+    result (`role: "tool"`, answering one call by its `tool_call_id`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
     name: Text | None = Field(default=None, max_length=64)
+    tool_calls: list[MessageToolCall] | None = Field(default=None, min_length=1, max_length=128)
+    tool_call_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
+    # What an answer's message carries and clients send back with it (appending the
+    # returned message to the conversation); read, not used.
+    refusal: Text | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has 'tool_calls'")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a message of role 'tool' needs the 'tool_call_id' it answers, "
+                             "and only such a message has one")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("'content' is required (null only in an assistant message with "
+                             "'tool_calls')")
+        return self
 
     @property
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text or "" for part in self.content)
+
+    def body(self) -> dict[str, Any]:
+        """The message as the worker renders it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class CachePolicyField(ClientObject):
@@ -277,10 +329,7 @@ class SamplingRequest(ClientObject):
         body: dict[str, Any] = {"model": self.model}
         messages: list[ChatMessage] | None = getattr(self, "messages", None)
         if messages:
-            body["messages"] = [
-                {"role": m.role, "content": m.text} | ({"name": m.name} if m.name else {})
-                for m in messages
-            ]
+            body["messages"] = [m.body() for m in messages]
         else:
             body["prompt"] = getattr(self, "prompt", None)
         body.update(self._sampling_fields())

@@ -119,6 +119,19 @@ def test_sync_calls_honour_every_new_field(svc: BatchService, tiny_model: Path) 
         max_tokens=60, temperature=0)
     assert named.choices[0].finish_reason == "tool_calls"
     assert_forced_call(named.choices[0].message, "get_weather")
+    # The conversation goes on as with OpenAI: the message with the call, as the client
+    # returned it (content null, refusal null), then the tool's result.
+    call_message = named.choices[0].message
+    assert call_message.tool_calls
+    follow_up = client.chat.completions.create(
+        model=model, tools=TOOLS, max_tokens=8, temperature=0, messages=[
+            *MESSAGES, call_message,
+            {"role": "tool", "tool_call_id": call_message.tool_calls[0].id, "content": "21"}])
+    assert follow_up.choices[0].message.content, (follow_up, svc.logs())
+    with pytest.raises(openai.BadRequestError) as orphan:
+        client.chat.completions.create(model=model, max_tokens=8, messages=[
+            *MESSAGES, {"role": "tool", "tool_call_id": "call_x", "content": "21"}])
+    assert orphan.value.param == "messages[1].tool_call_id"
 
     # auto: the text is the model's own, until it opens a call (here the trigger token is
     # forced by a bias, which the grammar then overrules: the random model must write one
@@ -198,6 +211,13 @@ def test_jobs_and_batch_lines_carry_the_fields(svc: BatchService, tiny_model: Pa
          "body": {"model": model, "messages": MESSAGES, "tools": TOOLS,
                   "parallel_tool_calls": False, "logit_bias": trigger_bias(tiny_model),
                   "max_tokens": 200, "temperature": 0}},
+        {"custom_id": "history", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": model, "max_tokens": 8, "temperature": 0, "messages": [
+             *MESSAGES,
+             {"role": "assistant", "content": None, "tool_calls": [{
+                 "id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"unit": "c"}'}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "21"}]}},
         {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
          "body": {"model": model, "messages": MESSAGES, "tools": TOOLS,
                   "tool_choice": {"type": "function", "function": {"name": "missing"}}}},
@@ -221,6 +241,9 @@ def test_jobs_and_batch_lines_carry_the_fields(svc: BatchService, tiny_model: Pa
     [auto_call] = auto_choice["message"]["tool_calls"]
     auto_tool = next(t for t in TOOLS if t["function"]["name"] == auto_call["function"]["name"])
     assert_valid_json(auto_call["function"]["arguments"], auto_tool["function"]["parameters"])
+    history_choice = output["history"]["response"]["body"]["choices"][0]
+    assert history_choice["message"]["content"] and history_choice["finish_reason"] in (
+        "stop", "length")
     assert finished.error_file_id
     [error] = parse_jsonl(client.files.content(finished.error_file_id).content)
     assert error["custom_id"] == "bad"

@@ -7,7 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from workers.engine.tokenizing import encode_ids
-from workers.engine.tool_prompt import with_tools_in_system_message
+from workers.engine.tool_prompt import (
+    has_tool_history,
+    shows_tool_history,
+    tool_history_as_hermes,
+    with_arguments_as_objects,
+    with_tools_in_system_message,
+)
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
@@ -39,26 +45,46 @@ def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: Prompt,
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
-    """Apply the tokenizer's chat template, ending with the assistant's turn."""
+    """Apply the tokenizer's chat template, ending with the assistant's turn; tools and
+    tool history in the template's own format where it has one, else in Hermes text."""
     if tokenizer is None:
         raise ValueError("prompt: chat messages need a tokenizer; skip_tokenizer_init is set")
     for message in messages:
-        if not isinstance(message.get("role"), str) or "content" not in message:
+        if not isinstance(message.get("role"), str) or (
+                "content" not in message and not message.get("tool_calls")):
             raise ValueError("prompt: every chat message needs a 'role' and a 'content'")
+    messages = with_arguments_as_objects(messages)
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True)
-        if tools:
-            with_tools = tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=True
-            )
-            # A template that ignores tools renders the same text: describe them in the
-            # system message instead.
-            text = with_tools if with_tools != text else tokenizer.apply_chat_template(
-                with_tools_in_system_message(messages, tools),
-                tokenize=False, add_generation_prompt=True,
-            )
-    except ValueError as e:  # e.g. the tokenizer has no chat template
+        if has_tool_history(messages):
+            try:
+                text = _render_native(tokenizer, messages, tools)
+            except Exception:  # noqa: BLE001 - jinja's own errors: no `tool` role in the template
+                text = None
+            if text is not None and not shows_tool_history(text, messages):
+                text = None
+        else:
+            text = _render_native(tokenizer, messages, tools)
+        if text is None:  # the template cannot show the tools or the history: Hermes text
+            hermes = tool_history_as_hermes(messages)
+            text = _apply(tokenizer, with_tools_in_system_message(hermes, tools) if tools
+                          else hermes)
+    except Exception as e:  # noqa: BLE001 - no chat template, or the template's own refusal
         raise ValueError(f"prompt: cannot render chat messages: {e}") from e
     # The template already places special tokens such as BOS.
     return text, encode_ids(tokenizer, text, add_special_tokens=False)
+
+
+def _render_native(tokenizer: Any, messages: list[dict[str, Any]],
+                   tools: list[dict[str, Any]] | None) -> str | None:
+    """The template's own rendering; None when it ignores `tools` (the same text with and
+    without them)."""
+    text = _apply(tokenizer, messages)
+    if not tools:
+        return text
+    with_tools = _apply(tokenizer, messages, tools=tools)
+    return with_tools if with_tools != text else None
+
+
+def _apply(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    return str(tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True, **kwargs))

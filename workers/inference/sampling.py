@@ -31,12 +31,19 @@ def prompt_from_body(kind: str, body: dict[str, Any]) -> Prompt:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
+        prompt = []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+            if message.get("content") is None and message.get("tool_calls"):
+                # A batch line's assistant message with calls, as the client sent it.
+                message = {**message, "content": ""}
             if not isinstance(message.get("content"), str):
                 raise ValueError(f"messages[{i}].content must be a string")
-        return messages
+            if message.get("role") == "tool" and not isinstance(message.get("tool_call_id"), str):
+                raise ValueError(f"messages[{i}]: a tool message needs its 'tool_call_id'")
+            prompt.append(message)
+        return prompt
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         if not prompt:

@@ -89,11 +89,16 @@ def segments_of(body: dict[str, Any]) -> PromptSegments:
 
 def _content(message: dict[str, Any]) -> str:
     content = message.get("content")
+    text = ""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: their text, joined as the API joins them
-        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return ""
+        text = content
+    elif isinstance(content, list):  # content parts: their text, joined as the API joins them
+        text = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    # An assistant's tool calls are what its turn said: two conversations that called
+    # different functions, or with other arguments, must not look alike.
+    calls = [c.get("function") for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+    lines = [f"call {f.get('name')}({f.get('arguments')})" for f in calls if isinstance(f, dict)]
+    return "\n".join([text, *lines]) if lines else text
 
 
 def _tagged(turns: list[dict[str, Any]]) -> str:

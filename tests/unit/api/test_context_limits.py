@@ -55,7 +55,7 @@ def client(make_client: ClientFactory, models_dir: Path) -> TestClient:
     return make_client(models_dir=models_dir)
 
 
-def engine_takes(engine: LLMEngine, prompt: str | list[dict[str, Any]]) -> bool:
+def engine_takes(engine: LLMEngine | _WithTools, prompt: str | list[dict[str, Any]]) -> bool:
     """Whether the engine accepts the prompt (it is aborted again at once)."""
     try:
         engine.add_request("probe", prompt, SamplingParams(max_tokens=1))
@@ -65,7 +65,7 @@ def engine_takes(engine: LLMEngine, prompt: str | list[dict[str, Any]]) -> bool:
     return True
 
 
-def longest_taken(engine: LLMEngine, make: Callable[[int], Any]) -> int:
+def longest_taken(engine: LLMEngine | _WithTools, make: Callable[[int], Any]) -> int:
     """The largest n for which the engine takes make(n)."""
     n = 1
     while engine_takes(engine, make(n + 1)):
@@ -128,6 +128,67 @@ def test_prompt_and_max_tokens_together_must_fit(
                 f"{CONTEXT - num_prompt + 1} in the completion)") in error["message"]
     response = send_json(client, "/v1/jobs", fits, acme.headers)
     assert response.status_code == 202, response.text
+
+
+TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {
+    "name": "lookup", "description": "Find a word.",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}]
+WIDE_CONTEXT = 1024  # room for the tools' description in the system message
+
+
+@pytest.fixture(scope="module")
+def wide_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`test-model` again, with a 1,024-token context."""
+    root = tmp_path_factory.mktemp("wide-models")
+    save_tiny_llama(root / MODEL, max_position_embeddings=WIDE_CONTEXT)
+    return root
+
+
+def test_tools_and_tool_history_count_as_the_worker_renders_them(
+    make_client: ClientFactory, wide_models_dir: Path, acme: TenantKey,
+    sessions: sessionmaker[Session], producer: RecordingProducer,
+) -> None:
+    """The tools a request offers, and a call with its result, are part of the prompt: the
+    API's boundary is still the engine's (they were counted without, and such prompts
+    failed only in the worker)."""
+    client = make_client(models_dir=wide_models_dir)
+    engine = LLMEngine(EngineConfig(model=MODEL, models_dir=wide_models_dir, dtype="float32",
+                                    device="cpu", block_size=16, num_kv_blocks=128))
+    history = [{"role": "assistant", "content": "", "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "lookup", "arguments": '{"word": "fox"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a small wild dog " * 10}]
+
+    def chat(n: int) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": (WORDS * 200)[: 4 * n]}]
+
+    plain = longest_taken(engine, chat)
+    fitting = []
+    for tools, make in ((TOOLS, chat), (None, lambda n: chat(n) + history)):
+        n = longest_taken(_WithTools(engine, tools), make)
+        assert n < plain - 8, "the tools or the calls should take room"
+        extra = {"tools": tools} if tools else {}
+        body = {"model": MODEL, "messages": make(n + 1)} | extra
+        error = assert_refused(client, acme, sessions, producer, "/v1/chat/completions",
+                               body, status=400, param="messages")
+        assert error["code"] == "context_length_exceeded"
+        fitting.append(body | {"messages": make(n)})
+    for body in fitting:
+        response = send_json(client, "/v1/jobs", body, acme.headers)
+        assert response.status_code == 202, response.text
+
+
+class _WithTools:
+    """`engine_takes`'s view of an engine whose requests offer `tools`."""
+
+    def __init__(self, engine: LLMEngine, tools: list[dict[str, Any]] | None = None) -> None:
+        self.engine, self.tools = engine, tools
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+        self.engine.add_request(request_id, prompt, params, tools=self.tools)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
 
 
 @pytest.mark.parametrize(("path", "body"), [

@@ -167,3 +167,52 @@ def test_request_hash_ignores_key_order_and_nulls() -> None:
     c = JobCreate.model_validate({"model": "m", "prompt": "p", "temperature": 1})
     assert request_hash(a) == request_hash(b)
     assert request_hash(a) != request_hash(c)
+
+
+TOOL_TURNS: list[dict[str, Any]] = [
+    {"role": "user", "content": "Weather in Paris?"},
+    # As the official client sends back the message an answer carried.
+    {"role": "assistant", "content": None, "refusal": None, "annotations": [], "audio": None,
+     "tool_calls": [{"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "22C"},
+]
+
+
+def test_tool_calls_and_results_reach_the_worker() -> None:
+    """An assistant's calls (content null) and the tool's result, as OpenAI takes them."""
+    for model in (ChatCompletionRequest, JobCreate):
+        request = model.model_validate({"model": "m", "messages": TOOL_TURNS})
+        check_supported(request)
+        assert request.inference_body()["messages"] == [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "content": "22C", "tool_call_id": "call_1"},
+        ]
+
+
+@pytest.mark.parametrize(("message", "problem"), [
+    ({"role": "tool", "content": "22C"}, "needs the 'tool_call_id'"),
+    ({"role": "user", "content": "x", "tool_call_id": "call_1"}, "needs the 'tool_call_id'"),
+    ({"role": "user", "content": None}, "'content' is required"),
+    ({"role": "user", "content": "x", "tool_calls": TOOL_TURNS[1]["tool_calls"]},
+     "only an assistant message has 'tool_calls'"),
+    ({"role": "assistant", "content": None, "tool_calls": []}, "at least 1 item"),
+])
+def test_tool_fields_are_held_to_their_roles(message: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ValidationError, match=problem):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [message]})
+
+
+def test_a_tool_result_must_answer_an_earlier_call() -> None:
+    """OpenAI's rule: a `tool` message answers a call of an assistant message before it."""
+    orphan = [TOOL_TURNS[0], {"role": "tool", "tool_call_id": "call_9", "content": "22C"}]
+    backwards = [TOOL_TURNS[0], TOOL_TURNS[2], TOOL_TURNS[1]]
+    for messages in (orphan, backwards):
+        with pytest.raises(InvalidRequest) as info:
+            check_supported(ChatCompletionRequest.model_validate({"model": "m",
+                                                                  "messages": messages}))
+        assert info.value.param == "messages[1].tool_call_id"
+        assert "must answer a tool call" in info.value.message
