@@ -31,7 +31,7 @@ def prompt_from_body(kind: str, body: dict[str, Any]) -> Prompt:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
-        prompt = []
+        checked = []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ValueError(f"messages[{i}] must be an object with a string 'role'")
@@ -42,13 +42,13 @@ def prompt_from_body(kind: str, body: dict[str, Any]) -> Prompt:
                 raise ValueError(f"messages[{i}].content must be a string")
             if message.get("role") == "tool" and not isinstance(message.get("tool_call_id"), str):
                 raise ValueError(f"messages[{i}]: a tool message needs its 'tool_call_id'")
-            prompt.append(message)
-        return prompt
+            checked.append(message)
+        return checked
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty")
-        return prompt
+        return checked
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return list(prompt)
     raise ValueError("prompt must be one non-empty string or one non-empty list of token ids")
