@@ -27,6 +27,7 @@ from api.schemas import JobPublic
 from api.stream_chunks import DONE, KEEPALIVE, ChunkMaker, error_event, result_text, sse
 from api.submission import submit
 from api.token_relay import Finished, Idle, TextDelta, follow_job
+from api.tool_call_stream import ToolTextGate
 from core.requests import ChatCompletionRequest, CompletionRequest
 from core.topics import Priority
 from storage.models import JobStatus
@@ -52,7 +53,10 @@ async def stream_completion(
     chunks = ChunkMaker(kind=body.kind, job_id=job.id, model=body.model,
                         created=int(time.time()),
                         include_usage=options.get("include_usage") is True)
-    events = _events(resources, chunks, job_id=job.id, tenant_id=tenant.id)
+    gate = None
+    if chunks.is_chat and body.tools:
+        gate = ToolTextGate(body.tools, body.tool_choice)
+    events = _events(resources, chunks, gate, job_id=job.id, tenant_id=tenant.id)
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={**SSE_HEADERS, "X-Job-Id": job.id})
 
@@ -91,30 +95,45 @@ async def relay_job(resources: Resources, *, job_id: str, tenant_id: str,
                                         tenant_id=tenant_id)
 
 
-def _events(resources: Resources, chunks: ChunkMaker, *, job_id: str,
-            tenant_id: str) -> AsyncIterator[bytes]:
-    """The SSE body of a streamed completion: OpenAI's chunks and [DONE]."""
-    first = chunks.first()
+def _events(resources: Resources, chunks: ChunkMaker, gate: ToolTextGate | None, *,
+            job_id: str, tenant_id: str) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed completion: OpenAI's chunks and [DONE]; with tools, the
+    `gate` keeps calls out of the content (api.tool_call_stream)."""
+    first = chunks.first(content=None if gate is not None and not gate.is_open else "")
+
+    def text(delta: str) -> list[bytes]:
+        if gate is not None:
+            delta = gate.text(delta)
+        return [sse(chunks.text(delta))] if delta else []
+
     return relay_job(resources, job_id=job_id, tenant_id=tenant_id,
-                     opening=[] if first is None else [sse(first)],
-                     text=lambda delta: [sse(chunks.text(delta))],
-                     ending=lambda view, limit_s: _ending(chunks, view, limit_s))
+                     opening=[] if first is None else [sse(first)], text=text,
+                     ending=lambda view, limit_s: _ending(chunks, gate, view, limit_s))
 
 
-def _ending(chunks: ChunkMaker, view: JobPublic, limit_s: float) -> list[bytes]:
+def _ending(chunks: ChunkMaker, gate: ToolTextGate | None, view: JobPublic,
+            limit_s: float) -> list[bytes]:
     """The events after the last text: the finish (and usage) chunks and [DONE], or the
     error event of a job that did not succeed."""
     if view.status is JobStatus.SUCCEEDED and view.result is not None:
         result: dict[str, Any] = view.result
         choices = result.get("choices") or [{}]
         parts = []
+        if gate is not None:  # what the gate held of choice 0: its calls, or the rest
+            rest, calls = gate.rest(choices[0].get("message") or {})
+            if rest:
+                parts.append(sse(chunks.text(rest)))
+            if calls:
+                parts.append(sse(chunks.calls(calls)))
         # With n > 1 only choice 0's text was relayed (the others come whole with the
-        # result): each other choice opens with its role and text.
+        # result): each other choice opens with its role and text, or its calls.
         for index in range(1, len(choices)):
             first = chunks.first(index)
             if first is not None:
                 parts.append(sse(first))
-            parts.append(sse(chunks.text(result_text(result, index), index)))
+            made = (choices[index].get("message") or {}).get("tool_calls")
+            parts.append(sse(chunks.calls(made, index) if made
+                             else chunks.text(result_text(result, index), index)))
         parts += [sse(chunks.finish(choice.get("finish_reason") or "stop", index))
                   for index, choice in enumerate(choices)]
         if chunks.include_usage and result.get("usage") is not None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from api.tool_call_stream import tool_call_deltas
 from core.responses_api import response_text
 
 DONE = b"data: [DONE]\n\n"
@@ -49,18 +50,23 @@ class ChunkMaker:
         """Whether the chunks are `chat.completion.chunk`s."""
         return self.kind == "chat.completion"
 
-    def first(self, index: int = 0) -> dict[str, Any] | None:
+    def first(self, index: int = 0, *, content: str | None = "") -> dict[str, Any] | None:
         """The chunk sent before any text of choice `index`: the role, for a chat; none
-        for a text one."""
+        for a text one. `content` None: an answer that will be tool calls, as OpenAI
+        opens one."""
         if not self.is_chat:
             return None
-        return self._chunk({"role": "assistant", "content": ""}, finish_reason=None,
+        return self._chunk({"role": "assistant", "content": content}, finish_reason=None,
                            index=index)
 
     def text(self, text: str, index: int = 0) -> dict[str, Any]:
         """A chunk that adds `text` to choice `index`."""
         return self._chunk({"content": text} if self.is_chat else text, finish_reason=None,
                            index=index)
+
+    def calls(self, calls: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
+        """A chunk that carries choice `index`'s tool calls whole (see tool_call_stream)."""
+        return self._chunk(tool_call_deltas(calls), finish_reason=None, index=index)
 
     def finish(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
         """The last chunk of choice `index`: no new text, the finish reason."""

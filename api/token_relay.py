@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -136,7 +137,10 @@ async def follow_job(resources: Resources, *, job_id: str, tenant_id: str,
                 view = done.result()
                 if view is None:
                     raise LookupError(f"job {job_id} is gone")
-                if view.status.is_terminal and view.result is not None:
+                # A result of tool calls has no text to continue the relayed one with: that
+                # text was the calls (api.tool_call_stream sends them from the result).
+                if (view.status.is_terminal and view.result is not None
+                        and not _has_tool_calls(view.result)):
                     rest = text.rest_of(result_text(view.result))
                     if rest:
                         yield TextDelta(rest)
@@ -160,3 +164,9 @@ def _entries_of(read: asyncio.Future[list[tuple[str, StreamEntry]]],
         logger.warning("job %s: cannot read its tokens from Redis (%s); relaying its result "
                        "when it ends", job_id, e)
         return None
+
+
+def _has_tool_calls(result: dict[str, Any]) -> bool:
+    """Whether a stored result's first choice is a message of tool calls."""
+    choices = result.get("choices") or [{}]
+    return bool((choices[0].get("message") or {}).get("tool_calls"))

@@ -119,6 +119,23 @@ def test_sync_calls_honour_every_new_field(svc: BatchService, tiny_model: Path) 
         max_tokens=60, temperature=0)
     assert named.choices[0].finish_reason == "tool_calls"
     assert_forced_call(named.choices[0].message, "get_weather")
+    # Streamed, the calls come as `delta.tool_calls`, never as content.
+    chunks = list(client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=TOOLS, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60, temperature=0))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert not any(c.delta.content for c in choices), chunks
+    streamed = [call for c in choices for call in c.delta.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in streamed if c.function] == [
+        (c.function.name, c.function.arguments) for c in named.choices[0].message.tool_calls]
+    assert choices[-1].finish_reason == "tool_calls"
+    with client.chat.completions.stream(model=model, messages=MESSAGES, tools=TOOLS,
+                                        tool_choice="required", parallel_tool_calls=False,
+                                        max_tokens=60, temperature=0) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert_forced_call(final.choices[0].message)
     # The conversation goes on as with OpenAI: the message with the call, as the client
     # returned it (content null, refusal null), then the tool's result.
     call_message = named.choices[0].message

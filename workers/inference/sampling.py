@@ -48,7 +48,7 @@ def prompt_from_body(kind: str, body: dict[str, Any]) -> Prompt:
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty")
-        return checked
+        return prompt
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return list(prompt)
     raise ValueError("prompt must be one non-empty string or one non-empty list of token ids")

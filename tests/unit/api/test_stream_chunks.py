@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
 from api.stream_chunks import DONE, ChunkMaker, error_event, named_sse, result_text, sse
 from api.token_relay import _Text
+from api.tool_call_stream import ToolTextGate
 from storage.token_streams import StreamEntry
 
 
@@ -103,3 +105,52 @@ def test_entries_round_trip_through_redis_fields() -> None:
     fields = {k.encode(): str(v).encode() for k, v in original.fields().items()}
     assert StreamEntry.parse("j", fields) == original
     assert StreamEntry.parse("j", {b"e": b"started"}).event == "started"
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+CALL_TEXT = 'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+STORED_CALLS = [{"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{}"}}]
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 13, len(CALL_TEXT)])
+def test_auto_tools_stream_the_text_before_a_call_and_not_the_call(step: int) -> None:
+    """However the text is split (the trigger too), content stops where the call opens."""
+    gate = ToolTextGate(TOOLS, "auto")
+    sent = "".join(gate.text(CALL_TEXT[i:i + step]) for i in range(0, len(CALL_TEXT), step))
+    assert sent == "Let me look. "
+    assert gate.rest({"content": None, "tool_calls": STORED_CALLS}) == ("", STORED_CALLS)
+
+
+def test_auto_tools_that_called_nothing_stream_all_their_text() -> None:
+    """A `<` that does not open the trigger is held only until the next text says so; the
+    rest of the stored text follows at the end."""
+    gate = ToolTextGate(TOOLS, "auto")
+    assert gate.text("a <to") == "a "
+    assert gate.text("p> b <") == "<top> b "
+    assert gate.rest({"content": "a <top> b <"}) == ("<", [])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+def test_forced_calls_stream_no_content(choice: object) -> None:
+    """The whole output is the calls; cut short (no calls), it goes out as content."""
+    gate = ToolTextGate(TOOLS, choice)
+    assert gate.text('[{"name": "get_weather", ') == ""
+    assert gate.rest({"content": None, "tool_calls": STORED_CALLS}) == ("", STORED_CALLS)
+    assert gate.rest({"content": '[{"name": "get_weather", '}) == (
+        '[{"name": "get_weather", ', [])
+
+
+def test_tool_choice_none_streams_everything() -> None:
+    gate = ToolTextGate(TOOLS, "none")
+    assert gate.text(CALL_TEXT) == CALL_TEXT
+
+
+def test_calls_go_out_in_openais_streamed_shape() -> None:
+    chunk = ChunkMaker(kind="chat.completion", job_id="j", model="m", created=1).calls(
+        STORED_CALLS)
+    assert chunk["choices"][0]["delta"] == {"tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{}"}}]}
+    assert chunk["choices"][0]["finish_reason"] is None
