@@ -150,4 +150,6 @@ def _completion(output: RequestOutput) -> Completion:
 
 
 def _tool_calls(message: JobMessage, output: RequestOutput) -> list[dict[str, Any]] | None:
-    return tool_calls_of(message.body, output.text) if message.body.get("tools") else None
+    if not message.body.get("tools"):
+        return None
+    return tool_calls_of(message.body, output.text, is_cut=output.finish_reason == "length")

@@ -106,9 +106,10 @@ def _choice(kind: str, index: int, completion: Completion,
                 "finish_reason": finish_reason}
     message: dict[str, Any] = {"role": "assistant", "content": completion.text,
                                "refusal": None}
-    if tool_calls and finish_reason == "stop":
+    if tool_calls and finish_reason in ("stop", "length"):
+        # Cut at max_tokens, the calls it completed are kept; the finish says it was cut.
         message.update(content=None, tool_calls=tool_calls)
-        finish_reason = "tool_calls"
+        finish_reason = "tool_calls" if finish_reason == "stop" else "length"
     return {"index": index, "message": message,
             "logprobs": _chat_logprobs(tokens, completion.logprobs),
             "finish_reason": finish_reason}

@@ -83,8 +83,9 @@ def test_outputs_become_openai_tool_calls(choice: Any, text: str, names: list[st
         assert isinstance(json.loads(call["function"]["arguments"]), dict)
 
 
-def test_result_carries_tool_calls_only_when_the_output_finished() -> None:
-    """finish_reason tool_calls and content null; an output cut short stays content."""
+def test_result_carries_tool_calls_finished_or_cut() -> None:
+    """finish_reason tool_calls and content null; cut short, the calls it completed with
+    finish_reason length; none completed, the text stays content."""
     calls = tool_calls_of({"tools": TOOLS, "tool_choice": "required"},
                           '[{"name": "get_time", "arguments": {}}]')
     completion = Completion(text='[{"name": "get_time", "arguments": {}}]', token_ids=[1, 2],
@@ -97,7 +98,30 @@ def test_result_carries_tool_calls_only_when_the_output_finished() -> None:
     completion.finish_reason = "length"
     cut = build_result("chat.completion", job_id="j", model="m", completion=completion,
                        created=0, tool_calls=calls)["choices"][0]
-    assert cut["finish_reason"] == "length" and "tool_calls" not in cut["message"]
+    assert cut["finish_reason"] == "length" and cut["message"]["tool_calls"] == calls
+    nothing = build_result("chat.completion", job_id="j", model="m", completion=completion,
+                           created=0, tool_calls=None)["choices"][0]
+    assert nothing["finish_reason"] == "length" and "tool_calls" not in nothing["message"]
+    assert nothing["message"]["content"] == completion.text
+
+
+REPEATED = '{"name": "get_time", "arguments": {}}'
+
+
+@pytest.mark.parametrize(("choice", "text", "names"), [
+    ("required", f"[{REPEATED}, {REPEATED}, {REPEATED[:20]}", ["get_time", "get_time"]),
+    ("required", f"[ {REPEATED} ,{REPEATED}", ["get_time", "get_time"]),
+    ("required", REPEATED[:20], None),
+    ("required", '[{"name": "nope", "arguments": {}}, {"na', None),
+    ("required", '[["get_time"], {"na', None),
+    ({"type": "function", "function": {"name": "get_time"}}, REPEATED[:-1], None),
+    ("auto", f"<tool_call>{REPEATED}</tool_call> and <tool_call>{REPEATED[:9]}", ["get_time"]),
+])  # fmt: skip
+def test_an_output_cut_short_keeps_the_calls_it_completed(
+        choice: Any, text: str, names: list[str] | None) -> None:
+    """A model that repeats its call until max_tokens still answers with calls."""
+    calls = tool_calls_of({"tools": TOOLS, "tool_choice": choice}, text, is_cut=True)
+    assert (None if calls is None else [c["function"]["name"] for c in calls]) == names
 
 
 def _tag_matcher(body: dict[str, Any]) -> Any:
