@@ -89,6 +89,12 @@ def tool_mode(tools: object, tool_choice: object) -> tuple[ToolMode, str | None]
         '{"type": "function", "function": {"name": ...}}.', param="tool_choice")
 
 
+# OpenAI's rule for function names.
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
+                                 "additionalProperties": False}
+
+
 def functions_of(tools: object) -> dict[str, dict[str, Any]]:
     """Tool name → its `function` object; StructuredOutputError naming the bad tool."""
     if not isinstance(tools, list):
@@ -102,12 +108,26 @@ def functions_of(tools: object) -> dict[str, dict[str, Any]]:
                 f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
                 f'"parameters": ...}}}}; other tool types are not supported.',
                 param=f"tools[{i}]")
-        parameters = function.get("parameters", {"type": "object"})
+        name = function["name"]
+        if not FUNCTION_NAME.fullmatch(name):
+            raise StructuredOutputError(
+                f"tools[{i}].function.name {name!r} must be 1-64 letters, digits, "
+                f"underscores or dashes.", param=f"tools[{i}].function.name")
+        if name in functions:
+            raise StructuredOutputError(f"tools[{i}].function.name {name!r} names two tools.",
+                                        param=f"tools[{i}].function.name")
+        parameters = parameters_of(function)
         if not isinstance(parameters, dict):
             raise StructuredOutputError(f"tools[{i}].function.parameters must be an object.",
                                         param=f"tools[{i}].function.parameters")
-        functions[function["name"]] = function
+        functions[name] = function
     return functions
+
+
+def parameters_of(function: dict[str, Any]) -> Any:
+    """A function's `parameters`; without them it takes none, as OpenAI reads it (a
+    bare object schema let the model invent arguments until max_tokens)."""
+    return function.get("parameters", NO_PARAMETERS)
 
 
 def tool_call_schema(tools: object, tool_choice: object,
@@ -139,7 +159,7 @@ def _call_schema(name: str, function: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
         "properties": {"name": {"const": name},
-                       "arguments": function.get("parameters", {"type": "object"})},
+                       "arguments": parameters_of(function)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
@@ -157,7 +177,7 @@ def auto_tool_tag(body: dict[str, Any]) -> dict[str, Any] | None:
     tags = [{"type": "tag",
              "begin": f'{TOOL_CALL_TRIGGER}\n{{"name": {json.dumps(name)}, "arguments": ',
              "content": {"type": "json_schema",
-                         "json_schema": function.get("parameters", {"type": "object"}),
+                         "json_schema": parameters_of(function),
                          # Room for indented JSON, none for a run of blanks that never ends.
                          "max_whitespace_cnt": MAX_CALL_WHITESPACE},
              "end": "}\n</tool_call>"}

@@ -74,6 +74,11 @@ def test_shape_errors_name_the_field(field: str, value: object) -> None:
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),
     ({"tools": [{"type": "code_interpreter"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+     "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}},
+                {"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tools[1].function.name"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
      "response_format.json_schema"),
@@ -216,3 +221,17 @@ def test_a_tool_result_must_answer_an_earlier_call() -> None:
                                                                   "messages": messages}))
         assert info.value.param == "messages[1].tool_call_id"
         assert "must answer a tool call" in info.value.message
+
+
+def test_a_function_without_parameters_takes_none() -> None:
+    """As OpenAI reads it: a forced call's arguments can only be `{}`."""
+    import jsonschema
+
+    from core.structured_outputs import tool_call_schema
+
+    tools = [{"type": "function", "function": {"name": "ping"}}]
+    schema = tool_call_schema(tools, {"type": "function", "function": {"name": "ping"}})
+    assert schema is not None
+    jsonschema.validate({"name": "ping", "arguments": {}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "ping", "arguments": {"host": "x"}}, schema)
