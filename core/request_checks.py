@@ -1,7 +1,7 @@
 """The checks every request passes before it is stored: one function for every road in.
 
-Responsible for: what parses but this service does not support (streaming, several
-choices, alternatives' log-probabilities, non-text content), structured-output schemas
+Responsible for: what parses but this service does not support (streaming where it is
+not relayed, too many choices, non-text content), structured-output schemas
 and tools the grammar library cannot enforce, the limits
 of the model's context (`max_tokens` and the prompt, counted with the model's tokenizer
 when this machine has it), and turning pydantic's errors into the name of the offending
@@ -21,10 +21,8 @@ from core.model_context import ModelContext, PromptRenderError
 from core.requests import AnyRequest, ChatCompletionRequest, CompletionRequest, JobCreate
 from core.structured_outputs import StructuredOutputError, check_output_schema
 
-LOGPROBS_ALTERNATIVES = (
-    "logprobs > 0 (alternatives per position) is not supported; logprobs=0 returns the "
-    "sampled token's log-probability."
-)
+# Alternatives per position a text completion may ask for in `logprobs` (OpenAI's bound).
+MAX_TEXT_LOGPROBS = 5
 
 # Token ids one request may bias.
 MAX_LOGIT_BIAS_ENTRIES = 300
@@ -104,19 +102,24 @@ def _check_completion_extras(request: CompletionRequest) -> None:
     _only(not request.echo, "echo", "echo is not supported.")
     _only(not request.suffix, "suffix", "suffix (insertion) is not supported.")
     _only(request.best_of in (None, 1), "best_of", "best_of must be 1.")
-    _only(not request.logprobs, "logprobs", LOGPROBS_ALTERNATIVES)
 
 
 def _check_chat_extras(request: ChatCompletionRequest | JobCreate) -> None:
-    _only(not request.top_logprobs, "top_logprobs",
-          "top_logprobs > 0 is not supported: only the sampled token's log-probability is "
-          "returned (logprobs=true).")
+    if request.top_logprobs and request.logprobs is not True:
+        raise RequestRefused("top_logprobs requires logprobs to be true.",
+                             param="top_logprobs")
     if isinstance(request, JobCreate):
         if (request.messages is None) == (request.prompt is None):
             raise RequestRefused("Provide exactly one of 'messages' (a chat request) or "
                                  "'prompt' (a text completion).", param="messages")
-        if request.prompt is not None:
-            _only(request.logprobs in (None, False, 0), "logprobs", LOGPROBS_ALTERNATIVES)
+        logprobs = request.logprobs
+        if isinstance(logprobs, int) and not isinstance(logprobs, bool):
+            # A count of alternatives is the text completions' form of logprobs.
+            if request.prompt is None or logprobs > MAX_TEXT_LOGPROBS:
+                raise RequestRefused(
+                    f"logprobs as a count (0-{MAX_TEXT_LOGPROBS} alternatives per position) "
+                    "is for a text 'prompt'; a chat request takes logprobs: true and "
+                    "top_logprobs.", param="logprobs")
     called: set[str] = set()
     for i, message in enumerate(request.messages or []):
         called.update(call.id for call in message.tool_calls or [])

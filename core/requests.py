@@ -323,8 +323,9 @@ class SamplingRequest(ClientObject):
         """The normalised request a worker runs and the job row keeps.
 
         Chat content parts are joined into strings, `stop` is always a list, the output
-        limit is `max_tokens` whichever name carried it, and `logprobs` is a boolean
-        (a text request's `0` asks for the sampled token's log-probability).
+        limit is `max_tokens` whichever name carried it, `logprobs` is a boolean (a text
+        request's `0` asks for the sampled token's log-probability) and the alternatives
+        per position are `top_logprobs` (a text request's `logprobs` count).
         """
         body: dict[str, Any] = {"model": self.model}
         messages: list[ChatMessage] | None = getattr(self, "messages", None)
@@ -336,6 +337,10 @@ class SamplingRequest(ClientObject):
         logprobs = getattr(self, "logprobs", None)
         if logprobs is not None and logprobs is not False:
             body["logprobs"] = True
+            # Alternatives per position: chat's top_logprobs, or a text request's count.
+            top = getattr(self, "top_logprobs", None) or (0 if logprobs is True else logprobs)
+            if top:
+                body["top_logprobs"] = top
         if self.stream:
             body["stream"] = True  # the worker publishes its tokens as they come
         return body

@@ -166,8 +166,20 @@ def test_sync_calls_honour_every_new_field(svc: BatchService, tiny_model: Path) 
 
     # A bias of -100 on every token the unbiased answer used keeps greedy off all of them.
     plain = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6,
-                                           temperature=0, logprobs=True)
+                                           temperature=0, logprobs=True, top_logprobs=3)
     assert plain.choices[0].logprobs and plain.choices[0].logprobs.content
+    for position in plain.choices[0].logprobs.content:  # greedy: the best alternative
+        best = position.top_logprobs
+        assert len(best) == 3 and best[0].token == position.token
+        assert best[0].logprob == position.logprob >= best[1].logprob >= best[2].logprob
+    legacy = client.completions.create(model=model, prompt="the quick brown fox", max_tokens=3,
+                                       temperature=0, logprobs=2)
+    legacy_logprobs = legacy.choices[0].logprobs
+    assert legacy_logprobs and legacy_logprobs.top_logprobs and legacy_logprobs.tokens
+    for alternatives, token in zip(legacy_logprobs.top_logprobs, legacy_logprobs.tokens,
+                                   strict=True):
+        # Two alternatives that render alike share a key, as in OpenAI's shape.
+        assert token in alternatives and 1 <= len(alternatives) <= 2
     first = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1,
                                            temperature=0, presence_penalty=2.0,
                                            frequency_penalty=2.0)

@@ -455,4 +455,5 @@ class LLMEngine:
             logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
             num_cached_tokens=request.num_cached_tokens or 0,
             metrics=replace(request.metrics),  # a snapshot: later steps move on
+            top_logprobs=list(seq.output_top_logprobs) if seq.params.top_logprobs else None,
         )

@@ -45,6 +45,8 @@ class RequestOutput:
     logprobs: list[float] | None  # of each generated token, when asked for
     num_cached_tokens: int  # prompt tokens found in the prefix cache
     metrics: RequestMetrics
+    # Per generated token, its step's `top_logprobs` most likely (token id, logprob).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

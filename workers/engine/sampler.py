@@ -34,6 +34,8 @@ class SampledToken:
 
     token_id: int
     logprob: float | None  # set when the request asked for logprobs
+    # The request's `top_logprobs` most likely (token id, logprob), best first.
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 def seeded_uniform(seed: int, step: int) -> float:
@@ -83,8 +85,10 @@ class Sampler:
         output_token_ids: list[list[int]] | None = None,
         masks: StepMasks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token ids (R,) int64 and, when any row asked, logprobs (R,) float64 (NaN for the
-        rows that did not), both still on the logits' device: no host sync."""
+        """Token ids (R,) int64 and, when any row asked, logprobs (R, 1 + 2 K) float64, both
+        still on the logits' device (no host sync): the sampled token's (NaN for the rows
+        that did not ask), then the K most likely tokens' logprobs and ids (K the most any
+        row asked for in `top_logprobs`; 0 for none)."""
         num_rows = logits.shape[0]
         if len(params) != num_rows or len(steps) != num_rows:
             raise ValueError("params and steps must have one entry per logits row")
@@ -95,9 +99,14 @@ class Sampler:
         if not want_logprobs:
             return token_ids, None
         rows = _on(want_logprobs, torch.int64, logits.device)
-        logprobs = torch.full((num_rows,), float("nan"), device=logits.device, dtype=torch.float64)
-        picked = torch.log_softmax(logits[rows], dim=-1).gather(1, token_ids[rows, None])
-        logprobs[rows] = picked.squeeze(1).double()
+        k = max(params[i].top_logprobs for i in want_logprobs)
+        logprobs = torch.full((num_rows, 1 + 2 * k), float("nan"), device=logits.device,
+                              dtype=torch.float64)
+        log_probs = torch.log_softmax(logits[rows], dim=-1)
+        logprobs[rows, 0] = log_probs.gather(1, token_ids[rows, None]).squeeze(1).double()
+        if k:
+            values, ids = log_probs.topk(k, dim=-1)
+            logprobs[rows, 1:] = torch.cat([values.double(), ids.double()], dim=1)
         return token_ids, logprobs
 
     @staticmethod
@@ -109,11 +118,15 @@ class Sampler:
         """One device-to-host transfer of sample_on_device()'s results."""
         if logprobs is None:
             return [SampledToken(t, None) for t in token_ids.tolist()]
-        host = torch.stack([token_ids.double(), logprobs]).tolist()
-        return [
-            SampledToken(int(t), lp if params[i].logprobs else None)
-            for i, (t, lp) in enumerate(zip(host[0], host[1], strict=True))
-        ]
+        host = torch.cat([token_ids.double()[:, None], logprobs], dim=1).tolist()
+        k = (logprobs.shape[1] - 1) // 2
+        tokens = []
+        for p, (t, lp, *top) in zip(params, host, strict=True):
+            alternatives = None
+            if p.top_logprobs:
+                alternatives = [(int(top[k + j]), top[j]) for j in range(p.top_logprobs)]
+            tokens.append(SampledToken(int(t), lp if p.logprobs else None, alternatives))
+        return tokens
 
     def _pick(
         self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]

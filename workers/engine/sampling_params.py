@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from core.greedy import GREEDY_TEMPERATURE
 
+# The most alternatives per position a request may ask for (OpenAI's bound).
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -13,7 +16,8 @@ class SamplingParams:
 
     `temperature` 0, or any below GREEDY_TEMPERATURE, means greedy (a `seed` then
     changes nothing). `seed` makes sampling reproducible whatever else shares the batch.
-    `logprobs` asks for the log-probability of every sampled token.
+    `logprobs` asks for the log-probability of every sampled token, and `top_logprobs`
+    (with it, up to MAX_TOP_LOGPROBS) for that many of the most likely tokens at each step.
     Penalties and `logit_bias` (token id -> bias) adjust the logits as OpenAI's do;
     `json_schema` (JSON text) constrains the output to documents the schema accepts;
     `structural_tag` (xgrammar's structural tag, JSON text) constrains the parts of a free
@@ -29,6 +33,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
     # Tenants sharing a worker can be kept out of each other's prefix cache.
     cache_salt: str | None = None
     # False: this request neither reuses cached prefix blocks (pool or KV tier) nor
@@ -45,6 +50,12 @@ class SamplingParams:
             self.stop = [self.stop]
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        k = self.top_logprobs
+        if not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:

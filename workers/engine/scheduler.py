@@ -73,6 +73,11 @@ class Sampled(Protocol):
         """Its log-probability, when the request asked for it."""
         ...
 
+    @property
+    def top_logprobs(self) -> list[tuple[int, float]] | None:
+        """The most likely tokens and their log-probabilities, when asked for."""
+        ...
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -324,7 +329,7 @@ class Scheduler:
                 assert seq.num_computed_tokens < seq.num_tokens, "no token for a full prefill"
                 continue
             assert seq.num_computed_tokens == seq.num_tokens, "token for a partial prefill"
-            seq.append_token(token.token_id, token.logprob)
+            seq.append_token(token.token_id, token.logprob, token.top_logprobs)
             updated.append(seq)
             status = self._stop_status(seq)
             if status is not None:

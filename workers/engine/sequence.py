@@ -89,6 +89,7 @@ class Sequence:
         # model's original context; set by the scheduler, read by the runner).
         self.rope_long = False
         self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
         # The grammar its output must follow (`params.json_schema`), set by the engine.
         self.grammar: GrammarState | None = None
 
@@ -130,8 +131,11 @@ class Sequence:
         """OpenAI-style finish reason, or None while unfinished."""
         return FINISH_REASON.get(self.status)
 
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
-        """Record one sampled token."""
+    def append_token(self, token_id: int, logprob: float | None = None,
+                     top_logprobs: list[tuple[int, float]] | None = None) -> None:
+        """Record one sampled token (and what the request asked to know of its step)."""
         self.token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)

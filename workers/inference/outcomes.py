@@ -146,6 +146,7 @@ def _completion(output: RequestOutput) -> Completion:
         num_prompt_tokens=output.num_prompt_tokens,
         num_cached_tokens=output.num_cached_tokens,
         logprobs=output.logprobs,
+        top_logprobs=output.top_logprobs,
     )
 
 

@@ -37,11 +37,16 @@ def request_of(
         payload["messages"] = body["messages"]
         if body.get("logprobs"):
             payload["logprobs"] = True
+            if body.get("top_logprobs"):
+                payload["top_logprobs"] = body["top_logprobs"]
     elif message.kind == "text_completion":
         path = "/completions"
         payload["prompt"] = body["prompt"]
-        if body.get("logprobs"):
-            payload["logprobs"] = 0  # the sampled token's, as our engine gives
+        logprobs = body.get("logprobs")
+        if logprobs is not None and logprobs is not False:
+            # A count of alternatives per position (0: the sampled token's only).
+            payload["logprobs"] = body.get("top_logprobs") or (
+                0 if logprobs is True else logprobs)
     else:
         raise ValueError(f"a worker in front of an engine server runs chat and text "
                          f"completions, not {message.kind!r} jobs")

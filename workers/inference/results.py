@@ -31,6 +31,8 @@ class Completion:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[float] | None = None
+    # Per generated token, the most likely (token id, logprob) of its step, when asked for.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -100,9 +102,10 @@ def _choice(kind: str, index: int, completion: Completion,
         raise ValueError(f"no result for finish_reason {completion.finish_reason!r}")
     finish_reason = OPENAI_FINISH_REASONS[completion.finish_reason]
     tokens = _token_texts(completion, token_text)
+    top = _top_texts(completion, token_text)
     if kind == "text_completion":
         return {"index": index, "text": completion.text,
-                "logprobs": _text_logprobs(tokens, completion.logprobs),
+                "logprobs": _text_logprobs(tokens, completion.logprobs, top),
                 "finish_reason": finish_reason}
     message: dict[str, Any] = {"role": "assistant", "content": completion.text,
                                "refusal": None}
@@ -111,7 +114,7 @@ def _choice(kind: str, index: int, completion: Completion,
         message.update(content=None, tool_calls=tool_calls)
         finish_reason = "tool_calls" if finish_reason == "stop" else "length"
     return {"index": index, "message": message,
-            "logprobs": _chat_logprobs(tokens, completion.logprobs),
+            "logprobs": _chat_logprobs(tokens, completion.logprobs, top),
             "finish_reason": finish_reason}
 
 
@@ -150,17 +153,31 @@ def _token_texts(
     return [token_text(t) for t in completion.token_ids]
 
 
-def _chat_logprobs(tokens: list[str] | None, logprobs: list[float] | None) -> Any:
+def _top_texts(completion: Completion, token_text: Callable[[int], str] | None
+               ) -> list[list[tuple[str, float]]] | None:
+    """Each position's alternatives as (token text, logprob), best first."""
+    if completion.top_logprobs is None:
+        return None
+    if token_text is None:
+        raise ValueError("top_logprobs were returned but no way to render tokens was given")
+    return [[(token_text(t), lp) for t, lp in step] for step in completion.top_logprobs]
+
+
+def _chat_logprobs(tokens: list[str] | None, logprobs: list[float] | None,
+                   top: list[list[tuple[str, float]]] | None = None) -> Any:
     if tokens is None or logprobs is None:
         return None
     content = [
-        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-        for t, lp in zip(tokens, logprobs, strict=False)
+        {"token": t, "logprob": lp, "bytes": list(t.encode()),
+         "top_logprobs": [] if top is None else [
+             {"token": a, "logprob": a_lp, "bytes": list(a.encode())} for a, a_lp in top[i]]}
+        for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=False))
     ]
     return {"content": content, "refusal": None}
 
 
-def _text_logprobs(tokens: list[str] | None, logprobs: list[float] | None) -> Any:
+def _text_logprobs(tokens: list[str] | None, logprobs: list[float] | None,
+                   top: list[list[tuple[str, float]]] | None = None) -> Any:
     if tokens is None or logprobs is None:
         return None
     offsets, position = [], 0
@@ -170,6 +187,7 @@ def _text_logprobs(tokens: list[str] | None, logprobs: list[float] | None) -> An
     return {
         "tokens": tokens,
         "token_logprobs": list(logprobs),
-        "top_logprobs": None,
+        # One {token: logprob} per position; two alternatives that render alike share a key.
+        "top_logprobs": None if top is None else [dict(step) for step in top],
         "text_offset": offsets,
     }

@@ -18,6 +18,7 @@ from core.structured_outputs import (
     tool_mode,
 )
 from workers.engine import SamplingParams
+from workers.engine.sampling_params import MAX_TOP_LOGPROBS
 
 # OpenAI's default for legacy completions; chat requests default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -73,9 +74,7 @@ def sampling_params_from_body(
     text completions, the model's context (`max_model_len`) for chat.
     """
     num_choices(body)  # refuses a bad `n` with the other fields
-    top_logprobs = body.get("top_logprobs")
-    if top_logprobs:
-        raise ValueError("top_logprobs is not supported; logprobs of the sampled tokens are")
+    logprobs, top_logprobs = _logprobs(body)
 
     max_tokens = _optional_int(body, "max_tokens")
     if max_tokens is None:
@@ -99,7 +98,8 @@ def sampling_params_from_body(
             seed=_optional_int(body, "seed"),
             stop=_stop(body),
             ignore_eos=_optional_bool(body, "ignore_eos") or False,
-            logprobs=_logprobs(body),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             presence_penalty=_optional_float(body, "presence_penalty") or 0.0,
             frequency_penalty=_optional_float(body, "frequency_penalty") or 0.0,
             logit_bias=_logit_bias(body),
@@ -140,17 +140,27 @@ def _stop(body: dict[str, Any]) -> list[str]:
     return list(stop)
 
 
-def _logprobs(body: dict[str, Any]) -> bool:
-    # Chat sends true/false; legacy completions send a count, where 0 means "the sampled
-    # token only" and is what the engine can give.
-    value = body.get("logprobs")
+def _logprobs(body: dict[str, Any]) -> tuple[bool, int]:
+    """(the sampled tokens' logprobs asked for, alternatives per position). Chat sends
+    true/false and `top_logprobs`; legacy completions send a count of alternatives, 0 for
+    the sampled token only."""
+    value, top = body.get("logprobs"), body.get("top_logprobs")
     if value is None or value is False:
-        return False
-    if value is True or (_is_int(value) and value == 0):
-        return True
-    if _is_int(value):
-        raise ValueError(f"logprobs={value} alternatives are not supported; use 0 or true")
-    raise ValueError(f"logprobs must be a boolean or 0, got {value!r}")
+        wanted, count = False, 0
+    elif value is True:
+        wanted, count = True, 0
+    elif _is_int(value) and 0 <= value <= MAX_TOP_LOGPROBS:
+        wanted, count = True, value
+    else:
+        raise ValueError(f"logprobs must be a boolean or a count in [0, {MAX_TOP_LOGPROBS}], "
+                         f"got {value!r}")
+    if top is not None and top != 0:
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
+        if not wanted:
+            raise ValueError("top_logprobs needs logprobs: true")
+        count = top
+    return wanted, count
 
 
 def _optional_int(body: dict[str, Any], name: str) -> int | None:

@@ -71,7 +71,7 @@ def test_shape_errors_name_the_field(field: str, value: object) -> None:
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"stream": True, "logprobs": True}, "logprobs"),
     ({"n": 129}, "n"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ({"tools": [{"type": "function"}]}, "tools[0]"),
     ({"tools": [{"type": "code_interpreter"}]}, "tools[0]"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
@@ -140,9 +140,9 @@ def test_defaults_clients_send_are_accepted() -> None:
 
 
 def test_completion_extras_are_refused() -> None:
-    """echo, suffix, best_of > 1 and logprobs > 0 are not supported."""
+    """echo, suffix and best_of > 1 are not supported."""
     for extra, param in (({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
-                         ({"best_of": 2}, "best_of"), ({"logprobs": 2}, "logprobs")):
+                         ({"best_of": 2}, "best_of")):
         request = CompletionRequest.model_validate({"model": "m", "prompt": "p", **extra})
         with pytest.raises(InvalidRequest) as info:
             check_supported(request)
@@ -235,3 +235,20 @@ def test_a_function_without_parameters_takes_none() -> None:
     jsonschema.validate({"name": "ping", "arguments": {}}, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "ping", "arguments": {"host": "x"}}, schema)
+
+
+def test_alternatives_per_position_reach_the_worker() -> None:
+    """Chat's top_logprobs (with logprobs), a text request's logprobs count, on jobs too."""
+    chat = ChatCompletionRequest.model_validate({**CHAT, "logprobs": True, "top_logprobs": 4})
+    check_supported(chat)
+    assert chat.inference_body()["top_logprobs"] == 4
+    text = CompletionRequest.model_validate({"model": "m", "prompt": "p", "logprobs": 3})
+    check_supported(text)
+    assert (text.inference_body()["logprobs"], text.inference_body()["top_logprobs"]) == (True, 3)
+    job = JobCreate.model_validate({"model": "m", "prompt": "p", "logprobs": 2})
+    check_supported(job)
+    assert job.inference_body()["top_logprobs"] == 2
+    for body in ({**CHAT, "logprobs": 2}, {"model": "m", "prompt": "p", "logprobs": 6}):
+        with pytest.raises(InvalidRequest) as info:
+            check_supported(JobCreate.model_validate(body))
+        assert info.value.param == "logprobs"

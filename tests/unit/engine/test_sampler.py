@@ -57,6 +57,33 @@ def test_logprobs_are_those_of_the_model_distribution() -> None:
     assert tokens[2].logprob is None
 
 
+def test_top_logprobs_are_the_most_likely_tokens_of_each_row() -> None:
+    """Each row's own count of alternatives, best first, under softmax(logits); rows that
+    asked for none (or no logprobs) get none."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    params = [
+        SamplingParams(temperature=0, logprobs=True, top_logprobs=3),
+        SamplingParams(temperature=0.9, seed=2, logprobs=True, top_logprobs=20),
+        SamplingParams(temperature=0, logprobs=True),
+        SamplingParams(temperature=0),
+    ]
+    tokens = Sampler(0, CPU).sample(logits, params, [0, 0, 0, 0])
+    expected = torch.log_softmax(logits, -1)
+    for row, k in ((0, 3), (1, 20)):
+        top = tokens[row].top_logprobs
+        assert top is not None and len(top) == k
+        values, ids = expected[row].topk(k)
+        assert [t for t, _ in top] == ids.tolist()
+        for (_, lp), v in zip(top, values, strict=True):
+            assert math.isclose(lp, float(v), abs_tol=1e-5)
+    assert tokens[0].top_logprobs[0][0] == tokens[0].token_id  # type: ignore[index]
+    assert tokens[2].top_logprobs is None and tokens[3].top_logprobs is None
+    with pytest.raises(ValueError, match="top_logprobs needs logprobs"):
+        SamplingParams(top_logprobs=2)
+    with pytest.raises(ValueError, match="top_logprobs must be in"):
+        SamplingParams(logprobs=True, top_logprobs=21)
+
+
 def test_temperature_sampling_follows_the_softmax() -> None:
     """Frequencies over many draws match softmax(logits / T) within sampling noise."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]])

@@ -77,6 +77,25 @@ def test_logprobs_in_both_shapes() -> None:
     }
 
 
+def test_top_logprobs_in_both_shapes() -> None:
+    """Chat: each position's alternatives as token objects; text: {token: logprob}."""
+    done = completion(text="ab", token_ids=[1, 2], logprobs=[-0.5, -1.25])
+    done.top_logprobs = [[(1, -0.5), (3, -1.0)], [(3, -0.25), (2, -1.25)]]
+    text = {1: "a", 2: "b", 3: "c"}.__getitem__
+    chat = build_result(
+        "chat.completion", job_id="j", model="m", completion=done, created=0, token_text=text
+    )
+    assert chat["choices"][0]["logprobs"]["content"][1] == {
+        "token": "b", "logprob": -1.25, "bytes": [98], "top_logprobs": [
+            {"token": "c", "logprob": -0.25, "bytes": [99]},
+            {"token": "b", "logprob": -1.25, "bytes": [98]}]}
+    legacy = build_result(
+        "text_completion", job_id="j", model="m", completion=done, created=0, token_text=text
+    )
+    assert legacy["choices"][0]["logprobs"]["top_logprobs"] == [
+        {"a": -0.5, "c": -1.0}, {"c": -0.25, "b": -1.25}]
+
+
 def test_aborted_or_unknown_kind_has_no_result() -> None:
     with pytest.raises(ValueError, match="finish_reason"):
         build_result(

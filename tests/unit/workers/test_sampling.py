@@ -74,9 +74,11 @@ def test_text_logprobs_zero_means_sampled_token() -> None:
         ({"seed": True}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"stop": 3}, "stop"),
-        ({"logprobs": 3}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
         ({"logprobs": "yes"}, "logprobs"),
-        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"ignore_eos": "no"}, "ignore_eos"),
         ({"n": 129}, "n"),
         ({"n": True}, "n"),
@@ -110,3 +112,16 @@ def test_prompt_kinds() -> None:
 def test_bad_prompts_raise_value_error(kind: str, body: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         prompt_from_body(kind, body)
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ({"logprobs": True, "top_logprobs": 5}, (True, 5)),
+    ({"logprobs": 3}, (True, 3)),  # a text completion's count of alternatives
+    ({"logprobs": 0}, (True, 0)),
+    ({"logprobs": True}, (True, 0)),
+    ({}, (False, 0)),
+])
+def test_alternatives_per_position_reach_sampling_params(
+        body: dict[str, Any], expected: tuple[bool, int]) -> None:
+    params = sampling_params_from_body(TEXT, body)
+    assert (params.logprobs, params.top_logprobs) == expected
