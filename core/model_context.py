@@ -86,7 +86,10 @@ class ModelContext:
                 except ValueError as e:
                     raise PromptRenderError(str(e).removeprefix("prompt: ")) from e
                 return len(token_ids)
-            return self._count(body["prompt"], add_special_tokens=True)
+            prompt = body["prompt"]
+            if isinstance(prompt, list):  # token ids, as the engine takes them
+                return len(prompt)
+            return self._count(prompt, add_special_tokens=True)
 
     def _count(self, text: str, *, add_special_tokens: bool) -> int:
         """Tokens of `text`, as `len(tokenizer(text).input_ids)` counts them."""

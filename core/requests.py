@@ -143,6 +143,23 @@ Penalty = Annotated[float, Field(ge=-2, le=2, strict=True, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0, le=1, strict=True, allow_inf_nan=False)]
 
 
+def _one_prompt(value: object) -> object:
+    """A list holding one prompt (OpenAI's array form) is that prompt; several are refused:
+    each is its own job here, with its own id, priority and result."""
+    if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
+        if len(value) > 1:
+            raise ValueError(f"prompt holds {len(value)} prompts; send one per request (a "
+                             "batch file takes many, one per line)")
+        return value[0]
+    return value
+
+
+# A text prompt, or the token ids of one (OpenAI's `prompt` forms, one prompt each).
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]],
+                     Field(min_length=1, max_length=MAX_TOKENS_CEILING)]
+Prompt = Annotated[Text | TokenIds, BeforeValidator(_one_prompt)]
+
+
 class ClientObject(BaseModel):
     """A JSON object from a client: a key that is not valid Unicode is named, escaped.
 
@@ -392,9 +409,9 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    """Body of `POST /v1/completions` (a single string prompt)."""
+    """Body of `POST /v1/completions`: one prompt, as text or token ids."""
 
-    prompt: Text
+    prompt: Prompt
     # Legacy completions: the number of alternatives per position; 0 = the sampled token.
     logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
     echo: StrictBool | None = None
@@ -407,7 +424,7 @@ class JobCreate(SamplingRequest):
     """Body of `POST /v1/jobs`: a chat (`messages`) or text (`prompt`) request, queued."""
 
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    prompt: Text | None = None
+    prompt: Prompt | None = None
     # A chat request's `true`/`false`, or a text request's alternatives count (0 only).
     logprobs: StrictBool | Annotated[StrictInt, Field(ge=0)] | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None

@@ -174,6 +174,13 @@ def test_sync_calls_honour_every_new_field(svc: BatchService, tiny_model: Path) 
         assert best[0].logprob == position.logprob >= best[1].logprob >= best[2].logprob
     legacy = client.completions.create(model=model, prompt="the quick brown fox", max_tokens=3,
                                        temperature=0, logprobs=2)
+    # A prompt in OpenAI's other forms: token ids, or a list of one prompt.
+    by_ids = client.completions.create(model=model, prompt=[5, 6, 7, 8], max_tokens=3,
+                                       temperature=0)
+    assert by_ids.choices[0].text and by_ids.usage and by_ids.usage.prompt_tokens == 4
+    listed = client.completions.create(model=model, prompt=["the quick brown fox"],
+                                       max_tokens=3, temperature=0, logprobs=2)
+    assert listed.choices[0].text == legacy.choices[0].text
     legacy_logprobs = legacy.choices[0].logprobs
     assert legacy_logprobs and legacy_logprobs.top_logprobs and legacy_logprobs.tokens
     for alternatives, token in zip(legacy_logprobs.top_logprobs, legacy_logprobs.tokens,

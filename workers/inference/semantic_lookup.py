@@ -87,7 +87,9 @@ class SemanticLookup:
     def embed(self, messages: list[JobMessage]) -> list[_Asked]:
         """The opted-in jobs, their prompts segmented and embedded (find's first step)."""
         wanted = [(m, CachePolicy.of(m.body)) for m in messages]
-        wanted = [(m, p) for m, p in wanted if p.reads_semantic]
+        # A prompt of token ids has no text to compare: only the exact cache serves it.
+        wanted = [(m, p) for m, p in wanted
+                  if p.reads_semantic and not isinstance(m.body.get("prompt"), list)]
         if not wanted:
             return []
         segments = [segments_of(m.body) for m, _ in wanted]

@@ -342,3 +342,17 @@ def test_long_prompts_that_fit_by_their_length_stay_on_the_event_loop(
     assert not can_check_without_io(JobCreate(model=MODEL, prompt=fits, max_tokens=12000),
                                      resources)
     assert not can_check_without_io(JobCreate(model=MODEL, prompt="x" * 17000), resources)
+
+
+def test_a_prompt_of_token_ids_is_counted_as_its_length(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
+    producer: RecordingProducer,
+) -> None:
+    """Token ids need no tokenizer: the context holds CONTEXT of them, with max_tokens."""
+    too_long = {"model": MODEL, "prompt": [5] * CONTEXT, "max_tokens": 1}
+    error = assert_refused(client, acme, sessions, producer, "/v1/completions", too_long,
+                           status=400, param="prompt")
+    assert error["code"] == "context_length_exceeded"
+    fits = {"model": MODEL, "prompt": [[5] * (CONTEXT - 1)], "max_tokens": 1}
+    response = send_json(client, "/v1/jobs", fits, acme.headers)
+    assert response.status_code == 202, response.text

@@ -252,3 +252,28 @@ def test_alternatives_per_position_reach_the_worker() -> None:
         with pytest.raises(InvalidRequest) as info:
             check_supported(JobCreate.model_validate(body))
         assert info.value.param == "logprobs"
+
+
+@pytest.mark.parametrize(("prompt", "sent"), [
+    ("Once", "Once"), (["Once"], "Once"), ([5, 6, 7], [5, 6, 7]), ([[5, 6, 7]], [5, 6, 7]),
+])
+def test_a_prompt_in_any_of_openais_forms_reaches_the_worker(prompt: Any, sent: Any) -> None:
+    """Text or token ids, alone or as a one-element list."""
+    for model in (CompletionRequest, JobCreate):
+        request = model.model_validate({"model": "m", "prompt": prompt})
+        check_supported(request)
+        assert request.inference_body()["prompt"] == sent
+
+
+@pytest.mark.parametrize(("prompt", "problem"), [
+    (["a", "b"], "holds 2 prompts; send one per request"),
+    ([[1], [2]], "holds 2 prompts"),
+    ([], "valid string"),
+    ([1.5], "valid integer"),
+    ([-1], "greater than or equal to 0"),
+    ([[]], "at least 1 item"),
+])
+def test_prompts_a_job_cannot_be_are_refused_at_the_field(prompt: Any, problem: str) -> None:
+    with pytest.raises(ValidationError, match=problem) as info:
+        CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+    assert info.value.errors()[0]["loc"][0] == "prompt"
