@@ -27,8 +27,9 @@ class DeadlineUnattainable(Conflict):
 
     code = "deadline_unattainable"
 
-    def __init__(self, message: str, *, estimated_completion_at: float) -> None:
-        super().__init__(message, param="deadline")
+    def __init__(self, message: str, *, estimated_completion_at: float,
+                 param: str = "deadline") -> None:
+        super().__init__(message, param=param)
         self.estimated_completion_at = round(estimated_completion_at)
 
     def to_response(self) -> JSONResponse:
@@ -82,5 +83,5 @@ def check_attainable(
         f"work queued ahead and {model}'s measured pace this would finish around {estimate} "
         f"({at - time.time():.0f} s from now). Send \"on_unattainable\": \"accept\" to queue "
         "it anyway as best effort.",
-        estimated_completion_at=at,
+        estimated_completion_at=at, param=what,
     )

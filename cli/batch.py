@@ -289,7 +289,8 @@ class RateMeter:
 
 def write_results(client: Any, batch: dict[str, Any], *, output: Path, errors: Path | None,
                   console: Any) -> int:
-    """Download output and error files; print what happened. 0 only for `completed`."""
+    """Download output and error files; print what happened. 0 only for `completed` with
+    no failed line (a script checking the exit code must see lines that failed)."""
     counts = batch.get("request_counts") or {}
     if batch["status"] == "failed":
         console.print(f"batch {batch['id']} failed validation; nothing ran:")
@@ -306,7 +307,7 @@ def write_results(client: Any, batch: dict[str, Any], *, output: Path, errors: P
         client.download(batch["error_file_id"], errors)
         console.print(f"wrote {counts.get('failed', 0)} error line(s) to {errors}")
     console.print(f"batch {batch['id']} {batch['status']}")
-    return 0 if batch["status"] == "completed" else 1
+    return 0 if batch["status"] == "completed" and not counts.get("failed") else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Any
 
 
+# A tokenizer in any of the forms transformers loads: fast (json), its config, SentencePiece.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def check_model(model_dir: Path) -> None:
     """ValueError with the engine's reason when a worker could not load `model_dir`.
 
@@ -31,6 +35,12 @@ def check_model(model_dir: Path) -> None:
         check_supported(load_hf_config(model_dir))
     except ValueError as e:
         raise ValueError(f"{model_dir} cannot be served: {e}") from e
+    # What the worker's load reads besides the config: weights, and a tokenizer for text.
+    if not any(model_dir.glob("*.safetensors")):
+        raise ValueError(f"{model_dir} cannot be served: it has no .safetensors weights")
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{model_dir} cannot be served: it has no tokenizer "
+                         f"({' or '.join(TOKENIZER_FILES)})")
 
 
 def prepared_dir(model: str, models_dir: Path) -> Path:

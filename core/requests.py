@@ -299,6 +299,9 @@ class SamplingRequest(ClientObject):
     frequency_penalty: Penalty | None = None
     user: Text | None = Field(default=None, max_length=256)
     stream: StrictBool | None = None
+    # OpenAI's `store` keeps a completion for its dashboard; every request is a stored job
+    # here, so it is read and changes nothing.
+    store: StrictBool | None = None
     metadata: Metadata | None = None
     # Our extras (vLLM's names for the sampling ones).
     top_k: PositiveInt | None = None

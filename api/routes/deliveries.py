@@ -1,6 +1,7 @@
 """Webhook deliveries and the signing secret: list a job's deliveries, retry one, rotate.
 
-`GET /v1/jobs/{id}/deliveries` lists the job's deliveries with every attempt;
+`GET /v1/jobs/{id}/deliveries` and `GET /v1/batches/{id}/deliveries` list a job's or a
+batch's deliveries with every attempt (a delivery's `id` is what a retry takes);
 `POST /v1/deliveries/{id}/retry` makes one due again (a new attempt, the same
 `webhook-id`); `GET /v1/webhook-secret` shows the tenant's signing secret and
 `POST /v1/webhook-secret/rotate` replaces it (the old one signs too for a while).
@@ -17,6 +18,7 @@ from pydantic import BaseModel
 
 from api.deps import SessionDep, TenantDep
 from api.errors import NotFound
+from storage.batches import get_batch
 from storage.deliveries import get_delivery, list_deliveries, request_retry
 from storage.jobs import get_job
 from storage.models import unix_seconds
@@ -92,7 +94,7 @@ class DeliveryPublic(BaseModel):
 
 
 class DeliveryListPublic(BaseModel):
-    """A job's deliveries, oldest first."""
+    """A job's or a batch's deliveries, oldest first."""
 
     object: Literal["list"] = "list"
     data: list[DeliveryPublic]
@@ -131,6 +133,16 @@ def read_job_deliveries(job_id: str, tenant: TenantDep, session: SessionDep) -> 
         raise NotFound(f"No job found with id '{job_id}'.", param="job_id",
                        code="job_not_found")
     deliveries = list_deliveries(session, tenant_id=tenant.id, job_id=job_id)
+    return DeliveryListPublic(data=[DeliveryPublic.from_delivery(d) for d in deliveries])
+
+
+@router.get("/v1/batches/{batch_id}/deliveries", response_model=DeliveryListPublic)
+def read_batch_deliveries(batch_id: str, tenant: TenantDep, session: SessionDep
+                          ) -> DeliveryListPublic:
+    """The webhook deliveries of a batch (its own events, not its lines'), every attempt."""
+    if get_batch(session, batch_id=batch_id, tenant_id=tenant.id) is None:
+        raise NotFound(f"No such batch: '{batch_id}'.", param="batch_id")
+    deliveries = list_deliveries(session, tenant_id=tenant.id, batch_id=batch_id)
     return DeliveryListPublic(data=[DeliveryPublic.from_delivery(d) for d in deliveries])
 
 

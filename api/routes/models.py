@@ -33,7 +33,8 @@ async def list_models(tenant: TenantDep, resources: ResourcesDep) -> ModelListPu
                                  for name in resources.settings.served_models])
 
 
-@router.get("/{model}", response_model=ModelPublic)
+# `:path`: served names and model paths hold slashes (`Qwen/Qwen2.5-0.5B`).
+@router.get("/{model:path}", response_model=ModelPublic)
 async def read_model(model: str, tenant: TenantDep, resources: ResourcesDep) -> ModelPublic:
     """One served model; 404 model_not_found otherwise."""
     check_model(model, resources.settings.served_models)

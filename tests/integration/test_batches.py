@@ -112,6 +112,13 @@ def test_openai_client_runs_a_batch_end_to_end(service: Callable[..., BatchServi
     [(event, url, payload)] = svc.webhook_events(batch.id)
     assert (event, url) == ("batch.completed", HOOK)
     assert payload["data"] == done.model_dump(mode="json", exclude_unset=True)
+    # The batch's own deliveries can be read (a delivery's id is what a retry takes).
+    deliveries: Any = client.get(f"/batches/{batch.id}/deliveries", cast_to=object)
+    [delivery] = deliveries["data"]
+    assert (delivery["event_type"], delivery["batch_id"]) == ("batch.completed", batch.id)
+    assert delivery["id"].startswith("dlv_")
+    with pytest.raises(openai.NotFoundError):
+        client.get("/batches/batch_nope/deliveries", cast_to=object)
 
     # No worker from here: the same requests would come from the result cache, and the
     # second batch could complete before the cancel below reaches it.

@@ -140,6 +140,7 @@ def test_a_batch_whose_window_the_fleet_cannot_meet_is_refused(service: Service)
         refused = client.post("/v1/batches", json=body)
         assert refused.status_code == 409, refused.text
         assert refused.json()["error"]["code"] == "deadline_unattainable"
+        assert refused.json()["error"]["param"] == "completion_window"
         roomy = client.post("/v1/batches", json=body | {"completion_window": "24h"})
         assert roomy.status_code == 200, roomy.text
         accepted = client.post("/v1/batches", json=body | {"on_unattainable": "accept"})

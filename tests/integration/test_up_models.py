@@ -18,10 +18,12 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from core.settings import Settings
 from scheduler.embedded_services import free_port
-from tests.unit.engine.tiny_models import save_tiny_llama, tiny_llama_config
+from tests.unit.engine.tiny_models import save_tiny_llama, save_tokenizer, tiny_llama_config
 from tests.utils.budget import within_budget
 from tests.utils.up_process import UpProcess, start_up
 
@@ -98,12 +100,15 @@ def test_up_serves_two_models_each_on_its_own_workers(up_two_models: UpProcess) 
 
 def test_up_marks_a_model_that_never_loads_failed_and_refuses_its_new_jobs(
         tmp_path: Path) -> None:
-    """A Llama config without weights passes the start-up check (its config is servable)
-    but every worker's load fails: after a few tries `up` says the model failed, the API
-    lists it failed with the load's error and refuses new jobs with 503 model_unavailable;
-    a job accepted before stays queued (nothing lost), and `up` still stops cleanly."""
-    model_dir = tmp_path / "no-weights"
+    """A Llama directory whose weights file holds none of the model's tensors passes the
+    start-up check (config, weights file and tokenizer are there) but every worker's load
+    fails: after a few tries `up` says the model failed, the API lists it failed with the
+    load's error and refuses new jobs with 503 model_unavailable; a job accepted before
+    stays queued (nothing lost), and `up` still stops cleanly."""
+    model_dir = tmp_path / "wrong-weights"
     tiny_llama_config().save_pretrained(model_dir)
+    save_tokenizer(model_dir)
+    save_file({"unrelated": torch.zeros(1)}, str(model_dir / "model.safetensors"))
     run = start_up(tmp_path / "data", free_port(), num_workers=1, log_path=tmp_path / "up.log",
                    extra_env={"BATCHINFER_MODELS_DIR": str(tmp_path / "models")},
                    args=["--model", str(model_dir), "--served-model-name", "broken"])

@@ -92,3 +92,28 @@ def test_each_look_asks_the_service_to_wait_and_keeps_the_pace() -> None:
         assert next_look(client, "batch_a", interval_s=5.0)["status"] == "completed"
         assert time.monotonic() - started < 1.0
     assert asked == ["0.3", "5.0"]
+
+
+class _Files:
+    """What write_results downloads through: each file id's bytes land at the path."""
+
+    def download(self, file_id: str, path: Path) -> None:
+        path.write_text(file_id)
+
+
+@pytest.mark.parametrize(("status", "failed", "code"), [
+    ("completed", 0, 0), ("completed", 1, 1), ("cancelled", 0, 1), ("expired", 0, 1)])
+def test_the_exit_code_says_whether_every_line_succeeded(
+        tmp_path: Path, status: str, failed: int, code: int) -> None:
+    """A completed batch with failed lines exits 1: scripts checking it must see them."""
+    from rich.console import Console
+
+    from cli.batch import write_results
+
+    batch = {"id": "batch_1", "status": status, "output_file_id": "out",
+             "error_file_id": "err" if failed else None,
+             "request_counts": {"total": 2, "completed": 2 - failed, "failed": failed}}
+    out = tmp_path / "out.jsonl"
+    assert write_results(_Files(), batch, output=out, errors=None,
+                         console=Console(quiet=True)) == code
+    assert out.read_text() == "out"

@@ -9,7 +9,7 @@ import pytest
 from transformers import GPT2Config
 
 from cli.main import main
-from tests.unit.engine.tiny_models import tiny_llama_config
+from tests.unit.engine.tiny_models import save_tiny_llama, save_tokenizer, tiny_llama_config
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_models_prepare_accepts_a_llama_directory(tmp_path: Path,
     """A Llama-layout directory passes the same check; pull prints its path, prepare its
     card."""
     model_dir = tmp_path / "llama"
-    tiny_llama_config().save_pretrained(model_dir)
+    save_tiny_llama(model_dir)
     models_dir = str(tmp_path / "models")
     assert main(["models", "pull", str(model_dir), "--models-dir", models_dir]) == 0
     assert capsys.readouterr().out.strip() == str(model_dir)
@@ -45,6 +45,25 @@ def test_models_prepare_accepts_a_llama_directory(tmp_path: Path,
                  "--models-dir", models_dir]) == 0
     card = json.loads(capsys.readouterr().out)
     assert (card["name"], card["kind"], card["path"]) == ("tiny", "chat", str(model_dir))
+
+
+def test_models_prepare_refuses_a_directory_without_weights_or_tokenizer(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A servable config is not yet a servable model: its worker would load weights and a
+    tokenizer and fail, three times, before the model is marked failed."""
+    model_dir = tmp_path / "llama"
+    tiny_llama_config().save_pretrained(model_dir)
+    models_dir = str(tmp_path / "models")
+    assert main(["models", "prepare", str(model_dir), "--models-dir", models_dir]) == 2
+    assert f"{model_dir} cannot be served: it has no .safetensors weights" in (
+        capsys.readouterr().err)
+    save_tiny_llama(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model_dir / name).unlink()
+    assert main(["models", "prepare", str(model_dir), "--models-dir", models_dir]) == 2
+    assert "it has no tokenizer" in capsys.readouterr().err
+    save_tokenizer(model_dir)
+    assert main(["models", "prepare", str(model_dir), "--models-dir", models_dir]) == 0
 
 
 def test_up_refuses_gpt2_before_starting_anything(gpt2_dir: Path, tmp_path: Path,

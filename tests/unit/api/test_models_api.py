@@ -34,6 +34,16 @@ def test_models_carry_kind_context_and_revision(make_client: ClientFactory,
     assert one["revision"] == "0123abcd0123abcd"
 
 
+def test_a_model_named_with_slashes_is_found(make_client: ClientFactory,
+                                            acme: TenantKey) -> None:
+    """Served names and model paths hold slashes, as vLLM's do; the SDK's retrieve works."""
+    client = make_client(served_models=["Qwen/Qwen2.5-0.5B", "/models/tiny"])
+    for name in ("Qwen/Qwen2.5-0.5B", "/models/tiny"):
+        one = client.get(f"/v1/models/{name}", headers=acme.headers)
+        assert one.status_code == 200 and one.json()["id"] == name, one.text
+    assert client.get("/v1/models/Qwen/other", headers=acme.headers).status_code == 404
+
+
 def test_jobs_go_to_their_models_topic_and_unserved_ones_nowhere(
         make_client: ClientFactory, acme: TenantKey, producer: RecordingProducer) -> None:
     """A served model's job is produced to its own topic; another is 404 naming `model`."""
