@@ -11,7 +11,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-
 # A tokenizer in any of the forms transformers loads: fast (json), its config, SentencePiece.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
