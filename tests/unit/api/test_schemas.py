@@ -130,11 +130,11 @@ def test_structured_output_fields_are_accepted() -> None:
 
 
 def test_defaults_clients_send_are_accepted() -> None:
-    """Zero penalties, n=1, stream=false and empty tool fields pass."""
+    """Zero penalties, n=1, stream=false, empty tool fields and `store` pass."""
     request = ChatCompletionRequest.model_validate({
         **CHAT, "n": 1, "stream": False, "presence_penalty": 0, "frequency_penalty": 0,
         "tools": [], "tool_choice": "none", "logit_bias": {}, "top_logprobs": 0,
-        "response_format": {"type": "text"}, "parallel_tool_calls": True,
+        "response_format": {"type": "text"}, "parallel_tool_calls": True, "store": True,
     })
     check_supported(request)
 
