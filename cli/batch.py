@@ -295,9 +295,11 @@ def write_results(client: Any, batch: dict[str, Any], *, output: Path, errors: P
     if batch["status"] == "failed":
         console.print(f"batch {batch['id']} failed validation; nothing ran:")
         for error in (batch.get("errors") or {}).get("data") or []:
+            message = str(error.get("message"))
             where = f"line {error['line']}: " if error.get("line") else ""
-            console.print(f"  {where}{error.get('message')} ({error.get('code')})",
-                          markup=False)
+            if message.startswith(where):  # the service's messages name their line
+                where = ""
+            console.print(f"  {where}{message} ({error.get('code')})", markup=False)
         return 1
     errors = errors or output.with_name(output.stem + ".errors.jsonl")
     if batch.get("output_file_id"):

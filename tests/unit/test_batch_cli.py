@@ -117,3 +117,19 @@ def test_the_exit_code_says_whether_every_line_succeeded(
     assert write_results(_Files(), batch, output=out, errors=None,
                          console=Console(quiet=True)) == code
     assert out.read_text() == "out"
+
+
+def test_a_failed_validation_names_each_line_once(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from cli.batch import write_results
+
+    console = Console(record=True, width=200)
+    batch = {"id": "batch_1", "status": "failed", "errors": {"data": [
+        {"line": 2, "code": "invalid_url", "message": "line 2: url must be ..."},
+        {"line": 3, "code": "invalid_json", "message": "not JSON"}]}}
+    assert write_results(_Files(), batch, output=tmp_path / "o", errors=None,
+                         console=console) == 1
+    text = console.export_text()
+    assert "  line 2: url must be ... (invalid_url)" in text and "line 2: line 2" not in text
+    assert "  line 3: not JSON (invalid_json)" in text
