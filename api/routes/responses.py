@@ -37,6 +37,13 @@ _ROUTE_FIELDS = ("background", "stream", "stream_options")
 class ResponseJobRequest(ChatCompletionRequest):
     """The chat completion a Responses body runs as; its job's result is a `response`."""
 
+    def inference_body(self) -> dict[str, Any]:
+        """The chat body, plus the metadata the `response` object echoes back."""
+        body = super().inference_body()
+        if self.metadata:
+            body["metadata"] = dict(self.metadata)
+        return body
+
     @property
     def kind(self) -> Literal["response"]:  # type: ignore[override]
         """The OpenAI object the job's result will be."""

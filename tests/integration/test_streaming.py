@@ -185,8 +185,10 @@ def _check_responses(api: Api, client: openai.OpenAI) -> None:
         model=api.model, max_tokens=8, temperature=0, extra_body=OFF,
         messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     response = client.responses.create(model=api.model, instructions="Be brief.", input="Hi",
-                                       max_output_tokens=8, temperature=0, extra_body=OFF)
+                                       max_output_tokens=8, temperature=0, extra_body=OFF,
+                                       metadata={"run": "7"})
     assert response.object == "response" and response.output_text == chat.choices[0].message.content
+    assert response.metadata == {"run": "7"}  # echoed, as OpenAI does
     assert response.usage is not None and chat.usage is not None
     assert response.usage.output_tokens == chat.usage.completion_tokens
     assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length"
