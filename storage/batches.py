@@ -27,6 +27,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    UniqueConstraint,
     literal,
     select,
     tuple_,
@@ -97,6 +98,8 @@ class Batch(Base):
         Index("ix_batches_tenant_created", "tenant_id", "created_at", "id"),
         Index("ix_batches_status", "status"),
         Index("ix_batches_input_file", "input_file_id"),
+        UniqueConstraint("tenant_id", "idempotency_key",
+                         name="uq_batches_tenant_idempotency_key"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -124,6 +127,10 @@ class Batch(Base):
     # OpenAI's `output_expires_after.seconds`: each result file expires this long after
     # its own creation; None keeps them until deleted.
     output_expires_after_s: Mapped[int | None] = mapped_column(Integer, default=None)
+    # The creating request's Idempotency-Key and body hash: a retry with the same key
+    # gets this batch back (the same key with another body is a 409).
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)
+    request_hash: Mapped[str | None] = mapped_column(String(64), default=None)
 
     num_requests: Mapped[int] = mapped_column(Integer, default=0)
     # Fan-out cursor: the first this-many requests of the input file are jobs already.
@@ -218,8 +225,10 @@ def create_batch(
     completion_window: str, expires_at: datetime, priority: str,
     metadata: dict[str, str] | None = None, model_override: str | None = None,
     callback_url: str | None = None, output_expires_after_s: int | None = None,
+    idempotency_key: str | None = None, request_hash: str | None = None,
 ) -> Batch:
-    """Add a batch in `validating`; the batch loop validates and fans it out."""
+    """Add a batch in `validating`; the batch loop validates and fans it out.
+    IntegrityError (at the flush) when the tenant already has a batch of `idempotency_key`."""
     now = utcnow()
     batch = Batch(
         id=new_batch_id(), tenant_id=tenant_id, status=BatchStatus.VALIDATING,
@@ -227,10 +236,18 @@ def create_batch(
         priority=priority, metadata_=metadata, model=model_override,
         model_override=model_override, callback_url=callback_url, created_at=now,
         expires_at=expires_at, output_expires_after_s=output_expires_after_s,
+        idempotency_key=idempotency_key, request_hash=request_hash,
     )
     session.add(batch)
     session.flush()
     return batch
+
+
+def find_batch_by_idempotency_key(session: Session, *, tenant_id: str, key: str
+                                  ) -> Batch | None:
+    """The tenant's batch created with this Idempotency-Key, if any."""
+    return session.scalars(select(Batch).where(Batch.tenant_id == tenant_id,
+                                               Batch.idempotency_key == key)).first()
 
 
 def get_batch(session: Session, *, batch_id: str, tenant_id: str | None = None) -> Batch | None:

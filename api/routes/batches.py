@@ -3,23 +3,29 @@ pages), cancel.
 
 A created batch starts `validating`; the batch loop (scheduler.batches) validates its
 file, fans it out into low-priority jobs and moves it on, so every call here is a few
-small queries. The objects are OpenAI's (`openai.types.Batch`), plus `priority`.
+small queries. The objects are OpenAI's (`openai.types.Batch`), plus `priority`. With an
+`Idempotency-Key`, creating again with the same key and body answers with the first batch
+(`Idempotent-Replayed: true`), so a client that retries after a timeout does not run the
+file twice; the same key with another body is a 409.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from datetime import timedelta
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.exc import IntegrityError
 
 from api.batch_state import batch_view, wait_for_batch
 from api.capabilities import check_model
 from api.deadlines import check_attainable
 from api.deps import (
+    IdempotencyKeyDep,
     RedisDep,
     ResourcesDep,
     SessionDep,
@@ -38,10 +44,12 @@ from core.json_bounds import json_bounds_error
 from core.topics import Priority
 from core.webhook_urls import validate_callback_url
 from storage.batches import (
+    Batch,
     IllegalBatchTransition,
     batch_object,
     completion_window_seconds,
     create_batch,
+    find_batch_by_idempotency_key,
     list_batches,
     request_cancel,
 )
@@ -82,8 +90,16 @@ class BatchCreate(BaseModel):
 @router.post("/v1/batches")
 def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
            settings: SettingsDep, redis_client: RedisDep,
-           resources: ResourcesDep) -> dict[str, Any]:
-    """Create a batch from an uploaded `purpose=batch` file."""
+           resources: ResourcesDep, response: Response,
+           idempotency_key: IdempotencyKeyDep = None) -> dict[str, Any]:
+    """Create a batch from an uploaded `purpose=batch` file (once per Idempotency-Key)."""
+    digest = None
+    if idempotency_key is not None:
+        digest = _body_hash(body)
+        earlier = find_batch_by_idempotency_key(session, tenant_id=tenant.id,
+                                                key=idempotency_key)
+        if earlier is not None:
+            return _replayed(earlier, digest, idempotency_key, response)
     file = get_file(session, file_id=body.input_file_id, tenant_id=tenant.id)
     if file is None:
         raise NotFound(f"No such file: '{body.input_file_id}'.", param="input_file_id")
@@ -124,11 +140,40 @@ def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
         callback_url=callback_url,
         output_expires_after_s=(body.output_expires_after.seconds
                                 if body.output_expires_after else None),
+        idempotency_key=idempotency_key, request_hash=digest,
     )
-    session.commit()
+    try:
+        session.commit()
+    except IntegrityError:
+        # A concurrent request with the same key created it first.
+        session.rollback()
+        if idempotency_key is None or digest is None:
+            raise
+        earlier = find_batch_by_idempotency_key(session, tenant_id=tenant.id,
+                                                key=idempotency_key)
+        if earlier is None:
+            raise
+        return _replayed(earlier, digest, idempotency_key, response)
     publish_batches_wake(redis_client, prefix=settings.topic_prefix, batch_id=batch.id)
     logger.info("batch %s created from %s for tenant %s", batch.id, file.id, tenant.id)
     return batch_object(batch)
+
+
+def _body_hash(body: BatchCreate) -> str:
+    """SHA-256 of the body's canonical JSON; a field given its default equals it left out."""
+    canonical = json.dumps(body.model_dump(mode="json", exclude_none=True), sort_keys=True,
+                           separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _replayed(earlier: Batch, digest: str, key: str, response: Response) -> dict[str, Any]:
+    """The batch an earlier request with this key created; 409 for another body."""
+    if earlier.request_hash != digest:
+        raise Conflict(f"Idempotency-Key {key!r} was already used with a different request "
+                       "body; use a new key for a new batch.", param="Idempotency-Key",
+                       code="idempotency_key_reused")
+    response.headers["Idempotent-Replayed"] = "true"
+    return batch_object(earlier)
 
 
 def _lines_and_model(files: FileStore, file_id: str) -> tuple[int, str | None]:

@@ -125,6 +125,31 @@ def test_batch_create_get_list_cancel(client: TestClient, acme: TenantKey,
     assert client.delete(f"/v1/files/{file_id}", headers=acme.headers).status_code == 200
 
 
+def test_a_retried_create_with_its_idempotency_key_gets_the_same_batch(
+        client: TestClient, acme: TenantKey, sessions: sessionmaker[Session]) -> None:
+    """The same key and body: the first batch again, marked replayed (one batch in all);
+    a field written out at its default is the same body; another body is a 409; another
+    tenant's key space is its own."""
+    file_id = upload(client, acme).json()["id"]
+    key = {"Idempotency-Key": "nightly-2026-11-30"}
+    body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
+    first = client.post("/v1/batches", headers=acme.headers | key, json=body)
+    assert first.status_code == 200 and "Idempotent-Replayed" not in first.headers
+    again = client.post("/v1/batches", headers=acme.headers | key,
+                        json=body | {"priority": "low"})
+    assert again.status_code == 200 and again.headers["Idempotent-Replayed"] == "true"
+    assert again.json()["id"] == first.json()["id"]
+    listed = client.get("/v1/batches", headers=acme.headers).json()["data"]
+    assert [b["id"] for b in listed] == [first.json()["id"]]
+    other = client.post("/v1/batches", headers=acme.headers | key,
+                        json=body | {"completion_window": "48h"})
+    assert other.status_code == 409
+    assert other.json()["error"]["code"] == "idempotency_key_reused"
+    assert other.json()["error"]["param"] == "Idempotency-Key"
+    unkeyed = client.post("/v1/batches", headers=acme.headers, json=body)
+    assert unkeyed.json()["id"] != first.json()["id"]
+
+
 def test_batch_list_pages_with_cursor(client: TestClient, acme: TenantKey) -> None:
     file_id = upload(client, acme).json()["id"]
     ids = [create(client, acme, file_id).json()["id"] for _ in range(3)]
