@@ -7,7 +7,9 @@ it (`core.responses_api`). The request runs as a chat completion job of kind `re
 `response` object the worker stored. With `background: true` it is not awaited: the
 answer is the job (202), followed with GET /v1/jobs/{id}, whose result is the same object.
 With `stream: true` the answer is the Responses API's typed events as the text comes
-(`api.response_stream`).
+(`api.response_stream`). `GET /v1/responses/{id}` reads one back: the stored `response`
+once its job succeeded, before that (or when it failed or was cancelled) the response
+with the job's state as its status.
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from api.deps import IdempotencyKeyDep, ProducerDep, ResourcesDep, TenantDep
-from api.errors import InvalidRequest
+from api.deps import IdempotencyKeyDep, ProducerDep, ResourcesDep, SessionDep, TenantDep
+from api.errors import InvalidRequest, NotFound
 from api.response_stream import stream_response
 from api.routes.completions import run_synchronously
 from api.schemas import ChatCompletionRequest, JobPublic, job_path, model_response
 from api.submission import submit
 from core.request_checks import RequestRefused, describe_errors
-from core.responses_api import to_chat_body
+from core.responses_api import response_shell, to_chat_body
 from core.topics import Priority
+from storage.jobs import get_job
+from storage.models import JobStatus
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -125,3 +129,29 @@ def _as_job(body: dict[str, Any], *, stream: bool) -> ResponseJobRequest:
     except ValidationError as e:
         param, message, code = describe_errors(e.errors(include_url=False))
         raise InvalidRequest(message, param=param, code=code, status_code=422) from e
+
+
+# A job's state as the Responses API names a response's.
+_RESPONSE_STATUS = {
+    JobStatus.QUEUED: "queued", JobStatus.RUNNING: "in_progress",
+    JobStatus.FAILED: "failed", JobStatus.CANCELLED: "cancelled", JobStatus.EXPIRED: "failed",
+}
+
+
+@router.get("/responses/{response_id}", response_model=None)
+def read_response(response_id: str, tenant: TenantDep, session: SessionDep) -> dict[str, Any]:
+    """A response by id (`resp_<job id>`), as OpenAI's retrieve returns it."""
+    job_id = response_id.removeprefix("resp_")
+    job = get_job(session, job_id=job_id, tenant_id=tenant.id)
+    if job is None or job.kind != "response":
+        raise NotFound(f"No response found with id '{response_id}'.", param="response_id",
+                       code="response_not_found")
+    if job.status is JobStatus.SUCCEEDED and job.result is not None:
+        return dict(job.result)
+    response = response_shell(job_id=job.id, model=job.model,
+                              created_at=int(job.created_at.timestamp()), body=job.request)
+    response["status"] = _RESPONSE_STATUS.get(job.status, "in_progress")
+    if job.error:
+        response["error"] = {"code": job.error.get("code") or "server_error",
+                             "message": job.error.get("message") or "The request failed."}
+    return response

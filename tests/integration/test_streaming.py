@@ -189,6 +189,11 @@ def _check_responses(api: Api, client: openai.OpenAI) -> None:
                                        metadata={"run": "7"})
     assert response.object == "response" and response.output_text == chat.choices[0].message.content
     assert response.metadata == {"run": "7"}  # echoed, as OpenAI does
+    read_back = client.responses.retrieve(response.id)
+    assert (read_back.id, read_back.status, read_back.output_text, read_back.metadata) == (
+        response.id, response.status, response.output_text, {"run": "7"})
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_job_nope")
     assert response.usage is not None and chat.usage is not None
     assert response.usage.output_tokens == chat.usage.completion_tokens
     assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length"
@@ -203,6 +208,7 @@ def _check_responses(api: Api, client: openai.OpenAI) -> None:
         assert time.monotonic() < deadline, view
         time.sleep(0.1)
     assert view["result"]["object"] == "response" and view["result"]["output"]
+    assert client.responses.retrieve(f"resp_{job_id}").status in ("completed", "incomplete")
 
     with pytest.raises(openai.BadRequestError) as image:
         image_part: Any = {"role": "user", "content": [

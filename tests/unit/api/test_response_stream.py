@@ -118,3 +118,32 @@ def test_stream_fields_refused_before_anything_is_queued(
     assert response.json()["error"]["param"] == param
     with sessions() as session:
         assert session.scalars(select(Job)).all() == []
+
+
+def test_a_queued_or_failed_response_reads_back_with_its_state(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session]
+) -> None:
+    """GET /v1/responses/{id} before the job ran: OpenAI's response object, `queued`; once
+    it failed, `failed` with the error; another kind of job is not a response."""
+    from openai.types.responses import Response
+
+    queued = client.post("/v1/responses", headers=acme.headers, json={
+        "model": MODEL, "input": "Hi", "background": True, "metadata": {"k": "v"}})
+    assert queued.status_code == 202, queued.text
+    job_id = queued.json()["id"]
+    read = client.get(f"/v1/responses/resp_{job_id}", headers=acme.headers)
+    assert read.status_code == 200, read.text
+    response = Response.model_validate(read.json())
+    assert (response.id, response.status, response.metadata) == (
+        f"resp_{job_id}", "queued", {"k": "v"})
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        job.status, job.error = JobStatus.FAILED, {"message": "boom", "code": "engine_error"}
+        session.commit()
+    failed = client.get(f"/v1/responses/resp_{job_id}", headers=acme.headers).json()
+    assert failed["status"] == "failed" and failed["error"]["message"] == "boom"
+    chat = client.post("/v1/jobs", headers=acme.headers,
+                       json={"model": MODEL, "prompt": "hi"}).json()["id"]
+    missing = client.get(f"/v1/responses/resp_{chat}", headers=acme.headers)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "response_id"
