@@ -21,7 +21,7 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
-from storage.models import Job, JobStatus
+from storage.models import Job
 from tests.utils.batch_service import CHAT, TERMINAL, BatchService, chat_line, jsonl
 
 NUM_LINES = 6
@@ -46,7 +46,7 @@ def test_batches_finish_in_deadline_order_whatever_order_they_came_in(
         ids[window] = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
                                             completion_window=window).id  # type: ignore[arg-type]
     for batch_id in ids.values():
-        svc.wait_jobs(batch_id, lambda s: s.get(JobStatus.QUEUED, 0) == NUM_LINES)
+        svc.wait_published(batch_id, NUM_LINES)
     svc.start_worker()
     for batch_id in ids.values():
         done = svc.wait_batch(client, batch_id, lambda b: b.status in TERMINAL)
@@ -87,7 +87,7 @@ def test_batches_behind_a_backlog_reach_the_topic_in_deadline_order(
                                      completion_window=window).id  # type: ignore[arg-type]
 
     backlog = submit("backlog", BACKLOG_LINES, "7d")
-    svc.wait_jobs(backlog, lambda s: s.get(JobStatus.QUEUED, 0) == WINDOW)
+    svc.wait_published(backlog, WINDOW)
     ids = {window: submit(window, BEHIND_LINES, window) for window in ("24h", "2h", "30m")}
     for batch_id in ids.values():
         svc.wait_batch(client, batch_id, lambda b: b.status == "in_progress")

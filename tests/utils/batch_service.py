@@ -120,6 +120,24 @@ class BatchService:
             time.sleep(0.05)
         return statuses
 
+    def wait_published(self, batch_id: str, num_jobs: int, timeout: float = 120.0) -> None:
+        """Wait until `num_jobs` of the batch's jobs are in the broker, not only queued in
+        the database: the fan-out commits a chunk's jobs before it produces them (and
+        stamps `queued_at` once the broker acknowledged), so a worker started at "queued"
+        can find some batches' records there and others' a poll later."""
+        deadline = time.monotonic() + within_budget(timeout)
+        while True:
+            with self.sessions() as session:
+                num = session.scalar(sa.select(sa.func.count()).where(
+                    Job.batch_id == batch_id, Job.status == JobStatus.QUEUED,
+                    Job.queued_at.is_not(None)))
+            if num == num_jobs:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"batch {batch_id}: {num} of {num_jobs} jobs published "
+                                     f"after {timeout}s\n{self.logs()}")
+            time.sleep(0.05)
+
     def set_expires_at(self, batch_id: str, at: datetime) -> None:
         """Move the batch's deadline: the test's clock for when its window ends."""
         with self.sessions() as session:
