@@ -24,7 +24,15 @@ from api.auth import CurrentTenant
 from api.job_state import cancel_and_announce
 from api.resources import LazyProducer, Resources
 from api.schemas import JobPublic
-from api.stream_chunks import DONE, KEEPALIVE, ChunkMaker, error_event, result_text, sse
+from api.stream_chunks import (
+    DONE,
+    KEEPALIVE,
+    ChunkMaker,
+    error_event,
+    result_calls,
+    result_text,
+    sse,
+)
 from api.submission import submit
 from api.token_relay import Finished, Idle, TextDelta, follow_job
 from api.tool_call_stream import ToolTextGate
@@ -131,7 +139,7 @@ def _ending(chunks: ChunkMaker, gate: ToolTextGate | None, view: JobPublic,
             first = chunks.first(index)
             if first is not None:
                 parts.append(sse(first))
-            made = (choices[index].get("message") or {}).get("tool_calls")
+            made = result_calls(result, index)
             parts.append(sse(chunks.calls(made, index) if made
                              else chunks.text(result_text(result, index), index)))
         parts += [sse(chunks.finish(choice.get("finish_reason") or "stop", index))

@@ -115,6 +115,13 @@ def result_text(result: dict[str, Any], index: int = 0) -> str:
     return str(choice.get("text") or "")
 
 
+def result_calls(result: dict[str, Any], index: int = 0) -> list[dict[str, Any]]:
+    """The tool calls of choice `index` of a stored chat result ([] for none)."""
+    choices = result.get("choices") or [{}]
+    choice = choices[index] if index < len(choices) else {}
+    return list((choice.get("message") or {}).get("tool_calls") or [])
+
+
 def error_event(error: dict[str, Any]) -> bytes:
     """The event that ends a stream that failed: OpenAI's `{"error": {...}}`."""
     return sse({"error": {"message": error.get("message") or "The request failed.",

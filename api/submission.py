@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
+from typing import Any
 
 from kafka.errors import KafkaError
 from starlette.concurrency import run_in_threadpool
@@ -60,16 +61,21 @@ class Submission:
 
 
 def request_hash(request: AnyRequest | EmbeddingRequest) -> str:
-    """SHA-256 of the request's canonical JSON (sorted keys, unset and null fields dropped).
+    """SHA-256 of the request's canonical JSON (unset and null fields dropped)."""
+    body = request.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+    return json_hash({"endpoint": type(request).__name__, "body": body})
+
+
+def json_hash(value: Any) -> str:
+    """SHA-256 of `value`'s canonical JSON (sorted keys, no spaces): an Idempotency-Key's
+    body fingerprint.
 
     Never raises on text: validation refuses lone surrogates in the fields it knows, but
     free-form ones (an accepted `response_format`'s other keys, a content part's extras)
     can still carry one, and 'surrogatepass' hashes it where plain UTF-8 would fail. Valid
     text encodes the same either way, so stored hashes keep matching.
     """
-    body = request.model_dump(mode="json", exclude_unset=True, exclude_none=True)
-    canonical = json.dumps({"endpoint": type(request).__name__, "body": body},
-                           sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 

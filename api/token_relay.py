@@ -20,14 +20,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
 from api.job_state import wait_for_job
 from api.resources import Resources
 from api.schemas import JobPublic
-from api.stream_chunks import result_text
+from api.stream_chunks import result_calls, result_text
 from storage.token_streams import STARTED, StreamEntry, read_entries
 
 logger = logging.getLogger(__name__)
@@ -140,7 +139,7 @@ async def follow_job(resources: Resources, *, job_id: str, tenant_id: str,
                 # A result of tool calls has no text to continue the relayed one with: that
                 # text was the calls (api.tool_call_stream sends them from the result).
                 if (view.status.is_terminal and view.result is not None
-                        and not _has_tool_calls(view.result)):
+                        and not result_calls(view.result)):
                     rest = text.rest_of(result_text(view.result))
                     if rest:
                         yield TextDelta(rest)
@@ -165,8 +164,3 @@ def _entries_of(read: asyncio.Future[list[tuple[str, StreamEntry]]],
                        "when it ends", job_id, e)
         return None
 
-
-def _has_tool_calls(result: dict[str, Any]) -> bool:
-    """Whether a stored result's first choice is a message of tool calls."""
-    choices = result.get("choices") or [{}]
-    return bool((choices[0].get("message") or {}).get("tool_calls"))

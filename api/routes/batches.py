@@ -11,7 +11,6 @@ file twice; the same key with another body is a 409.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from datetime import timedelta
@@ -39,6 +38,7 @@ from api.errors import Conflict, InvalidParameter, InvalidRequest, NotFound
 from api.model_states import refuse_if_failed
 from api.pagination import invalid_cursor, list_page
 from api.schemas import CallbackUrl, ExpiresAfter, Metadata
+from api.submission import json_hash
 from core.deadlines import check_window
 from core.json_bounds import json_bounds_error
 from core.topics import Priority
@@ -95,7 +95,8 @@ def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
     """Create a batch from an uploaded `purpose=batch` file (once per Idempotency-Key)."""
     digest = None
     if idempotency_key is not None:
-        digest = _body_hash(body)
+        # Defaults included: a field written out at its default is the same body.
+        digest = json_hash(body.model_dump(mode="json", exclude_none=True))
         earlier = find_batch_by_idempotency_key(session, tenant_id=tenant.id,
                                                 key=idempotency_key)
         if earlier is not None:
@@ -157,13 +158,6 @@ def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
     publish_batches_wake(redis_client, prefix=settings.topic_prefix, batch_id=batch.id)
     logger.info("batch %s created from %s for tenant %s", batch.id, file.id, tenant.id)
     return batch_object(batch)
-
-
-def _body_hash(body: BatchCreate) -> str:
-    """SHA-256 of the body's canonical JSON; a field given its default equals it left out."""
-    canonical = json.dumps(body.model_dump(mode="json", exclude_none=True), sort_keys=True,
-                           separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _replayed(earlier: Batch, digest: str, key: str, response: Response) -> dict[str, Any]:

@@ -294,7 +294,7 @@ def _pick_among_candidates(logits: torch.Tensor, params: list[SamplingParams],
     temps = _on([p.temperature for p in params], logits.dtype, device)[:, None]
     # A positive temperature keeps the order: the best logits are the best scores.
     values, ids = logits.topk(num, dim=-1)  # (r, num), best first
-    best = values[:, :1].clamp(min=torch.finfo(values.dtype).min)  # as _best(logits)
+    best = _best(values)  # the rows' best logits (values are sorted, best first)
     values = (values - best) / temps  # as _scaled(logits, temps): the best exactly 0
     has_k = _on([p.top_k is not None for p in params], torch.bool, device)
     ks = _on([min(p.top_k or vocab, vocab) for p in params], torch.int64, device)

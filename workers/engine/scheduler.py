@@ -38,7 +38,7 @@ import bisect
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -341,12 +341,8 @@ class Scheduler:
     def _recompute_long(self, seq: Sequence) -> None:
         """Back to the waiting line to recompute all it has with longrope's long factors
         (its KV holds the short ones); its block hashes change with the mode."""
-        self.running.remove(seq)
-        self.block_manager.forget(seq)
         seq.rope_long = True
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        bisect.insort(self.waiting, seq, key=urgency)
+        self._requeue(seq, self.block_manager.forget)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Take a sequence out of the engine for good and free its blocks."""
@@ -500,10 +496,14 @@ class Scheduler:
     def _preempt(self, seq: Sequence, step: StepDraft) -> None:
         logger.debug("preempting %s (priority %d)", seq.request_id, seq.priority)
         step.remove(seq)  # before free(): it resets the progress the step priced
+        self._requeue(seq, self.block_manager.free)
+        self.num_preemptions += 1
+        step.preempted.append(seq)
+
+    def _requeue(self, seq: Sequence, release: Callable[[Sequence], None]) -> None:
+        """A running sequence back in the waiting line, its blocks released, to recompute."""
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=urgency)
-        step.preempted.append(seq)
