@@ -9,6 +9,7 @@ import pytest
 from tests.unit.engine.test_engine import greedy, make_engine, run_all
 from tests.unit.engine.tiny_models import save_tiny_llama
 from workers.engine import EngineConfig
+from workers.engine.step_cost import StepShape
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,17 @@ def test_low_requests_sit_out_while_a_high_one_runs_and_lose_nothing(
         engine.add_request(f"low{i}", [5 + i, 6, 7, 8], greedy(20), priority=2)
     for _ in range(10):  # enough steps to fit the cost model
         engine.step()
-    assert engine.scheduler.cost_model.is_fitted
+    cost_model = engine.scheduler.cost_model
+    assert cost_model.is_fitted
+    # Those steps all had four sequences and the tiny model's ~1 ms steps are mostly fixed
+    # cost, so on a busy machine their noise can fit a constant: every addition priced at
+    # 0 and let in under a slowdown bound of 1. Steps of other widths, as a serving engine
+    # sees all the time, pin what a sequence costs.
+    for _ in range(5):
+        for width in range(1, 9):
+            cost_model.observe(StepShape(width, 8 * width, width), 1e-3 * (1 + width))
+    high_alone = StepShape(1, 4, 1)
+    assert cost_model.predict(high_alone.plus(1, 12)) > cost_model.predict(high_alone)
     engine.add_request("high", [9, 10, 11], greedy(5), priority=0)
     high_done = False
     while not high_done:
