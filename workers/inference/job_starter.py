@@ -126,16 +126,18 @@ class JobStarter:
                 continue
             self._ack(candidate.records)
         runnable = self._answer_from_caches(runnable)
-        prepared: list[tuple[Candidate, Prompt, SamplingParams]] = []
+        prepared: list[tuple[Candidate, Prompt, SamplingParams, int]] = []
         tools_of: dict[str, list[dict[str, Any]]] = {}  # job id -> tools for its prompt
         for candidate in runnable:
             message = candidate.message
             try:
                 self._check_model(message)
+                n = 1
                 if message.kind == "embedding":
                     prompt, params = embedding_request_from_body(message.body,
                                                                  self._engine.engine)
                 else:
+                    n = num_choices(message.body)
                     prompt = prompt_from_body(message.kind, message.body)
                     params = sampling_params_from_body(
                         message.kind, message.body, max_model_len=self._max_model_len
@@ -152,13 +154,22 @@ class JobStarter:
                 self._outcomes.failed(message, str(e))
                 self._ack(candidate.records)
                 continue
-            prepared.append((candidate, prompt, params))
+            except Exception as e:  # noqa: BLE001 - one job's body must not stop the worker
+                # The API validates bodies, so this is a record from elsewhere (an older
+                # release, another producer) or a defect here: the job fails, not the loop.
+                logger.exception("job %s: its request could not be prepared", message.job_id)
+                self._outcomes.failed(
+                    message, f"the request could not be prepared: {type(e).__name__}: {e}",
+                    code="request_not_prepared", type="server_error")
+                self._ack(candidate.records)
+                continue
+            prepared.append((candidate, prompt, params, n))
         claimed = self._store.claim_many(
-            [c.message.job_id for c, _, _ in prepared], worker_id=self._worker_id
+            [c.message.job_id for c, _, _, _ in prepared], worker_id=self._worker_id
         )
         now = utcnow()
         requests: list[EngineRequest] = []
-        for candidate, prompt, params in prepared:
+        for candidate, prompt, params, n in prepared:
             message = candidate.message
             if message.job_id not in claimed:
                 self._ack(candidate.records)  # finished or cancelled meanwhile
@@ -173,7 +184,7 @@ class JobStarter:
                 message.job_id, prompt, params, priority=Priority(message.priority).rank,
                 stream=stream, job=message,
                 tools=tools_of.get(message.job_id),
-                n=num_choices(message.body) if message.kind != "embedding" else 1,
+                n=n,
                 tenant_weight=self._weight_of(message.tenant_id),
             ))
         # All at once: the engine orders the whole start by urgency before any of it runs.
