@@ -1,7 +1,7 @@
 """What this deployment serves and supports: a 4xx naming the field otherwise.
 
 Shape errors (wrong type, out of range, unknown field, invalid text) are pydantic's, a
-422; here are the requests that parse but ask for something the engine does not do, or
+400; here are the requests that parse but ask for something the engine does not do, or
 do not fit the model's context (400, the rules of `core.request_checks`, which batch
 lines pass too), and models this deployment does not serve (404).
 """

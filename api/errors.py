@@ -6,10 +6,10 @@ Every error response, whatever raised it, has the body OpenAI clients expect:
                "code": "invalid_value"}}
 
 Responsible for: the `APIError` family that routes raise, turning validation errors into a
-422 that names the offending field, rendering Starlette's HTTP errors (404 for unknown
-URLs, 405, 413 for oversized bodies), values the database refuses (400) and dependency
-outages (database, Redis, broker → 503) in the same shape, and a last-resort 500 that
-never leaks internals.
+400 that names the offending field (as OpenAI and vLLM answer them), rendering Starlette's
+HTTP errors (404 for unknown URLs, 405, 413 for oversized bodies), values the database
+refuses (400) and dependency outages (database, Redis, broker → 503) in the same shape,
+and a last-resort 500 that never leaks internals.
 """
 
 from __future__ import annotations
@@ -110,9 +110,9 @@ class NotFound(APIError):
 
 
 class InvalidParameter(APIError):
-    """422: the body does not match the schema (missing, unknown, mistyped or out of range)."""
+    """400: the body does not match the schema (missing, unknown, mistyped or out of range)."""
 
-    status_code = 422
+    status_code = 400
     code = "invalid_value"
 
 
@@ -176,7 +176,7 @@ class Timeout(APIError):
 def validation_error(errors: Sequence[Any]) -> APIError:
     """The client-facing error for pydantic's error list (the first field's problems).
 
-    A bad header is a 400 naming the header; a body field that fails its schema, a 422
+    A bad header is a 400 naming the header; a body field that fails its schema, a 400
     naming the field (the rules are `core.request_checks.describe_errors`, which batch
     lines share).
     """

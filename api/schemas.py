@@ -3,7 +3,7 @@
 Responsible for: the public views of jobs and models, the file expiry policy, and giving
 the API's routes the request models. The request models live in `core.requests` because
 the scheduler validates batch lines with the very same ones; pydantic turns violations
-into a 422 naming the field. What parses but is not supported, or does not fit the
+into a 400 naming the field. What parses but is not supported, or does not fit the
 model's context, is refused by `core.request_checks` (400).
 """
 

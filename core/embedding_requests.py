@@ -2,7 +2,7 @@
 
 `input` is a string, a list of strings, one list of token ids, or a list of token-id
 lists; empty input, empty strings and more than MAX_EMBEDDING_INPUTS items are refused
-where the body is parsed (a 422 naming `input`), so nothing is queued for them. The same
+where the body is parsed (a 400 naming `input`), so nothing is queued for them. The same
 normalisation serves the worker, which gets bodies from batch files and older messages
 too.
 """

@@ -33,8 +33,8 @@ MAX_CHOICES = 128
 class RequestRefused(ValueError):
     """A request this service will not run, naming the field and an OpenAI error code.
 
-    `status_code` is what the API answers: 422 for a body that does not match the schema,
-    400 for a well-formed request it will not run.
+    `status_code` is what the API answers: 400 for a body that does not match the schema
+    and for a well-formed request it will not run (OpenAI's status for both).
     """
 
     def __init__(self, message: str, *, param: str | None, code: str = "invalid_value",
@@ -205,7 +205,7 @@ def parse_body(body: dict[str, Any], *, is_chat: bool) -> ChatCompletionRequest 
         return model.model_validate(body)
     except ValidationError as e:
         param, message, code = describe_errors(e.errors(include_url=False))
-        raise RequestRefused(message, param=param, code=code, status_code=422) from e
+        raise RequestRefused(message, param=param, code=code) from e
 
 
 def param_from_loc(loc: Sequence[int | str]) -> str | None:

@@ -69,7 +69,7 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
         request = ResponseRequest.model_validate(body)
     except ValidationError as e:
         param, message, code = describe_errors(e.errors(include_url=False))
-        raise RequestRefused(message, param=param, code=code, status_code=422) from e
+        raise RequestRefused(message, param=param, code=code) from e
     messages: list[dict[str, Any]] = []
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})

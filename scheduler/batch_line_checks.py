@@ -27,13 +27,13 @@ from core.requests import printable
 
 
 def check_shape(body: dict[str, Any], *, kind: str) -> None:
-    """RequestRefused (status 422) naming the first field of `body` that fails the schema."""
+    """RequestRefused (status 400) naming the first field of `body` that fails the schema."""
     if kind == "embedding":
         try:
             EmbeddingRequest.model_validate(body)
         except ValidationError as e:
             param, message, code = describe_errors(e.errors(include_url=False))
-            raise RequestRefused(message, param=param, code=code, status_code=422) from e
+            raise RequestRefused(message, param=param, code=code) from e
         return
     parse_body(body, is_chat=kind in ("chat.completion", "response"))
 

@@ -132,7 +132,7 @@ def storage_error(error: OSError) -> APIError:
 
 
 def _expires_after(fields: dict[str, str]) -> ExpiresAfter | None:
-    """The form's `expires_after[...]` fields as a policy; 422 naming the bad one."""
+    """The form's `expires_after[...]` fields as a policy; 400 naming the bad one."""
     values = {key: fields[name] for key, name in EXPIRES_AFTER_FIELDS.items() if name in fields}
     if not values:
         return None

@@ -96,7 +96,7 @@ async def accept_job(raw: dict[str, Any], *, tenant: CurrentTenant,
 
 
 def _job_request(raw: dict[str, Any]) -> JobCreate | EmbeddingJobCreate:
-    """The body as the request it is; a 422 naming the field, exactly as FastAPI's own."""
+    """The body as the request it is; a 400 naming the field, exactly as FastAPI's own."""
     model: type[JobCreate] | type[EmbeddingJobCreate] = (
         EmbeddingJobCreate if "input" in raw else JobCreate)
     try:

@@ -117,7 +117,7 @@ def _check_stream_options(options: Any, *, stream: bool) -> None:
 
 
 def _as_job(body: dict[str, Any], *, stream: bool) -> ResponseJobRequest:
-    """The chat request of a Responses body; 400/422 naming the field it got wrong."""
+    """The chat request of a Responses body; 400 naming the field it got wrong."""
     try:
         chat = to_chat_body({k: v for k, v in body.items() if k not in _ROUTE_FIELDS})
         if stream:
@@ -128,7 +128,7 @@ def _as_job(body: dict[str, Any], *, stream: bool) -> ResponseJobRequest:
                              status_code=e.status_code) from e
     except ValidationError as e:
         param, message, code = describe_errors(e.errors(include_url=False))
-        raise InvalidRequest(message, param=param, code=code, status_code=422) from e
+        raise InvalidRequest(message, param=param, code=code) from e
 
 
 # A job's state as the Responses API names a response's.

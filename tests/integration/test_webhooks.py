@@ -349,7 +349,7 @@ def test_private_callback_url_is_refused_with_422(settings: Callable[..., Settin
     with TestClient(create_app(made)) as client:
         response = client.post("/v1/jobs", headers=auth, json={
             "model": made.model, "messages": BODY["messages"], "callback_url": url})
-        assert response.status_code == 422, response.text
+        assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == "callback_url"
         assert "public addresses only" in error["message"]

@@ -1,4 +1,4 @@
-"""The `cache` field of a request: stored for the worker when valid, a 422 naming it when not."""
+"""The `cache` field of a request: stored for the worker when valid, a 400 naming it when not."""
 
 from __future__ import annotations
 
@@ -53,6 +53,6 @@ def test_a_bad_cache_policy_is_a_422_naming_the_field(
 ) -> None:
     body = {"model": MODEL, **CHAT_BODY, "cache": cache}
     response = client.post("/v1/jobs", json=body, headers=acme.headers)
-    assert response.status_code == 422, response.text
+    assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     assert count_jobs(sessions) == 0

@@ -59,12 +59,12 @@ def test_an_embedding_job_goes_to_its_models_topic(
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"model": "nope", "input": "x"}, 404, "model"),
     ({"model": MODEL, "input": "x"}, 400, "model"),  # a chat model has no embeddings
-    ({"model": EMB, "input": ""}, 422, "input"),
-    ({"model": EMB, "input": []}, 422, "input"),
-    ({"model": EMB, "input": ["ok", ""]}, 422, "input"),
-    ({"model": EMB, "input": [[1, 2], []]}, 422, "input"),
-    ({"model": EMB, "input": ["x"] * (MAX_EMBEDDING_INPUTS + 1)}, 422, "input"),
-    ({"model": EMB, "input": "x", "encoding_format": "hex"}, 422, "encoding_format"),
+    ({"model": EMB, "input": ""}, 400, "input"),
+    ({"model": EMB, "input": []}, 400, "input"),
+    ({"model": EMB, "input": ["ok", ""]}, 400, "input"),
+    ({"model": EMB, "input": [[1, 2], []]}, 400, "input"),
+    ({"model": EMB, "input": ["x"] * (MAX_EMBEDDING_INPUTS + 1)}, 400, "input"),
+    ({"model": EMB, "input": "x", "encoding_format": "hex"}, 400, "encoding_format"),
     ({"model": EMB, "input": "x", "dimensions": 128}, 400, "dimensions"),
     ({"model": EMB, "input": "word " * 300, "truncate": False}, 400, "input"),
 ])

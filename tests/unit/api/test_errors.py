@@ -37,7 +37,7 @@ def test_missing_and_unknown_fields_read_like_openai() -> None:
     """Missing and unknown parameters get OpenAI's wording and codes."""
     missing = validation_error([{"type": "missing", "loc": ("body", "model"), "msg": "x"}])
     assert (missing.status_code, missing.param, missing.code) == (
-        422, "model", "missing_required_parameter")
+        400, "model", "missing_required_parameter")
     assert missing.message == "Missing required parameter: 'model'."
     extra = validation_error([{"type": "extra_forbidden", "loc": ("body", "foo"), "msg": "x"}])
     assert (extra.param, extra.code) == ("foo", "unknown_parameter")

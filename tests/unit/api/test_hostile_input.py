@@ -60,9 +60,9 @@ def test_lone_surrogates_in_chat_requests_are_422_naming_the_field(
     producer: RecordingProducer, path_body: tuple[str, dict[str, Any]],
     patch: dict[str, Any], param: str,
 ) -> None:
-    """`"x\\ud800y"` in any text field: 422 naming it (escaped where it is the name itself)."""
+    """`"x\\ud800y"` in any text field: 400 naming it (escaped where it is the name itself)."""
     path, body = path_body
-    error = assert_refused(client, acme, sessions, producer, path, body | patch, status=422,
+    error = assert_refused(client, acme, sessions, producer, path, body | patch, status=400,
                            param=param)
     if param.startswith(("messages", "stop", "user", "model")):
         assert "surrogate" in error["message"]
@@ -77,7 +77,7 @@ def test_lone_surrogates_in_text_requests_are_422_naming_the_field(
 ) -> None:
     """The prompt, stop strings and a completion's suffix are checked alike."""
     path, body = path_body
-    error = assert_refused(client, acme, sessions, producer, path, body | patch, status=422,
+    error = assert_refused(client, acme, sessions, producer, path, body | patch, status=400,
                            param=param)
     if param != "suffix" or path == "/v1/completions":  # /v1/jobs has no suffix field
         assert "U+D800" in error["message"]
@@ -91,7 +91,7 @@ def test_lone_surrogates_in_job_metadata_and_callback_are_422(
     producer: RecordingProducer, patch: dict[str, Any], param: str,
 ) -> None:
     """Metadata keys and values, and the callback URL, of /v1/jobs."""
-    assert_refused(client, acme, sessions, producer, "/v1/jobs", CHAT | patch, status=422,
+    assert_refused(client, acme, sessions, producer, "/v1/jobs", CHAT | patch, status=400,
                    param=param)
 
 
@@ -104,7 +104,7 @@ def test_lax_types_and_non_finite_numbers_are_422(
 ) -> None:
     """Integers are JSON integers, booleans booleans, numbers finite: as OpenAI is strict."""
     path, body = path_body
-    error = assert_refused(client, acme, sessions, producer, path, body | patch, status=422,
+    error = assert_refused(client, acme, sessions, producer, path, body | patch, status=400,
                            param=param)
     if patch.get(param) != patch.get(param):  # NaN
         assert "finite number" in error["message"]
@@ -118,7 +118,7 @@ def test_unknown_roles_and_non_text_content_are_422(
 ) -> None:
     """A `robot` role, a number for content."""
     for path, body in CHAT_PATHS:
-        assert_refused(client, acme, sessions, producer, path, body | patch, status=422,
+        assert_refused(client, acme, sessions, producer, path, body | patch, status=400,
                        param=param)
 
 
@@ -183,11 +183,11 @@ def test_embedding_bodies_are_checked_alike(
     make_client: ClientFactory, acme: TenantKey, sessions: sessionmaker[Session],
     producer: RecordingProducer, patch: dict[str, Any], param: str,
 ) -> None:
-    """Inputs to embed, by POST /v1/jobs and POST /v1/embeddings: a 422, never a 500."""
+    """Inputs to embed, by POST /v1/jobs and POST /v1/embeddings: a 400, never a 500."""
     client = make_client(served_models=[MODEL, "emb"], embedding_models=["emb"])
     for path in ("/v1/jobs", "/v1/embeddings"):
         assert_refused(client, acme, sessions, producer, path, {"model": "emb"} | patch,
-                       status=422, param=param)
+                       status=400, param=param)
 
 
 @pytest.mark.parametrize("wait", ["nan", "inf", "-1"])
@@ -197,7 +197,7 @@ def test_long_poll_wait_must_be_a_finite_number_of_seconds(
     """`?wait=nan` is named as not finite, not as "should be >= 0"."""
     job = send_json(client, "/v1/jobs", CHAT, acme.headers).json()
     response = client.get(f"/v1/jobs/{job['id']}?wait={wait}", headers=acme.headers)
-    assert response.status_code == 422, response.text
+    assert response.status_code == 400, response.text
     error = assert_error_shape(response.json())
     assert error["param"] == "wait"
     if wait != "-1":

@@ -27,7 +27,7 @@ DEFAULT_SCHEDULE = [5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 36000.0]
         (408, Verdict.RETRY), (429, Verdict.RETRY), (500, Verdict.RETRY),
         (502, Verdict.RETRY), (503, Verdict.RETRY), (599, Verdict.RETRY),
         (410, Verdict.FAILED), (400, Verdict.FAILED), (401, Verdict.FAILED),
-        (404, Verdict.FAILED), (422, Verdict.FAILED),
+        (404, Verdict.FAILED), (400, Verdict.FAILED),
         (301, Verdict.FAILED), (302, Verdict.FAILED), (307, Verdict.FAILED),
         (101, Verdict.FAILED),
     ],
