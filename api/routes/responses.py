@@ -41,11 +41,16 @@ _ROUTE_FIELDS = ("background", "stream", "stream_options")
 class ResponseJobRequest(ChatCompletionRequest):
     """The chat completion a Responses body runs as; its job's result is a `response`."""
 
+    # Run as the first system message; kept to be echoed back on the `response`.
+    instructions: str | None = None
+
     def inference_body(self) -> dict[str, Any]:
-        """The chat body, plus the metadata the `response` object echoes back."""
+        """The chat body, plus the metadata and instructions the `response` echoes back."""
         body = super().inference_body()
         if self.metadata:
             body["metadata"] = dict(self.metadata)
+        if self.instructions is not None:
+            body["instructions"] = self.instructions
         return body
 
     @property
@@ -120,6 +125,8 @@ def _as_job(body: dict[str, Any], *, stream: bool) -> ResponseJobRequest:
     """The chat request of a Responses body; 400 naming the field it got wrong."""
     try:
         chat = to_chat_body({k: v for k, v in body.items() if k not in _ROUTE_FIELDS})
+        if isinstance(body.get("instructions"), str):
+            chat["instructions"] = body["instructions"]  # its system message runs it
         if stream:
             chat["stream"] = True  # the worker publishes its text as it comes
         return ResponseJobRequest.model_validate(chat)

@@ -188,7 +188,8 @@ def _check_responses(api: Api, client: openai.OpenAI) -> None:
                                        max_output_tokens=8, temperature=0, extra_body=OFF,
                                        metadata={"run": "7"})
     assert response.object == "response" and response.output_text == chat.choices[0].message.content
-    assert response.metadata == {"run": "7"}  # echoed, as OpenAI does
+    # Echoed, as OpenAI does.
+    assert (response.metadata, response.instructions) == ({"run": "7"}, "Be brief.")
     read_back = client.responses.retrieve(response.id)
     assert (read_back.id, read_back.status, read_back.output_text, read_back.metadata) == (
         response.id, response.status, response.output_text, {"run": "7"})

@@ -128,14 +128,15 @@ def test_a_queued_or_failed_response_reads_back_with_its_state(
     from openai.types.responses import Response
 
     queued = client.post("/v1/responses", headers=acme.headers, json={
-        "model": MODEL, "input": "Hi", "background": True, "metadata": {"k": "v"}})
+        "model": MODEL, "input": "Hi", "background": True, "metadata": {"k": "v"},
+        "instructions": "Answer in French."})
     assert queued.status_code == 202, queued.text
     job_id = queued.json()["id"]
     read = client.get(f"/v1/responses/resp_{job_id}", headers=acme.headers)
     assert read.status_code == 200, read.text
     response = Response.model_validate(read.json())
-    assert (response.id, response.status, response.metadata) == (
-        f"resp_{job_id}", "queued", {"k": "v"})
+    assert (response.id, response.status, response.metadata, response.instructions) == (
+        f"resp_{job_id}", "queued", {"k": "v"}, "Answer in French.")
     with sessions() as session:
         job = session.get(Job, job_id)
         assert job is not None
