@@ -2,7 +2,7 @@
 
 Responsible for:
 - compiling a request's JSON schema against the model's vocabulary, once per distinct
-  schema (the compiler caches), and refusing a schema it cannot compile (ValueError);
+  schema while it stays in a bounded cache, and refusing a schema it cannot compile (ValueError);
 - one matcher per constrained sequence, which follows the tokens the sequence accepted;
 - filling the allowed-token bitmask of every constrained sequence that samples in a step,
   on a background thread, so the work overlaps the forward pass instead of lengthening
@@ -23,6 +23,11 @@ from typing import Any
 import torch
 
 logger = logging.getLogger(__name__)
+
+# Compiled grammars kept for reuse (least recently used go first). xgrammar keeps all of
+# them by default: each new 20,000-value enum held ~150 MB of a worker for good, so a
+# client sending fresh schemas could grow it until it was killed with its jobs.
+GRAMMAR_CACHE_BYTES = 256 << 20
 
 
 @dataclass(slots=True)
@@ -63,7 +68,8 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
+                                             cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
 
