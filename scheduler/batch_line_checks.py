@@ -16,6 +16,7 @@ request with the same body get the same answer.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,6 +25,8 @@ from core.embedding_requests import EmbeddingRequest
 from core.model_context import ModelContext
 from core.request_checks import RequestRefused, check_request, describe_errors, parse_body
 from core.requests import printable
+
+logger = logging.getLogger(__name__)
 
 
 def check_shape(body: dict[str, Any], *, kind: str) -> None:
@@ -53,6 +56,11 @@ def refusal(body: dict[str, Any], *, kind: str, context: ModelContext | None
         check_request(request, context)
     except RequestRefused as e:
         return e.error_object()
+    except Exception as e:  # noqa: BLE001 - one line's defect must not fail the whole batch
+        logger.exception("a batch line could not be checked")
+        return {"message": f"the request could not be checked: {type(e).__name__}: {e}",
+                "type": "server_error", "param": None, "code": "request_not_checked",
+                "status_code": 500}
     return None
 
 

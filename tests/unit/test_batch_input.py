@@ -329,3 +329,27 @@ def test_a_model_not_on_this_machine_is_looked_up_once_per_file(
     lines = [request(f"r{i}") for i in range(50)]
     assert refusals(jsonl(*lines), models_dir=tmp_path) == [None] * 50
     assert lookups == [MODEL]
+
+
+def test_a_line_whose_check_fails_unexpectedly_fails_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A defect met while checking one line (here a RecursionError) refuses that line with
+    a server error; the batch and its other lines go on."""
+    import scheduler.batch_line_checks as checks
+
+    real_check = checks.check_request
+
+    def check(request: Any, context: Any) -> None:
+        if request.user == "deep":
+            raise RecursionError("maximum recursion depth exceeded")
+        real_check(request, context)
+
+    monkeypatch.setattr(checks, "check_request", check)
+    deep = request("deep", body=request()["body"] | {"user": "deep"})
+    assert validate(jsonl(request("a"), deep, request("c"))).is_valid
+    [first, refused, last] = refusals(jsonl(request("a"), deep, request("c")))
+    assert first is None and last is None
+    assert refused is not None
+    assert (refused["status_code"], refused["type"], refused["code"]) == (
+        500, "server_error", "request_not_checked")
+    assert "RecursionError" in refused["message"]

@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from core.json_bounds import json_bounds_error
+
 TOOLS_PREAMBLE = (
     "You may call one or more functions to assist with the user query. The functions "
     "you can call are listed within <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
@@ -60,8 +62,13 @@ def _call_with_object(call: dict[str, Any]) -> dict[str, Any]:
     function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
         return call
+    text = function["arguments"]
+    # Arguments nested deeper than a request body may be stay text: parsing them would
+    # recurse to a RecursionError, and the template's `tojson` again.
+    if json_bounds_error(text) is not None:
+        return call
     try:
-        arguments = json.loads(function["arguments"])
+        arguments = json.loads(text)
     except json.JSONDecodeError:
         return call
     if not isinstance(arguments, dict):

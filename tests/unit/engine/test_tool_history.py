@@ -99,3 +99,15 @@ def test_a_template_that_refuses_plain_messages_is_a_value_error() -> None:
     refusing = "{{ raise_exception('no chat here') }}"
     with pytest.raises(ValueError, match="cannot render chat messages: no chat here"):
         render_chat(tokenizer(refusing), [{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("template", [TOOL_TEMPLATE, None], ids=["knows-tools", "hermes"])
+def test_arguments_nested_past_any_bound_render_as_text(template: str | None) -> None:
+    """A client's `arguments` text nested 100,000 deep: parsed, it would recurse to a
+    RecursionError (a 500 and, on a batch line, a failed batch); it is rendered as text."""
+    deep = "[" * 100_000 + "]" * 100_000
+    conversation = [CONVERSATION[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": deep}}]}, CONVERSATION[2]]
+    text, token_ids = render_chat(tokenizer(template), conversation, TOOLS)
+    assert "[[[[" in text and "22C" in text and token_ids
