@@ -30,6 +30,11 @@ def list_filters(request: Request) -> dict[str, str]:
     return metadata
 
 
+# The last second a datetime can hold (9999-12-31T23:59:59Z): a later time in a query is
+# refused by its `le` bound rather than overflowing into a 500.
+MAX_UNIX_TIME = 253_402_300_799
+
+
 def from_unix(seconds: int | None) -> datetime | None:
     """A Unix time as an aware UTC datetime."""
     return None if seconds is None else datetime.fromtimestamp(seconds, tz=UTC)

@@ -24,7 +24,7 @@ from api.deps import (
     resources_of,
 )
 from api.errors import Conflict, InvalidRequest, NotFound
-from api.job_filters import from_unix, list_filters
+from api.job_filters import MAX_UNIX_TIME, from_unix, list_filters
 from api.job_state import cancel_and_announce, wait_for_job
 from api.pagination import invalid_cursor
 from api.resources import LazyProducer, Resources
@@ -145,9 +145,10 @@ def read_jobs(
     model: Annotated[str | None, Query(description="Only jobs for this model.")] = None,
     priority: Priority | None = None,
     created_after: Annotated[int | None, Query(
-        ge=0, description="Only jobs created at or after this Unix time.")] = None,
+        ge=0, le=MAX_UNIX_TIME,
+        description="Only jobs created at or after this Unix time.")] = None,
     created_before: Annotated[int | None, Query(
-        ge=0, description="Only jobs created before this Unix time.")] = None,
+        ge=0, le=MAX_UNIX_TIME, description="Only jobs created before this Unix time.")] = None,
 ) -> JobListPublic:
     """The tenant's jobs, newest first, a page at a time, narrowed by every filter given
     (`metadata.<key>=<value>` matches a metadata key); `total` counts them all."""

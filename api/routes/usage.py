@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from api.deps import ResourcesDep, SessionDep, TenantDep
 from api.errors import InvalidRequest, NotFound
-from api.job_filters import from_unix
+from api.job_filters import MAX_UNIX_TIME, from_unix
 from api.routes.cache_stats import is_admin
 from storage.models import Tenant
 from storage.tenants import tenant_by_name
@@ -61,9 +61,10 @@ def read_usage(
     session: SessionDep,
     resources: ResourcesDep,
     start: Annotated[int | None, Query(
-        ge=0, description=f"Unix time to count from (default {DEFAULT_DAYS} days ago).")] = None,
-    end: Annotated[int | None, Query(ge=0, description="Unix time to count until (default now).")
-                   ] = None,
+        ge=0, le=MAX_UNIX_TIME,
+        description=f"Unix time to count from (default {DEFAULT_DAYS} days ago).")] = None,
+    end: Annotated[int | None, Query(
+        ge=0, le=MAX_UNIX_TIME, description="Unix time to count until (default now).")] = None,
     group_by: Annotated[str, Query(
         description="Comma-separated: model, day, tenant (tenant: scope=service only).")
     ] = "model,day",

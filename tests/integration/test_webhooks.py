@@ -335,7 +335,7 @@ def test_cancelled_job_webhook_matches_get_then_retry_after_rotation(
 
 @pytest.mark.parametrize("url", ["http://10.0.0.5/hook", "http://169.254.169.254/latest",
                                  "http://[::1]:8080/hook", "http://localhost/hook"])
-def test_private_callback_url_is_refused_with_422(settings: Callable[..., Settings],
+def test_private_callback_url_is_refused_with_400(settings: Callable[..., Settings],
                                                   tmp_path: Path, url: str) -> None:
     made = settings()
     upgrade(made.database_url)

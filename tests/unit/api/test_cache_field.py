@@ -47,7 +47,7 @@ def test_a_cache_policy_reaches_the_stored_request(
         ({"mode": "exact", "store": True}, "cache.store"),
     ],
 )
-def test_a_bad_cache_policy_is_a_422_naming_the_field(
+def test_a_bad_cache_policy_is_a_400_naming_the_field(
     client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
     cache: dict[str, Any], param: str,
 ) -> None:

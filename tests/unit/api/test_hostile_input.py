@@ -55,7 +55,7 @@ def assert_refused(
 
 @pytest.mark.parametrize("path_body", CHAT_PATHS, ids=lambda p: p[0])
 @pytest.mark.parametrize(("patch", "param"), CHAT_TEXT_CASES + [({"model": LONE}, "model")])
-def test_lone_surrogates_in_chat_requests_are_422_naming_the_field(
+def test_lone_surrogates_in_chat_requests_are_400_naming_the_field(
     client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
     producer: RecordingProducer, path_body: tuple[str, dict[str, Any]],
     patch: dict[str, Any], param: str,
@@ -70,7 +70,7 @@ def test_lone_surrogates_in_chat_requests_are_422_naming_the_field(
 
 @pytest.mark.parametrize("path_body", TEXT_PATHS, ids=lambda p: p[0])
 @pytest.mark.parametrize(("patch", "param"), PROMPT_TEXT_CASES)
-def test_lone_surrogates_in_text_requests_are_422_naming_the_field(
+def test_lone_surrogates_in_text_requests_are_400_naming_the_field(
     client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
     producer: RecordingProducer, path_body: tuple[str, dict[str, Any]],
     patch: dict[str, Any], param: str,
@@ -86,7 +86,7 @@ def test_lone_surrogates_in_text_requests_are_422_naming_the_field(
 @pytest.mark.parametrize(("patch", "param"), JOB_TEXT_CASES + [
     ({"callback_url": "http://127.0.0.1/hook/" + LONE}, "callback_url"),
 ])
-def test_lone_surrogates_in_job_metadata_and_callback_are_422(
+def test_lone_surrogates_in_job_metadata_and_callback_are_400(
     client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
     producer: RecordingProducer, patch: dict[str, Any], param: str,
 ) -> None:
@@ -97,7 +97,7 @@ def test_lone_surrogates_in_job_metadata_and_callback_are_422(
 
 @pytest.mark.parametrize("path_body", CHAT_PATHS + TEXT_PATHS[1:], ids=lambda p: p[0])
 @pytest.mark.parametrize(("patch", "param"), STRICT_CASES)
-def test_lax_types_and_non_finite_numbers_are_422(
+def test_lax_types_and_non_finite_numbers_are_400(
     client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
     producer: RecordingProducer, path_body: tuple[str, dict[str, Any]],
     patch: dict[str, Any], param: str,
@@ -112,7 +112,7 @@ def test_lax_types_and_non_finite_numbers_are_422(
 
 
 @pytest.mark.parametrize(("patch", "param"), CHAT_ONLY_STRICT_CASES)
-def test_unknown_roles_and_non_text_content_are_422(
+def test_unknown_roles_and_non_text_content_are_400(
     client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
     producer: RecordingProducer, patch: dict[str, Any], param: str,
 ) -> None:

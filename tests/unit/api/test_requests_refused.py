@@ -147,11 +147,19 @@ def test_unknown_urls_and_methods_use_the_error_shape(client: TestClient) -> Non
     assert_error_shape(wrong.json())
 
 
-def test_invalid_query_parameters_are_422(client: TestClient, acme: TenantKey) -> None:
-    """limit out of range and an unknown status name the query parameter."""
-    for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("status=done", "status")):
-        response = client.get(f"/v1/jobs?{query}", headers=acme.headers)
-        assert response.status_code == 400
+def test_invalid_query_parameters_are_400(client: TestClient, acme: TenantKey) -> None:
+    """limit out of range, an unknown status and a time past what a date can hold (a 500
+    once) name the query parameter."""
+    for url, param in (("/v1/jobs?limit=0", "limit"), ("/v1/jobs?limit=101", "limit"),
+                       ("/v1/jobs?status=done", "status"),
+                       ("/v1/jobs?created_after=99999999999999", "created_after"),
+                       ("/v1/jobs?created_before=253402300800", "created_before"),
+                       ("/v1/usage?start=100000000000000000000", "start"),
+                       ("/v1/usage?end=99999999999999", "end")):
+        response = client.get(url, headers=acme.headers)
+        assert response.status_code == 400, (url, response.text)
         assert response.json()["error"]["param"] == param
+    latest = client.get("/v1/usage?start=0&end=253402300799", headers=acme.headers)
+    assert latest.status_code == 200, latest.text
     bad_wait = client.get("/v1/jobs/job_x?wait=-1", headers=acme.headers)
     assert bad_wait.status_code == 400
