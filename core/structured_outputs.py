@@ -19,8 +19,9 @@ from __future__ import annotations
 import json
 import re
 import sys
-from functools import lru_cache
 from typing import Any, Literal
+
+from core.digest_cache import DigestCache
 
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
@@ -213,8 +214,16 @@ def compile_problem(schema: dict[str, Any]) -> str | None:
     return _compile_problem(json.dumps(schema, sort_keys=True))
 
 
-@lru_cache(maxsize=256)  # batch files repeat one schema on every line
+# Batch files repeat one schema on every line; keyed by digest, not by the schema's text.
+_compile_problems: DigestCache[str | None] = DigestCache(max_entries=256)
+
+
 def _compile_problem(schema_text: str, *, is_tag: bool = False) -> str | None:
+    return _compile_problems.get(schema_text, lambda: _compiled_problem(schema_text, is_tag),
+                                 kind="tag" if is_tag else "schema")
+
+
+def _compiled_problem(schema_text: str, is_tag: bool) -> str | None:
     import xgrammar as xgr
 
     try:
