@@ -12,6 +12,11 @@ model opens in the Hermes format (`<tool_call>` ... `</tool_call>`, what tool_pr
 for and Qwen/Hermes templates use) is constrained from its trigger on: it names one of the
 tools and carries arguments that tool's schema accepts (`auto_tool_tag`, an xgrammar
 structural tag). See docs/structured-outputs.md.
+
+Before anything compiles, a schema must keep within OpenAI's size limits
+(`core.schema_limits`: compile time grows much faster than size); the check is a linear
+walk, run wherever a schema is built (`output_schema`, `auto_tool_tag`), so the workers
+apply it too.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import sys
 from typing import Any, Literal
 
 from core.digest_cache import DigestCache
+from core.schema_limits import limit_problem
 
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
@@ -166,6 +172,15 @@ def _call_schema(name: str, function: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _check_size(compiled: list[object], *, param: str) -> None:
+    """StructuredOutputError unless `compiled` (what the grammar will be built from) keeps
+    within the size limits."""
+    problem = limit_problem(compiled)
+    if problem is not None:
+        raise StructuredOutputError(f"{param}: the JSON schema is too large: {problem}.",
+                                    param=param)
+
+
 def auto_tool_tag(body: dict[str, Any]) -> dict[str, Any] | None:
     """With tools left to the model (`auto`) and no `response_format`: the structural tag
     that leaves text free and constrains each Hermes-format call it opens (see the module
@@ -175,6 +190,7 @@ def auto_tool_tag(body: dict[str, Any]) -> dict[str, Any] | None:
     mode, _ = tool_mode(tools, body.get("tool_choice"))
     if mode != "auto" or not tools or response_format_schema(body.get("response_format")):
         return None
+    _check_size([parameters_of(f) for f in functions_of(tools).values()], param="tools")
     tags = [{"type": "tag",
              "begin": f'{TOOL_CALL_TRIGGER}\n{{"name": {json.dumps(name)}, "arguments": ',
              "content": {"type": "json_schema",
@@ -190,7 +206,8 @@ def auto_tool_tag(body: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def output_schema(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    """(the schema a request's output must follow or None, the field it came from).
+    """(the schema a request's output must follow or None, the field it came from);
+    StructuredOutputError for one the grammar could not enforce (too large).
 
     `response_format` and forced tool calls cannot both constrain one output.
     """
@@ -202,7 +219,10 @@ def output_schema(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
             "response_format and a forced tool_choice cannot both constrain the output; "
             "drop one.", param="response_format")
     if tools_schema is not None:
-        return tools_schema, "tool_choice"
+        _check_size([tools_schema], param="tools")
+        return tools_schema, "tools"
+    if format_schema is not None:
+        _check_size([format_schema], param="response_format")
     return format_schema, "response_format"
 
 
