@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from core.digest_cache import DigestCache
 from core.schema_limits import limit_problem
+from core.schema_refs import hoisted, merge_definitions
 
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
@@ -151,25 +152,31 @@ def tool_call_schema(tools: object, tool_choice: object,
             raise StructuredOutputError(
                 f"tool_choice names {name!r}, which is not among the tools.",
                 param="tool_choice")
-        return _call_schema(name, functions[name])
-    calls: dict[str, Any] = {
-        "type": "array",
-        "items": {"anyOf": [_call_schema(n, f) for n, f in functions.items()]},
-        "minItems": 1,
-    }
+        call, definitions = _call_schema(name, functions[name])
+        merge_definitions(call, definitions)
+        return call
+    calls: dict[str, Any] = {"type": "array", "items": {"anyOf": []}, "minItems": 1}
     if parallel_tool_calls is False:
         calls["maxItems"] = 1
+    for n, f in functions.items():
+        call, definitions = _call_schema(n, f)
+        calls["items"]["anyOf"].append(call)
+        merge_definitions(calls, definitions)
     return calls
 
 
-def _call_schema(name: str, function: dict[str, Any]) -> dict[str, Any]:
-    return {
+def _call_schema(name: str, function: dict[str, Any]
+                 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(one call's schema, the definitions its arguments need at the root: see
+    core.schema_refs; the arguments sit two or three levels below it)."""
+    arguments, definitions = hoisted(parameters_of(function), name)
+    call = {
         "type": "object",
-        "properties": {"name": {"const": name},
-                       "arguments": parameters_of(function)},
+        "properties": {"name": {"const": name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+    return call, definitions
 
 
 def _check_size(compiled: list[object], *, param: str) -> None:

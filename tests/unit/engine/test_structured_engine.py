@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -98,3 +99,43 @@ def test_a_structural_tag_leaves_text_free_and_constrains_after_its_trigger(
     jsonschema.validate(json.loads(out.text[len(trigger):-1]), FINITE)
     [unconstrained] = llm.generate(["hello"], [SamplingParams(temperature=0, max_tokens=20)])
     assert unconstrained.text != out.text  # the tag changed what the model wrote
+
+
+def test_forced_calls_of_tools_with_definitions_follow_each_tools_own(
+    model_dir: Path,  # noqa: F811
+) -> None:
+    """pydantic-style parameters ($defs, $ref) with tool_choice required and named: two
+    tools whose `Address` definitions share a name and differ; every call's arguments
+    validate against that tool's own parameters."""
+    from workers.inference.sampling import sampling_params_from_body
+    from workers.inference.tool_calls import tool_calls_of
+
+    def address(prop: str, values: list[Any]) -> dict[str, Any]:
+        return {"type": "object", "properties": {prop: {"enum": values}}, "required": [prop],
+                "additionalProperties": False}
+
+    def tool(name: str, definition: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "$defs": {"Address": definition},
+            "properties": {"to": {"$ref": "#/$defs/Address"},
+                           "cc": {"anyOf": [{"$ref": "#/$defs/Address"}, {"type": "null"}]}},
+            "required": ["to", "cc"], "additionalProperties": False}}}
+
+    tools = [tool("send", address("city", ["Oslo", "Rome"])), tool("ship", address("port", [7]))]
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    llm = make_llm(model_dir)
+    bodies: list[dict[str, Any]] = [{"tool_choice": "required", "parallel_tool_calls": False},
+              {"tool_choice": {"type": "function", "function": {"name": "ship"}}},
+              {"tool_choice": "required", "parallel_tool_calls": False}]
+    params = [sampling_params_from_body("chat.completion", {
+        "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 120,
+        "temperature": temperature, "seed": 5, **body})
+        for body, temperature in zip(bodies, (0, 0, 1.0), strict=True)]
+    outputs = llm.generate(["hello", "the quick brown fox", "0123"], params)
+    for out, body in zip(outputs, bodies, strict=True):
+        assert out.finish_reason == "stop", out.text
+        calls = tool_calls_of({"tools": tools, **body}, out.text)
+        assert calls, out.text
+        for call in calls:
+            name = call["function"]["name"]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), parameters[name])
