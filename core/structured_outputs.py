@@ -14,9 +14,9 @@ tools and carries arguments that tool's schema accepts (`auto_tool_tag`, an xgra
 structural tag). See docs/structured-outputs.md.
 
 Before anything compiles, a schema must keep within OpenAI's size limits
-(`core.schema_limits`: compile time grows much faster than size); the check is a linear
-walk, run wherever a schema is built (`output_schema`, `auto_tool_tag`), so the workers
-apply it too.
+(`core.schema_limits`: compile time grows much faster than size) and use only keywords the
+grammar enforces (`core.schema_keywords`); both checks are linear walks, run wherever a
+schema is built (`output_schema`, `auto_tool_tag`), so the workers apply them too.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import sys
 from typing import Any, Literal
 
 from core.digest_cache import DigestCache
+from core.schema_keywords import keyword_problem
 from core.schema_limits import limit_problem
 from core.schema_refs import hoisted, merge_definitions
 
@@ -179,13 +180,24 @@ def _call_schema(name: str, function: dict[str, Any]
     return call, definitions
 
 
-def _check_size(compiled: list[object], *, param: str) -> None:
+def _check_enforceable(schemas: list[tuple[object, str | None]], *, compiled: list[object],
+                       param: str) -> None:
     """StructuredOutputError unless `compiled` (what the grammar will be built from) keeps
-    within the size limits."""
+    within the size limits and each of `schemas` (as the client wrote it, with the path
+    its messages start from) uses only keywords the grammar enforces."""
     problem = limit_problem(compiled)
     if problem is not None:
         raise StructuredOutputError(f"{param}: the JSON schema is too large: {problem}.",
                                     param=param)
+    for schema, root in schemas:
+        problem = keyword_problem(schema, None if root is None else (None, root))
+        if problem is not None:
+            raise StructuredOutputError(f"{param}: {problem}.", param=param)
+
+
+def _tool_parameters(tools: object) -> list[tuple[object, str | None]]:
+    return [(parameters_of(function), f"tools[{i}].function.parameters")
+            for i, function in enumerate(functions_of(tools).values())]
 
 
 def auto_tool_tag(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -197,7 +209,9 @@ def auto_tool_tag(body: dict[str, Any]) -> dict[str, Any] | None:
     mode, _ = tool_mode(tools, body.get("tool_choice"))
     if mode != "auto" or not tools or response_format_schema(body.get("response_format")):
         return None
-    _check_size([parameters_of(f) for f in functions_of(tools).values()], param="tools")
+    parameters = _tool_parameters(tools)
+    _check_enforceable(parameters, compiled=[schema for schema, _ in parameters],
+                       param="tools")
     tags = [{"type": "tag",
              "begin": f'{TOOL_CALL_TRIGGER}\n{{"name": {json.dumps(name)}, "arguments": ',
              "content": {"type": "json_schema",
@@ -214,7 +228,8 @@ def auto_tool_tag(body: dict[str, Any]) -> dict[str, Any] | None:
 
 def output_schema(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """(the schema a request's output must follow or None, the field it came from);
-    StructuredOutputError for one the grammar could not enforce (too large).
+    StructuredOutputError for one the grammar could not enforce (too large, or a keyword
+    it ignores).
 
     `response_format` and forced tool calls cannot both constrain one output.
     """
@@ -226,10 +241,12 @@ def output_schema(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
             "response_format and a forced tool_choice cannot both constrain the output; "
             "drop one.", param="response_format")
     if tools_schema is not None:
-        _check_size([tools_schema], param="tools")
+        _check_enforceable(_tool_parameters(body.get("tools")), compiled=[tools_schema],
+                           param="tools")
         return tools_schema, "tools"
     if format_schema is not None:
-        _check_size([format_schema], param="response_format")
+        _check_enforceable([(format_schema, None)], compiled=[format_schema],
+                           param="response_format")
     return format_schema, "response_format"
 
 
