@@ -234,6 +234,25 @@ def test_jobs_and_batch_lines_carry_the_fields(svc: BatchService, tiny_model: Pa
                                            "name": "bad", "schema": {"type": "nonsense"}}})
     assert refused.value.param == "response_format"
     assert "nonsense" in str(refused.value)
+    # A keyword the grammar would ignore is refused by name, before anything compiles.
+    with pytest.raises(openai.BadRequestError) as unenforced:
+        client.chat.completions.create(model=model, messages=MESSAGES, response_format={
+            "type": "json_schema", "json_schema": {"name": "n", "schema": {
+                "type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}}}})
+    assert unenforced.value.param == "response_format"
+    assert "'multipleOf' at properties.n cannot be enforced" in str(unenforced.value)
+    # Parameters with $defs and $ref, as pydantic writes them, under a forced call.
+    nested: Any = {"type": "function", "function": {"name": "send", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}},
+        "required": ["to"], "additionalProperties": False,
+        "$defs": {"Address": {"type": "object", "properties": {"city": {"enum": ["Oslo"]}},
+                              "required": ["city"], "additionalProperties": False}}}}}
+    sent = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=[nested], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=60, temperature=0)
+    assert sent.choices[0].finish_reason == "tool_calls", (sent, svc.logs())
+    [call] = sent.choices[0].message.tool_calls or []
+    assert_valid_json(call.function.arguments, nested["function"]["parameters"])
 
     lines = [
         {"custom_id": "schema", "method": "POST", "url": "/v1/chat/completions",
