@@ -2,7 +2,8 @@
 
 xgrammar compiles many keywords it does not enforce: it ignores them (some with a warning
 line in the log) and the output then breaks them, though the request asked for `strict`.
-So a schema that uses one is refused at submission, naming the keyword and where it is.
+So a `strict` schema that uses one is refused at submission, naming the keyword and where
+it is; a schema without `strict` gets what the grammar enforces.
 What xgrammar 0.2.9 enforces was found by experiment (compile with `strict_mode=True`,
 then test strings that break the keyword; tests/unit/test_schema_keywords.py repeats it
 and docs/structured-outputs.md has the table). In short:
@@ -72,12 +73,19 @@ ENFORCED_FORMATS = frozenset({
 MAX_MULTIPLE_OF = 1024
 
 
-def keyword_problem(schema: object, root: SchemaPath = None) -> str | None:
+def keyword_problem(schema: object, root: SchemaPath = None, *, strict: bool = True
+                    ) -> str | None:
     """Why `schema` holds a keyword the grammar would not enforce (naming the keyword and
-    its path under `root`), or None."""
+    its path under `root`), or None.
+
+    Without `strict` (OpenAI's default: the schema is a goal, not a promise) the grammar
+    enforces what it can and only a `$ref` it cannot follow is refused: the library reads
+    it as any JSON and logs the client's URL.
+    """
     for path, node in walk(schema, root):
         is_name = path is not None and path[1] == ".propertyNames"
-        problem = _node_problem(node, is_name=is_name)
+        problem = (_node_problem(node, is_name=is_name) if strict
+                   else _ref_problem(node.get("$ref")))
         if problem is not None:
             keyword, why = problem
             return f"the schema keyword '{keyword}' at {path_text(path)} cannot be enforced{why}"
@@ -118,9 +126,8 @@ def _sole_problem(node: dict[str, Any], sole: str) -> tuple[str, str] | None:
             continue  # checked against the values below
         return keyword, f" beside '{sole}'"
     value = node[sole]
-    if sole == "$ref" and isinstance(value, str) and not (value == "#"
-                                                          or value.startswith("#/")):
-        return "$ref", ": only local references ('#' or '#/...') can be followed"
+    if sole == "$ref" and (problem := _ref_problem(value)) is not None:
+        return problem
     if sole == "allOf" and isinstance(value, list) and len(value) != 1:
         return "allOf", ": only an allOf of one schema can be"
     if sole in ("enum", "const") and "type" in node:
@@ -129,6 +136,12 @@ def _sole_problem(node: dict[str, Any], sole: str) -> tuple[str, str] | None:
         for v in values:
             if not any(_is_of_type(v, t) for t in types):
                 return "type", f": the {sole} value {json.dumps(v)[:40]} is not of that type"
+    return None
+
+
+def _ref_problem(ref: object) -> tuple[str, str] | None:
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        return "$ref", ": only local references ('#' or '#/...') can be followed"
     return None
 
 

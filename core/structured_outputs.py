@@ -180,23 +180,26 @@ def _call_schema(name: str, function: dict[str, Any]
     return call, definitions
 
 
-def _check_enforceable(schemas: list[tuple[object, str | None]], *, compiled: list[object],
-                       param: str) -> None:
+def _check_enforceable(schemas: list[tuple[object, str | None, bool]], *,
+                       compiled: list[object], param: str) -> None:
     """StructuredOutputError unless `compiled` (what the grammar will be built from) keeps
     within the size limits and each of `schemas` (as the client wrote it, with the path
-    its messages start from) uses only keywords the grammar enforces."""
+    its messages start from, and whether it is `strict`) uses only keywords the grammar
+    enforces (a schema without `strict`: only references it can follow)."""
     problem = limit_problem(compiled)
     if problem is not None:
         raise StructuredOutputError(f"{param}: the JSON schema is too large: {problem}.",
                                     param=param)
-    for schema, root in schemas:
-        problem = keyword_problem(schema, None if root is None else (None, root))
+    for schema, root, strict in schemas:
+        problem = keyword_problem(schema, None if root is None else (None, root),
+                                  strict=strict)
         if problem is not None:
             raise StructuredOutputError(f"{param}: {problem}.", param=param)
 
 
-def _tool_parameters(tools: object) -> list[tuple[object, str | None]]:
-    return [(parameters_of(function), f"tools[{i}].function.parameters")
+def _tool_parameters(tools: object) -> list[tuple[object, str | None, bool]]:
+    return [(parameters_of(function), f"tools[{i}].function.parameters",
+             function.get("strict") is True)
             for i, function in enumerate(functions_of(tools).values())]
 
 
@@ -210,7 +213,7 @@ def auto_tool_tag(body: dict[str, Any]) -> dict[str, Any] | None:
     if mode != "auto" or not tools or response_format_schema(body.get("response_format")):
         return None
     parameters = _tool_parameters(tools)
-    _check_enforceable(parameters, compiled=[schema for schema, _ in parameters],
+    _check_enforceable(parameters, compiled=[schema for schema, _, _ in parameters],
                        param="tools")
     tags = [{"type": "tag",
              "begin": f'{TOOL_CALL_TRIGGER}\n{{"name": {json.dumps(name)}, "arguments": ',
@@ -245,7 +248,9 @@ def output_schema(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
                            param="tools")
         return tools_schema, "tools"
     if format_schema is not None:
-        _check_enforceable([(format_schema, None)], compiled=[format_schema],
+        spec = body["response_format"].get("json_schema")
+        strict = isinstance(spec, dict) and spec.get("strict") is True
+        _check_enforceable([(format_schema, None, strict)], compiled=[format_schema],
                            param="response_format")
     return format_schema, "response_format"
 

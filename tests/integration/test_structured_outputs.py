@@ -234,10 +234,11 @@ def test_jobs_and_batch_lines_carry_the_fields(svc: BatchService, tiny_model: Pa
                                            "name": "bad", "schema": {"type": "nonsense"}}})
     assert refused.value.param == "response_format"
     assert "nonsense" in str(refused.value)
-    # A keyword the grammar would ignore is refused by name, before anything compiles.
+    # Under strict, a keyword the grammar would ignore is refused by name, before anything
+    # compiles (without strict the grammar enforces what it can, as a goal).
     with pytest.raises(openai.BadRequestError) as unenforced:
         client.chat.completions.create(model=model, messages=MESSAGES, response_format={
-            "type": "json_schema", "json_schema": {"name": "n", "schema": {
+            "type": "json_schema", "json_schema": {"name": "n", "strict": True, "schema": {
                 "type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}}}})
     assert unenforced.value.param == "response_format"
     assert "'multipleOf' at properties.n cannot be enforced" in str(unenforced.value)

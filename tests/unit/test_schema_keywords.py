@@ -176,7 +176,8 @@ def test_a_deep_schema_is_walked_without_recursion() -> None:
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": True,
+                                                                 "schema": {
         "type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}}}}},
      "response_format", "response_format: the schema keyword 'multipleOf' at properties.n "
                         "cannot be enforced"),
@@ -186,9 +187,13 @@ def test_a_deep_schema_is_walked_without_recursion() -> None:
       "tool_choice": "required"},
      "tools", "tools: the schema keyword '$ref' at tools[1].function.parameters.properties.u "
               "cannot be enforced: only local references"),
-    ({"tools": [{"type": "function", "function": {"name": "g", "parameters": {
+    ({"tools": [{"type": "function", "function": {"name": "g", "strict": True, "parameters": {
         "type": "object", "not": {"required": ["a"]}}}}]},
      "tools", "tools: the schema keyword 'not' at tools[0].function.parameters cannot"),
+    # A reference the grammar cannot follow is refused with or without strict.
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"u": {"$ref": "file:///etc/passwd"}}}}}},
+     "response_format", "response_format: the schema keyword '$ref' at properties.u"),
 ])
 def test_requests_are_refused_naming_the_field(body: dict[str, Any], param: str,
                                                message: str) -> None:
@@ -197,6 +202,27 @@ def test_requests_are_refused_naming_the_field(body: dict[str, Any], param: str,
         check_output_schema(body)
     assert refused.value.param == param
     assert str(refused.value).startswith(message), str(refused.value)
+
+
+def test_without_strict_the_grammar_enforces_what_it_can() -> None:
+    """OpenAI's default (`strict` absent or false) makes the schema a goal: keywords the
+    grammar ignores are accepted, as vLLM accepts them, and the rest still hold."""
+    schema = {"type": "object", "properties": {
+        "n": {"type": "number", "multipleOf": 2}, "tags": {"type": "array", "uniqueItems": True,
+                                                          "items": {"type": "string"}}},
+        "required": ["n", "tags"], "additionalProperties": False}
+    for strict in (None, False):
+        spec: dict[str, Any] = {"name": "n", "schema": schema}
+        if strict is not None:
+            spec["strict"] = strict
+        check_output_schema({"response_format": {"type": "json_schema", "json_schema": spec}})
+        tool = {"type": "function", "function": {"name": "g", "parameters": schema}}
+        if strict is not None:
+            tool["function"]["strict"] = strict
+        check_output_schema({"tools": [tool], "tool_choice": "required"})
+        check_output_schema({"tools": [tool]})
+    assert grammar_takes(schema, {"n": 3, "tags": ["a", "a"]})  # what is not enforced
+    assert not grammar_takes(schema, {"n": 3, "tags": ["a"], "x": 1})  # what is
 
 
 def test_tools_that_are_not_enforced_are_not_checked() -> None:

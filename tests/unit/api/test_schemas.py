@@ -85,10 +85,11 @@ def test_shape_errors_name_the_field(field: str, value: object) -> None:
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {  # ignored by the grammar
-        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
+        "name": "x", "strict": True, "schema": {"type": "array", "uniqueItems": True}}}},
+     "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {  # over OpenAI's limits
         "name": "x", "schema": {"enum": list(range(1001))}}}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}}}}],
       "tool_choice": "required"}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
