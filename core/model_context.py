@@ -3,7 +3,8 @@
 Responsible for: finding a served model's directory the way workers do (a Hugging Face
 directory given by path, the dequantized copy of a GGUF file under `models_dir/gguf/`, or
 a name prepared under `models_dir`) without converting or loading weights; reading its
-context length (`max_position_embeddings`, the limit a worker's engine takes); loading its
+context length (`max_position_embeddings`, the limit a worker's engine takes) and its
+vocabulary size (the token ids a prompt or `logit_bias` may name); loading its
 tokenizer once; and counting a request's prompt tokens exactly as the engine does (the
 chat template with the generation prompt, or the text with special tokens). A model whose
 directory is not on this machine has no ModelContext; its requests are then checked
@@ -40,6 +41,7 @@ class ModelContext:
     name: str
     max_model_len: int | None
     tokenizer: Any | None = None
+    vocab_size: int | None = None  # token ids in [0, vocab_size) are the model's
     # Fast tokenizers are Rust objects that refuse concurrent mutable use ("Already
     # borrowed"); the API tokenizes on a thread pool, so calls take turns.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -137,14 +139,29 @@ def find_model_dir(name: str, models_dir: Path) -> Path | None:
     return None
 
 
-def read_max_model_len(model_dir: Path) -> int | None:
-    """`max_position_embeddings` of config.json; None if it is missing or unreadable."""
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """config.json as a dict; empty if it is missing or unreadable."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
         logger.warning("cannot read %s/config.json: %s", model_dir, e)
-        return None
-    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def read_max_model_len(model_dir: Path) -> int | None:
+    """`max_position_embeddings` of config.json; None if it is missing or unreadable."""
+    return _positive_int(read_config(model_dir).get("max_position_embeddings"))
+
+
+def read_vocab_size(config: dict[str, Any]) -> int | None:
+    """The token ids the model embeds (`vocab_size`, a multimodal config's text part's)."""
+    text_config = config.get("text_config")
+    return _positive_int(config.get("vocab_size")) or (
+        _positive_int(text_config.get("vocab_size")) if isinstance(text_config, dict) else None)
+
+
+def _positive_int(value: Any) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     return None
@@ -201,8 +218,10 @@ class ModelContexts:
                 model_dir = announced if (announced / "config.json").is_file() else None
             if model_dir is None:
                 return None
-            context = ModelContext(name=name, max_model_len=read_max_model_len(model_dir),
-                                   tokenizer=load_tokenizer(model_dir))
+            config = read_config(model_dir)
+            context = ModelContext(
+                name=name, max_model_len=_positive_int(config.get("max_position_embeddings")),
+                tokenizer=load_tokenizer(model_dir), vocab_size=read_vocab_size(config))
             self._name_to_context[name] = context
             logger.info("model %s: context %s tokens, prompts %s", name,
                         context.max_model_len,

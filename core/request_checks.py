@@ -169,7 +169,10 @@ def check_context(request: AnyRequest, context: ModelContext | None) -> None:
     context is refused (`context_length_exceeded`) rather than cut short; without
     `max_tokens` the prompt alone must fit, and the completion takes what is left.
     """
-    if context is None or context.max_model_len is None:
+    if context is None:
+        return
+    check_token_ids(request, context.vocab_size)
+    if context.max_model_len is None:
         return
     limit = context.max_model_len
     max_tokens = request.num_max_tokens
@@ -196,6 +199,25 @@ def check_context(request: AnyRequest, context: ModelContext | None) -> None:
             f"{num_total} tokens ({num_prompt_tokens} in the {param}, {max_tokens or 0} in "
             f"the completion). Please reduce the length of the {param} or completion.",
             param=param, code="context_length_exceeded")
+
+
+def check_token_ids(request: AnyRequest, vocab_size: int | None) -> None:
+    """Token ids in a prompt or `logit_bias` that the model has (the engine's own check,
+    made at submission so nothing is queued for a request that must fail)."""
+    if vocab_size is None:
+        return
+    prompt = getattr(request, "prompt", None)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]  # a one-element list of a token-id prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestRefused(f"prompt has token ids outside [0, {vocab_size}) of model "
+                                 f"'{request.model}': {bad[:5]}", param="prompt")
+    bad_bias = [k for k in (request.logit_bias or {}) if not 0 <= int(k) < vocab_size]
+    if bad_bias:
+        raise RequestRefused(f"logit_bias has token ids outside [0, {vocab_size}) of model "
+                             f"'{request.model}': {bad_bias[:5]}", param="logit_bias")
 
 
 def parse_body(body: dict[str, Any], *, is_chat: bool) -> ChatCompletionRequest | CompletionRequest:

@@ -356,3 +356,27 @@ def test_a_prompt_of_token_ids_is_counted_as_its_length(
     fits = {"model": MODEL, "prompt": [[5] * (CONTEXT - 1)], "max_tokens": 1}
     response = send_json(client, "/v1/jobs", fits, acme.headers)
     assert response.status_code == 202, response.text
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/completions"])
+@pytest.mark.parametrize(("patch", "param"), [
+    ({"prompt": [5, 10**9]}, "prompt"),
+    ({"prompt": [[10**6]]}, "prompt"),
+    ({"prompt": "hi", "logit_bias": {"999999999": 5}}, "logit_bias"),
+])
+def test_token_ids_the_model_lacks_are_refused_at_submission(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
+    producer: RecordingProducer, engine: LLMEngine, path: str, patch: dict[str, Any],
+    param: str,
+) -> None:
+    """The engine's own check, made before anything is queued (a job took them and then
+    failed in the worker); the first id past the vocabulary is refused, the last in it
+    is not."""
+    error = assert_refused(client, acme, sessions, producer, path,
+                           {"model": MODEL, "max_tokens": 1} | patch, status=400, param=param)
+    assert f"outside [0, {engine.vocab_size})" in error["message"]
+    last = {"model": MODEL, "max_tokens": 1, "prompt": [engine.vocab_size - 1],
+            "logit_bias": {str(engine.vocab_size - 1): 1}}
+    assert engine_takes(engine, [engine.vocab_size - 1])
+    assert not engine_takes(engine, [engine.vocab_size])
+    assert send_json(client, "/v1/jobs", last, acme.headers).status_code == 202
