@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
+from api.body_deadline import with_body_deadline
 from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
 from api.hot_path import HotPath
@@ -63,12 +64,17 @@ class ServiceApp(FastAPI):
     itself (the app's body-limit middleware is behind it).
     """
 
-    def __init__(self, *, max_jobs_body_bytes: int, **kwargs: Any) -> None:
+    def __init__(self, *, max_jobs_body_bytes: int, body_read_timeout_s: float,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.hot_path = HotPath(super().__call__, api=self, max_body_bytes=max_jobs_body_bytes)
+        self.body_read_timeout_s = body_read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Every request, and the lifespan, enter through the hot path."""
+        """Every request, and the lifespan, enter through the hot path; a request's body
+        must keep arriving (api.body_deadline)."""
+        if scope["type"] == "http":
+            receive = with_body_deadline(receive, self.body_read_timeout_s)
         await self.hot_path(scope, receive, send)
 
 
@@ -106,6 +112,7 @@ def create_app(settings: Settings | None = None, *, serving: bool = False) -> Fa
 
     app = ServiceApp(
         max_jobs_body_bytes=app_settings.max_request_bytes,
+        body_read_timeout_s=app_settings.api_body_read_timeout_s,
         title="batchinfer",
         summary="Asynchronous batch inference for LLMs, with an OpenAI-compatible API.",
         version="0.1.0",

@@ -51,6 +51,8 @@ class Settings(BaseSettings):
     api_reuse_port: bool = False
     # Largest accepted request body, bytes (413 above it).
     max_request_bytes: int = Field(default=1_048_576, ge=1024)
+    # Seconds a request body may pause mid-way before the request is answered 408.
+    api_body_read_timeout_s: float = Field(default=30.0, gt=0)
     # Jobs a tenant may have queued or running at once (429 above it).
     tenant_max_active_jobs: int = Field(default=100_000, ge=1)
     # Submissions per tenant per second (token bucket; 429 above it).
