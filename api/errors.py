@@ -205,7 +205,14 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     return InvalidParameter(message, param=param, code=code)
 
 
+# FastAPI's own answer to a body it cannot decode (bytes that are not UTF-8 JSON).
+_UNPARSABLE_BODY = "There was an error parsing the body"
+
+
 def _http_error(status_code: int, detail: str, request: Request) -> APIError:
+    if status_code == 400 and detail == _UNPARSABLE_BODY:
+        return InvalidRequest("We could not parse the JSON body of your request (it is not "
+                              "valid UTF-8 JSON).", code="invalid_json")
     if status_code == 404:
         return NotFound(
             f"Unknown request URL: {request.method} {request.url.path}.", code="unknown_url"

@@ -114,6 +114,13 @@ def test_unparseable_and_non_object_bodies_are_400(client: TestClient, acme: Ten
     not_object = client.post("/v1/jobs", content=b"[1, 2]", headers=headers)
     assert not_object.status_code == 400
     assert "JSON object" in not_object.json()["error"]["message"]
+    # Bytes that are no UTF-8 (FastAPI's own refusal on its routes, the hot path's on jobs).
+    latin = b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}'
+    for path in ("/v1/jobs", "/v1/chat/completions"):
+        undecodable = client.post(path, content=latin, headers=headers)
+        assert undecodable.status_code == 400, path
+        assert assert_error_shape(undecodable.json())["code"] == "invalid_json", (
+            path, undecodable.text)
 
 
 def test_oversized_bodies_are_413_before_parsing(
