@@ -103,10 +103,23 @@ class Unauthorized(APIError):
 
 
 class NotFound(APIError):
-    """404: no such resource for this tenant (another tenant's job is not found either)."""
+    """404: no such resource for this tenant (another tenant's job is not found either).
+
+    The message names the id the client sent, cut to MAX_NOT_FOUND_MESSAGE characters in
+    all: a path can carry kilobytes of it, which an answer need not echo.
+    """
 
     status_code = 404
     code = "not_found"
+
+    def __init__(self, message: str, **kwargs: Any) -> None:
+        if len(message) > MAX_NOT_FOUND_MESSAGE:
+            message = message[:MAX_NOT_FOUND_MESSAGE] + "..."
+        super().__init__(message, **kwargs)
+
+
+# Longest "not found" message (ids here are ~30 characters; the rest is its sentence).
+MAX_NOT_FOUND_MESSAGE = 200
 
 
 class InvalidParameter(APIError):

@@ -148,6 +148,16 @@ def test_another_tenants_job_is_404(client: TestClient, acme: TenantKey,
     assert client.get(f"/v1/jobs/{job_id}", headers=acme.headers).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/jobs/{}", "/v1/batches/{}", "/v1/files/{}",
+                                  "/v1/responses/resp_{}"])
+def test_a_kilobytes_long_id_is_not_echoed_whole(client: TestClient, acme: TenantKey,
+                                                 path: str) -> None:
+    response = client.get(path.format("x" * 10_000), headers=acme.headers)
+    assert response.status_code == 404
+    message = response.json()["error"]["message"]
+    assert "xxxx" in message and len(message) <= 210, len(message)
+
+
 def test_finished_job_carries_result_and_usage(
     client: TestClient, acme: TenantKey, sessions: sessionmaker[Session]
 ) -> None:
