@@ -216,9 +216,10 @@ def test_without_strict_the_grammar_enforces_what_it_can() -> None:
         if strict is not None:
             spec["strict"] = strict
         check_output_schema({"response_format": {"type": "json_schema", "json_schema": spec}})
-        tool = {"type": "function", "function": {"name": "g", "parameters": schema}}
+        function: dict[str, Any] = {"name": "g", "parameters": schema}
         if strict is not None:
-            tool["function"]["strict"] = strict
+            function["strict"] = strict
+        tool = {"type": "function", "function": function}
         check_output_schema({"tools": [tool], "tool_choice": "required"})
         check_output_schema({"tools": [tool]})
     assert grammar_takes(schema, {"n": 3, "tags": ["a", "a"]})  # what is not enforced

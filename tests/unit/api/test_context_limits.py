@@ -55,7 +55,8 @@ def client(make_client: ClientFactory, models_dir: Path) -> TestClient:
     return make_client(models_dir=models_dir)
 
 
-def engine_takes(engine: LLMEngine | _WithTools, prompt: str | list[dict[str, Any]]) -> bool:
+def engine_takes(engine: LLMEngine | _WithTools,
+                 prompt: str | list[int] | list[dict[str, Any]]) -> bool:
     """Whether the engine accepts the prompt (it is aborted again at once)."""
     try:
         engine.add_request("probe", prompt, SamplingParams(max_tokens=1))
