@@ -303,6 +303,13 @@ class LLMEngine:
         self.scheduler.cost_model.observe(out.shape, seconds)
         return outputs
 
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's schema or structural tag into the grammar cache, on any
+        thread (the library releases the GIL), so that `add_request` finds it compiled:
+        a large schema takes seconds that every running sequence would otherwise wait.
+        ValueError as `add_request` would raise it."""
+        self._grammar_state(params)
+
     def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
         """A matcher for the request's schema or structural tag (compiled once per schema);
         None without either."""
