@@ -175,12 +175,14 @@ class FinishedRequest:
 WAKE = FinishedRequest("")
 
 
-def _grammar_key(params: SamplingParams) -> bytes | None:
-    """A digest of the request's schema or structural tag; None without either."""
-    text = params.json_schema if params.json_schema is not None else params.structural_tag
-    if text is None:
+def _grammar_key(params: object) -> bytes | None:
+    """A digest of the request's schema or structural tag; None without either (an
+    embedding request's parameters have neither)."""
+    schema = getattr(params, "json_schema", None)
+    text = schema if schema is not None else getattr(params, "structural_tag", None)
+    if not isinstance(text, str):
         return None
-    kind = b"schema" if params.json_schema is not None else b"tag"
+    kind = b"schema" if schema is not None else b"tag"
     return kind + hashlib.blake2b(text.encode("utf-8", "surrogatepass"),
                                   digest_size=16).digest()
 

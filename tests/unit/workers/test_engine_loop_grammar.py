@@ -121,3 +121,21 @@ def test_a_request_watched_while_compiling_streams_from_its_first_token(
     done: Any = collect(loop, 1)["followed"]
     assert done.output is not None
     assert "".join(e.text for e in sink.of("followed")) == done.output.text
+
+
+def test_an_embedding_engine_loop_runs_its_requests() -> None:
+    """Embedding parameters carry no schema: nothing to compile, the request just runs (a
+    look for one that assumed sampling parameters stopped every embedding worker)."""
+    from workers.engine.embedding_engine import EmbeddingEngine, EmbeddingParams
+    from workers.engine.embedding_runner import EmbeddingRunner
+
+    engine = EmbeddingEngine(EmbeddingRunner("all-minilm-l6-v2", device="cpu", streams=1))
+    engine_loop = EngineLoop(engine)  # type: ignore[arg-type]
+    engine_loop.start()
+    try:
+        engine_loop.add("e", ["some text"], EmbeddingParams(), priority=0)  # type: ignore[arg-type]
+        done = collect(engine_loop, 1)["e"]
+        assert done.error is None and done.output is not None
+        assert engine_loop.is_healthy
+    finally:
+        engine_loop.stop()
