@@ -125,6 +125,11 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
+# The key of a Responses job's body that keeps its `instructions` for the `response` to
+# echo (they run as the chat body's first system message).
+ECHOED_INSTRUCTIONS = "instructions"
+
+
 def response_shell(*, job_id: str, model: str | None, created_at: int | None,
                    body: dict[str, Any]) -> dict[str, Any]:
     """The `response` of job `job_id` before it has output: in progress, no usage yet.
@@ -144,7 +149,7 @@ def response_shell(*, job_id: str, model: str | None, created_at: int | None,
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "metadata": body.get("metadata") or {},
-        "instructions": body.get("instructions"),
+        "instructions": body.get(ECHOED_INSTRUCTIONS),
         "parallel_tool_calls": False,
         "tool_choice": "none",
         "tools": [],

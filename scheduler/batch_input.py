@@ -30,7 +30,7 @@ from core.json_bounds import json_bounds_error
 from core.model_context import ModelContext, model_contexts
 from core.request_checks import RequestRefused
 from core.requests import check_key, printable
-from core.responses_api import to_chat_body
+from core.responses_api import ECHOED_INSTRUCTIONS, to_chat_body
 from scheduler.batch_line_checks import check_shape, refusal, storable
 
 # Errors kept per batch: enough to fix a file, bounded however broken the file is.
@@ -140,10 +140,13 @@ def parse_request(raw: bytes, *, line: int, endpoint: str, model_override: str |
                              param="body.stream")
     if ENDPOINT_TO_KIND.get(endpoint) == "response":
         try:
-            body = to_chat_body(body)
+            chat = to_chat_body(body)
         except RequestRefused as e:
             raise InputLineError(e.code, f"line {line}: {e.message}",
                                  param=f"body.{e.param}" if e.param else "body") from e
+        if isinstance(body.get("instructions"), str):
+            chat[ECHOED_INSTRUCTIONS] = body["instructions"]  # as the API's own route keeps it
+        body = chat
     if ENDPOINT_TO_KIND.get(endpoint) in CHAT_KINDS:
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             raise InputLineError("missing_required_parameter",

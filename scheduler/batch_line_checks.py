@@ -25,12 +25,14 @@ from core.embedding_requests import EmbeddingRequest
 from core.model_context import ModelContext
 from core.request_checks import RequestRefused, check_request, describe_errors, parse_body
 from core.requests import printable
+from core.responses_api import ECHOED_INSTRUCTIONS
 
 logger = logging.getLogger(__name__)
 
 
 def check_shape(body: dict[str, Any], *, kind: str) -> None:
     """RequestRefused (status 400) naming the first field of `body` that fails the schema."""
+    body = _as_chat(body, kind)
     if kind == "embedding":
         try:
             EmbeddingRequest.model_validate(body)
@@ -51,6 +53,7 @@ def refusal(body: dict[str, Any], *, kind: str, context: ModelContext | None
     """
     if kind == "embedding":
         return None  # the embedding worker checks inputs against its own model
+    body = _as_chat(body, kind)
     try:
         request = parse_body(body, is_chat=kind in ("chat.completion", "response"))
         check_request(request, context)
@@ -62,6 +65,14 @@ def refusal(body: dict[str, Any], *, kind: str, context: ModelContext | None
                 "type": "server_error", "param": None, "code": "request_not_checked",
                 "status_code": 500}
     return None
+
+
+def _as_chat(body: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The chat request a line's body runs as: a Responses line keeps its `instructions`
+    beside it only for the `response` to echo (its system message runs them)."""
+    if kind == "response" and ECHOED_INSTRUCTIONS in body:
+        return {k: v for k, v in body.items() if k != ECHOED_INSTRUCTIONS}
+    return body
 
 
 def storable(value: Any) -> Any:

@@ -27,7 +27,7 @@ from api.routes.completions import run_synchronously
 from api.schemas import ChatCompletionRequest, JobPublic, job_path, model_response
 from api.submission import submit
 from core.request_checks import RequestRefused, describe_errors
-from core.responses_api import response_shell, to_chat_body
+from core.responses_api import ECHOED_INSTRUCTIONS, response_shell, to_chat_body
 from core.topics import Priority
 from storage.jobs import get_job
 from storage.models import JobStatus
@@ -126,7 +126,7 @@ def _as_job(body: dict[str, Any], *, stream: bool) -> ResponseJobRequest:
     try:
         chat = to_chat_body({k: v for k, v in body.items() if k not in _ROUTE_FIELDS})
         if isinstance(body.get("instructions"), str):
-            chat["instructions"] = body["instructions"]  # its system message runs it
+            chat[ECHOED_INSTRUCTIONS] = body["instructions"]  # its system message runs it
         if stream:
             chat["stream"] = True  # the worker publishes its text as it comes
         return ResponseJobRequest.model_validate(chat)

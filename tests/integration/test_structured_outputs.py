@@ -320,6 +320,7 @@ def test_jobs_and_batch_lines_carry_the_fields(svc: BatchService, tiny_model: Pa
     [line] = parse_jsonl(client.files.content(finished.output_file_id).content)
     body = line["response"]["body"]
     assert body["object"] == "response" and body["status"] == "completed"
+    assert body["instructions"] == "Answer in JSON."  # echoed, as a call's response does
     assert_valid_json(body["output"][0]["content"][0]["text"], SCHEMA)
     assert body["usage"]["output_tokens"] > 0
 
