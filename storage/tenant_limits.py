@@ -7,6 +7,7 @@ the weights of every tenant for the workers' fair share. Functions flush but nev
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -41,21 +42,27 @@ class Budget:
         return kind if self.model == ALL_MODELS else f"{kind} for model {self.model}"
 
 
+# The largest budget a limits row holds (its columns are 32-bit integers on PostgreSQL).
+MAX_TOKEN_BUDGET = 2**31 - 1
+
+
 def set_limits(
     session: Session, *, tenant_id: str, model: str = ALL_MODELS,
     tokens_per_minute: int | None = None, tokens_per_day: int | None = None,
     weight: float | None = None,
 ) -> TenantLimit:
     """Create or update the tenant's row for `model`; a field left None keeps its value,
-    a budget of 0 removes that budget. ValueError for negative values or an unknown tenant."""
+    a budget of 0 removes that budget. ValueError for values out of range or an unknown
+    tenant."""
     if session.get(Tenant, tenant_id) is None:
         raise ValueError(f"unknown tenant {tenant_id!r}; create it with `batchinfer keys create`")
     for name, value in (("tokens_per_minute", tokens_per_minute),
                         ("tokens_per_day", tokens_per_day)):
-        if value is not None and value < 0:
-            raise ValueError(f"{name} must be 0 (no limit) or more, not {value}")
-    if weight is not None and not weight > 0:
-        raise ValueError(f"weight must be above 0, not {weight}")
+        if value is not None and not 0 <= value <= MAX_TOKEN_BUDGET:
+            raise ValueError(f"{name} must be 0 (no limit) to {MAX_TOKEN_BUDGET}, not {value}")
+    if weight is not None and not 0 < weight < math.inf:
+        # inf (or nan) would pass to the engine, which refuses it for every job.
+        raise ValueError(f"weight must be a finite number above 0, not {weight}")
     if weight is not None and model != ALL_MODELS:
         raise ValueError("a weight applies to the tenant as a whole: set it without --model")
     row = session.get(TenantLimit, (tenant_id, model))

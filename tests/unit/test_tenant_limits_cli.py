@@ -50,7 +50,15 @@ def test_set_limits_refuses_bad_input(sqlite_env: str, capsys: pytest.CaptureFix
     assert main(["tenants", "set-limits", "--tenant", "nobody", "--weight", "1"]) == 2
     assert "no tenant named 'nobody'" in capsys.readouterr().err
     assert main(["tenants", "set-limits", "--tenant", "acme", "--tokens-per-minute", "-5"]) == 2
-    assert "tokens_per_minute must be 0 (no limit) or more" in capsys.readouterr().err
+    assert "tokens_per_minute must be 0 (no limit) to 2147483647" in capsys.readouterr().err
+    # Past what the column holds (an OverflowError traceback once).
+    assert main(["tenants", "set-limits", "--tenant", "acme", "--tokens-per-day",
+                 "99999999999999999999999"]) == 2
+    assert "tokens_per_day must be 0 (no limit) to" in capsys.readouterr().err
+    # A weight the engine refuses would have failed every job of the tenant.
+    for weight in ("inf", "nan", "0"):
+        assert main(["tenants", "set-limits", "--tenant", "acme", "--weight", weight]) == 2
+        assert "weight must be a finite number above 0" in capsys.readouterr().err
     assert main(["tenants", "set-limits", "--tenant", "acme"]) == 2
     assert "give --tokens-per-minute" in capsys.readouterr().err
     assert main(["tenants", "set-limits", "--tenant", "acme", "--model", "m",
