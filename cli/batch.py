@@ -182,6 +182,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from cli.batch_client import endpoint_of
 
     console = Console(stderr=True)
+    # Where the results go is checked before anything runs: found out after the batch,
+    # a wrong path cost the whole run.
+    for path, flag in ((args.output, "-o"), (args.errors, "--errors")):
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
+            raise ValueError(f"{flag} {path}: " + ("is a directory" if path.is_dir()
+                                                    else f"no directory {path.parent}"))
+    if args.input is not None and not args.input.is_file():
+        raise ValueError(f"{args.input}: " + ("is a directory" if args.input.is_dir()
+                                               else "no such file"))
     with client_of(args) as client:
         if args.batch_id:
             batch = client.get_batch(args.batch_id)

@@ -34,9 +34,12 @@ class BatchClient:
     def __init__(self, base_url: str, api_key: str, *,
                  transport: httpx.BaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=TIMEOUT,
-                                  headers={"Authorization": f"Bearer {api_key}"},
-                                  transport=transport)
+        try:
+            self._http = httpx.Client(base_url=self.base_url, timeout=TIMEOUT,
+                                      headers={"Authorization": f"Bearer {api_key}"},
+                                      transport=transport)
+        except httpx.InvalidURL as e:  # said as the CLI says a bad argument
+            raise ValueError(f"--url {base_url!r} is not a URL: {e}") from e
 
     def close(self) -> None:
         """Close the connection pool."""

@@ -414,8 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # exit cannot raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (ValueError, FileNotFoundError, ConnectionError, RuntimeError) as e:
-        # What a user can act on, without a traceback (which --log-level DEBUG shows).
+    except (ValueError, OSError, RuntimeError) as e:
+        # What a user can act on, without a traceback (which --log-level DEBUG shows): a
+        # bad argument, a path that is missing or a directory, a service that is down.
         logging.getLogger(__name__).debug("%s failed", args.command, exc_info=True)
         print(f"batchinfer {command_of(args)}: {e}", file=sys.stderr)
         return 2

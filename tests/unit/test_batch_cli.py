@@ -133,3 +133,29 @@ def test_a_failed_validation_names_each_line_once(tmp_path: Path) -> None:
     text = console.export_text()
     assert "  line 2: url must be ... (invalid_url)" in text and "line 2: line 2" not in text
     assert "  line 3: not JSON (invalid_json)" in text
+
+
+def test_bad_paths_and_urls_are_one_line_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An output path that is a directory (a traceback once, after the whole batch had
+    run), an input that is a directory, a URL that is none: exit 2, one line, no upload
+    (the service here is unreachable: reaching it would say so instead)."""
+    from cli.main import main
+
+    requests = tmp_path / "in.jsonl"
+    requests.write_text('{"custom_id": "a", "url": "/v1/chat/completions", "body": {}}\n')
+    service = ["--url", "http://127.0.0.1:9", "--api-key", "k"]
+    cases = [
+        (["batch", "run", str(requests), "-o", str(tmp_path), *service], "is a directory"),
+        (["batch", "run", str(requests), "-o", str(tmp_path / "no" / "out.jsonl"), *service],
+         "no directory"),
+        (["batch", "run", str(tmp_path), "-o", str(tmp_path / "out.jsonl"), *service],
+         "is a directory"),
+        (["batch", "get", "batch_1", "--url", "http://[::1", "--api-key", "k"], "not a URL"),
+    ]
+    for argv, message in cases:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+    assert not list(tmp_path.glob("*.part"))
