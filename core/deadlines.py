@@ -19,7 +19,9 @@ DEFAULT_DUE_S = 3600.0
 def duration_seconds(text: str) -> int:
     """Seconds in `<n>s|m|h|d` (`90s`, `30m`, `2h`, `7d`); ValueError for anything else."""
     number, unit = text[:-1], text[-1:]
-    if unit not in _UNITS or not number.isdigit() or int(number) <= 0:
+    # ASCII digits only: str.isdigit() also takes "١", "１" and "²" (the last not even
+    # for int()), which a duration written for OpenAI's API never holds.
+    if unit not in _UNITS or not (number.isascii() and number.isdigit()) or int(number) <= 0:
         raise ValueError(f"{text!r} is not a duration like 30m, 2h, 24h or 7d")
     return int(number) * _UNITS[unit]
 

@@ -168,6 +168,10 @@ def test_batch_create_refusals(client: TestClient, acme: TenantKey) -> None:
         ({"completion_window": "30s"}, 400, "completion_window"),
         ({"completion_window": "8d"}, 400, "completion_window"),
         ({"completion_window": "1w"}, 400, "completion_window"),
+        # Digits that are not ASCII: "²" once leaked int()'s own message, "１" was taken.
+        ({"completion_window": "\u00b2h"}, 400, "completion_window"),
+        ({"completion_window": "\uff11h"}, 400, "completion_window"),
+        ({"completion_window": "\u0661h"}, 400, "completion_window"),
         ({"endpoint": "/v1/assistants"}, 400, "endpoint"),
         ({"model": "gpt-4o"}, 404, "model"),
         ({"priority": "urgent"}, 400, "priority"),
