@@ -63,8 +63,18 @@ class ResponseRequest(ClientObject):
     cache: ClientDict | None = None
 
 
+# List fields whose empty value asks for nothing.
+_EMPTY_MEANS_UNSET = frozenset({"include", "tools"})
+
+
 def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat-completions body that runs a Responses body; RequestRefused naming the field."""
+    """The chat-completions body that runs a Responses body; RequestRefused naming the field.
+
+    A field sent as null, and `include` or `tools` sent empty, count as not sent: client
+    libraries send `previous_response_id: null` or `include: []` for what they leave
+    unset, and OpenAI reads them so; refused by name, they would refuse every request."""
+    body = {k: v for k, v in body.items()
+            if v is not None and not (k in _EMPTY_MEANS_UNSET and v == [])}
     try:
         request = ResponseRequest.model_validate(body)
     except ValidationError as e:

@@ -38,7 +38,7 @@ def test_input_instructions_and_format_become_a_chat_body() -> None:
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"model": "m"}, "input"),
-    ({"model": "m", "input": "x", "tools": []}, "tools"),
+    ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
     ({"model": "m", "input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"model": "m", "input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "https://x"}]}]}, "input[0].content[0].type"),
@@ -50,6 +50,15 @@ def test_what_the_engine_cannot_honour_is_refused_by_name(body: dict[str, Any], 
     with pytest.raises(RequestRefused) as info:
         to_chat_body(body)
     assert info.value.param == param
+
+
+def test_fields_sent_as_null_or_empty_count_as_not_sent() -> None:
+    """What client libraries send for what they leave unset runs, as OpenAI runs it."""
+    unset: dict[str, Any] = {
+        "previous_response_id": None, "reasoning": None, "include": [], "tools": [],
+        "tool_choice": None, "truncation": None, "temperature": None}
+    assert to_chat_body({"model": "m", "input": "x", **unset}) == to_chat_body(
+        {"model": "m", "input": "x"})
 
 
 def test_batch_lines_for_responses_validate_and_refuse_by_line() -> None:

@@ -106,7 +106,7 @@ def test_a_stream_out_of_time_ends_with_an_error_and_cancels_its_job(
     ({"stream": True, "stream_options": {"include_obfuscation": 1}},
      "stream_options.include_obfuscation"),
     ({"stream": True, "stream_options": []}, "stream_options"),
-    ({"stream": True, "tools": []}, "tools"),
+    ({"stream": True, "tools": [{"type": "function", "name": "f"}]}, "tools"),
 ])
 def test_stream_fields_refused_before_anything_is_queued(
     client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
