@@ -17,14 +17,11 @@ the GIL inside its kernels, so the two threads share a core well.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -33,6 +30,7 @@ from core.deadlines import DEFAULT_DUE_S
 from core.messages import JobMessage
 from storage.token_streams import STARTED, StreamEntry
 from workers.engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
+from workers.inference.grammar_compiles import Compiled, GrammarCompiles, grammar_key
 from workers.inference.remote_requests import RemoteOutput
 from workers.inference.sampling import Prompt
 
@@ -44,9 +42,6 @@ T = TypeVar("T")
 STATS_INTERVAL_S = 1.0
 # Deadlines within this long of reaching the engine order a job before those without one.
 DEADLINE_HORIZON_S = DEFAULT_DUE_S
-# Grammars remembered as compiled (the engine's cache holds them, within its own bound;
-# one it has dropped is compiled again by `add_request`, on the engine thread).
-MAX_COMPILED_KEYS = 1024
 # How long the idle engine thread waits for a request before refreshing the gauges (`stop`
 # wakes it at once): waking twenty times a second cost an idle worker ~4 ms of CPU a second.
 IDLE_WAIT_S = STATS_INTERVAL_S
@@ -151,15 +146,6 @@ class _Watch:
 
 
 @dataclass(slots=True)
-class _Compiled:
-    """A held-back request's grammar finished compiling, or failed to (`error`)."""
-
-    request_id: str
-    key: bytes
-    error: str | None = None
-
-
-@dataclass(slots=True)
 class FinishedRequest:
     """A request that left the engine: finished (`output`), refused (`error`) or aborted."""
 
@@ -175,31 +161,15 @@ class FinishedRequest:
 WAKE = FinishedRequest("")
 
 
-def _grammar_key(params: object) -> bytes | None:
-    """A digest of the request's schema or structural tag; None without either (an
-    embedding request's parameters have neither)."""
-    schema = getattr(params, "json_schema", None)
-    text = schema if schema is not None else getattr(params, "structural_tag", None)
-    if not isinstance(text, str):
-        return None
-    kind = b"schema" if schema is not None else b"tag"
-    return kind + hashlib.blake2b(text.encode("utf-8", "surrogatepass"),
-                                  digest_size=16).digest()
-
-
 class EngineLoop:
     """Runs `engine.step()` continuously on a background thread (see module docstring)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[list[_Add] | _Abort | _Watch | _Compiled | None] = (
+        self._inbox: queue.SimpleQueue[list[_Add] | _Abort | _Watch | Compiled | None] = (
             queue.SimpleQueue())  # None: stop
-        # Requests held back while their grammar compiles, and the grammars compiled lately
-        # (by digest), which the engine's own cache still holds.
-        self._compiling: dict[str, _Add] = {}
-        self._compiled: OrderedDict[bytes, None] = OrderedDict()
-        self._compiler = ThreadPoolExecutor(max_workers=1,
-                                            thread_name_prefix="grammar-compile")
+        self._compiles: GrammarCompiles[_Add] = GrammarCompiles(
+            lambda params: engine.compile_grammar(params), self._inbox.put)
         self._outbox: queue.SimpleQueue[FinishedRequest] = queue.SimpleQueue()
         self._live_ids: set[str] = set()  # touched by the engine thread only
         # Requests with n > 1 by their own id, and each choice's id -> that id.
@@ -227,7 +197,7 @@ class EngineLoop:
         """Ask the thread to finish its current step and end; wait up to `timeout`."""
         self._stopping.set()
         self._inbox.put(None)
-        self._compiler.shutdown(wait=False, cancel_futures=True)
+        self._compiles.shutdown()
         if self._thread.is_alive():
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -330,13 +300,9 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _apply(self, command: _Add | _Abort | _Watch | _Compiled) -> None:
-        if isinstance(command, _Compiled):
-            held = self._compiling.pop(command.request_id, None)
-            if command.error is None:
-                self._compiled[command.key] = None
-                if len(self._compiled) > MAX_COMPILED_KEYS:
-                    self._compiled.popitem(last=False)
+    def _apply(self, command: _Add | _Abort | _Watch | Compiled) -> None:
+        if isinstance(command, Compiled):
+            held = self._compiles.finished(command)
             if held is None:
                 return  # aborted meanwhile
             if command.error is not None:
@@ -344,13 +310,13 @@ class EngineLoop:
             else:
                 self._start(held)
             return
-        if isinstance(command, _Abort | _Watch) and command.request_id in self._compiling:
-            held = self._compiling[command.request_id]
+        if isinstance(command, _Abort | _Watch) and (
+                held := self._compiles.held(command.request_id)) is not None:
             if isinstance(command, _Abort):
-                del self._compiling[command.request_id]
+                self._compiles.release(command.request_id)
                 self._outbox.put(FinishedRequest(command.request_id, aborted=True))
             elif held.n == 1:  # watched: streams from its first token
-                self._compiling[command.request_id] = replace(held, stream=True)
+                self._compiles.replace(command.request_id, replace(held, stream=True))
             return
         if isinstance(command, _Watch):
             # Text streams for one choice; n choices come whole with the result.
@@ -368,12 +334,10 @@ class EngineLoop:
                 self._forget_text(command.request_id)
                 self._outbox.put(FinishedRequest(command.request_id, aborted=True))
             return
-        key = _grammar_key(command.params)
-        if key is not None and key not in self._compiled:
-            self._compile_then_start(command, key)
+        key = grammar_key(command.params)
+        if key is not None and not self._compiles.is_compiled(key):
+            self._compiles.hold(command.request_id, command, command.params, key)
             return
-        if key is not None:
-            self._compiled.move_to_end(key)  # recently used: kept longest
         self._start(command)
 
     def _start(self, command: _Add) -> None:
@@ -381,22 +345,6 @@ class EngineLoop:
             self._add_choices(command)
             return
         self._add_one(command)
-
-    def _compile_then_start(self, command: _Add, key: bytes) -> None:
-        """Hold `command` back until its grammar is compiled off this thread."""
-        self._compiling[command.request_id] = command
-        future = self._compiler.submit(self.engine.compile_grammar, command.params)
-
-        def compiled(done: Future[None]) -> None:
-            error = "the worker stopped" if done.cancelled() else done.exception()
-            if error is not None and not isinstance(error, ValueError | str):
-                logger.error("compiling %s's grammar failed", command.request_id,
-                             exc_info=error)
-                error = f"the grammar could not be compiled: {type(error).__name__}: {error}"
-            self._inbox.put(_Compiled(command.request_id, key,
-                                      None if error is None else str(error)))
-
-        future.add_done_callback(compiled)
 
     def _add_one(self, command: _Add) -> bool:
         """Put one engine request in; False (its FinishedRequest sent) when refused."""
