@@ -21,7 +21,7 @@ from core.kafka import consumer_lag, make_producer
 from scheduler.embedded_services import free_port
 from storage import jobs
 from storage.events import publish_cancel
-from storage.models import JobStatus
+from storage.models import Job, JobStatus
 from tests.utils.worker_service import Service, job_bodies
 
 
@@ -200,15 +200,16 @@ def test_sigkill_mid_run_loses_and_duplicates_nothing(service) -> None:
         + svc.submit("low", job_bodies(6, tag="k-low", max_tokens=128, ignore_eos=True))
     )
     first = svc.start_worker()
-    svc.wait_for(
-        "some jobs done and some running",
-        lambda: (
-            svc.count_status(job_ids, JobStatus.SUCCEEDED) >= 2
-            and svc.count_status(job_ids, JobStatus.RUNNING) >= 1
-        ),
-    )
+
+    def done_and_running(rows: dict[str, Job]) -> bool:
+        statuses = [j.status for j in rows.values()]
+        return (statuses.count(JobStatus.SUCCEEDED) >= 2
+                and statuses.count(JobStatus.RUNNING) >= 1)
+
+    # Frozen first, so the rows read are the rows the kill leaves.
+    at_kill = svc.freeze_when(first, "some jobs done and some running", job_ids,
+                              done_and_running)
     first.kill()
-    at_kill = svc.jobs(job_ids)
     running_at_kill = [i for i, j in at_kill.items() if j.status == JobStatus.RUNNING]
     assert running_at_kill and len(running_at_kill) < len(job_ids)
 

@@ -6,6 +6,8 @@ and reads results back; `job_bodies` makes distinct greedy requests.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,6 +119,29 @@ class Service:
                 logs = "\n".join(f"--- {w.log_path.name}\n{w.log_tail()}" for w in self.workers)
                 pytest.fail(f"timed out waiting for {what}\n{logs}")
             time.sleep(0.2)
+
+    def freeze_when(self, worker: WorkerProcess, what: str, job_ids: list[str],
+                    check: Callable[[dict[str, Job]], bool],
+                    timeout: float = 120.0) -> dict[str, Job]:
+        """SIGSTOP `worker` at a moment its jobs' rows satisfy `check`; those rows.
+
+        A state seen while the worker runs may be gone by the next line of the test (a
+        running job finishes, the next is not yet claimed), so the check is made again on
+        the frozen worker, and the worker let go to run on until it holds.
+        """
+        deadline = time.monotonic() + within_budget(timeout)
+        while True:
+            if check(self.jobs(job_ids)):
+                os.kill(worker.pid, signal.SIGSTOP)
+                # A commit sent just before the stop may still be landing.
+                time.sleep(0.3)
+                frozen = self.jobs(job_ids)
+                if check(frozen):
+                    return frozen
+                os.kill(worker.pid, signal.SIGCONT)
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out waiting for {what}\n{worker.log_tail()}")
+            time.sleep(0.05)
 
     def wait_terminal(self, job_ids: list[str], timeout: float = 180.0) -> dict[str, Job]:
         """Wait until every job is finished; their rows."""
