@@ -10,20 +10,22 @@ the jobs table).
 
 from __future__ import annotations
 
-import os
-import signal
 from datetime import timedelta
 
 import sqlalchemy as sa
 
 from core.kafka import make_producer
 from scheduler.reconciler import Reconciler
-from storage.models import JobStatus, WorkerHeartbeat, utcnow
+from storage.models import Job, JobStatus, WorkerHeartbeat, utcnow
 from storage.workers import live_worker_ids
 from tests.utils.worker_service import Service, job_bodies
 
 # Short, so the tests wait seconds for a death, not the production half-minute.
 LIVENESS = {"worker_heartbeat_interval_s": 0.5, "worker_heartbeat_timeout_s": 4.0}
+
+
+def _two_running(rows: dict[str, Job]) -> bool:
+    return sum(j.status == JobStatus.RUNNING for j in rows.values()) == 2
 
 
 def _count_completion_writes(svc: Service) -> None:
@@ -109,10 +111,8 @@ def test_the_reconciler_hands_back_the_jobs_of_a_frozen_worker(service) -> None:
     _count_completion_writes(svc)
     job_ids = svc.submit("high", job_bodies(4, tag="orphan", max_tokens=900, ignore_eos=True))
     worker = svc.start_worker()
-    svc.wait_for("jobs running", lambda: svc.count_status(job_ids, JobStatus.RUNNING) == 2)
-    os.kill(worker.pid, signal.SIGSTOP)
+    at_freeze = svc.freeze_when(worker, "jobs running", job_ids, _two_running)
     try:
-        at_freeze = svc.jobs(job_ids)
         running = [i for i, j in at_freeze.items() if j.status == JobStatus.RUNNING]
         (frozen_id,) = {at_freeze[i].worker_id for i in running}
         assert _workers(svc) == [frozen_id]
@@ -151,9 +151,9 @@ def test_the_jobs_of_a_killed_worker_of_this_host_are_handed_back_at_once(servic
     _count_completion_writes(svc)
     job_ids = svc.submit("high", job_bodies(4, tag="killed", max_tokens=900, ignore_eos=True))
     worker = svc.start_worker()
-    svc.wait_for("jobs running", lambda: svc.count_status(job_ids, JobStatus.RUNNING) == 2)
+    # Frozen first, so the rows read are the rows the kill leaves.
+    at_kill = svc.freeze_when(worker, "jobs running", job_ids, _two_running)
     worker.kill()
-    at_kill = svc.jobs(job_ids)
     running = [i for i, j in at_kill.items() if j.status == JobStatus.RUNNING]
     (dead_id,) = {at_kill[i].worker_id for i in running}
     assert _is_alive(svc, dead_id, within_s=600.0), "SIGKILL leaves the row behind"
