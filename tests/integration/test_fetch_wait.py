@@ -20,10 +20,13 @@ from tests.utils.kafka_topics import create_topic
 from workers.inference.fetch_wait import (
     BUSY_FETCH_MAX_WAIT_MS,
     DORMANT_AFTER_S,
+    EXPECT_FETCH_MAX_WAIT_MS,
+    EXPECT_WINDOW_S,
     LONG_FETCH_MAX_WAIT_MS,
     LONG_WAIT_WORK_FACTOR,
     FetchWait,
 )
+from workers.inference.loop_pacing import IDLE_POLL_TIMEOUT_MS, poll_timeout_ms
 
 
 @pytest.fixture
@@ -155,3 +158,53 @@ def test_a_worker_with_nothing_to_do_for_a_while_fetches_twice_a_second(consumer
     wait.on_poll({}, is_idle=True, now=301.3)
     assert wait.current_ms == 100
     assert consumer._fetcher.config["fetch_max_wait_ms"] == 100
+
+
+def test_the_moment_the_work_runs_out_fetches_wait_briefly_for_a_window(consumer) -> None:
+    (tp,) = consumer.assignment()
+    wait = FetchWait(consumer)
+    assert wait.before_poll(is_idle=True, now=50.0) is None  # never busy: nothing ran out
+    wait.on_poll({}, is_idle=False, now=50.0)
+    assert wait.before_poll(is_idle=False, now=50.1) is None
+    # The last job just finished: the fetch about to go out already carries the short wait.
+    left = wait.before_poll(is_idle=True, now=50.2)
+    assert left == pytest.approx(EXPECT_WINDOW_S)
+    assert consumer._fetcher.config["fetch_max_wait_ms"] == EXPECT_FETCH_MAX_WAIT_MS
+    # The loop's poll lasts no longer than the window, so the wait changes back after it.
+    assert poll_timeout_ms(0, left) == round(1000 * EXPECT_WINDOW_S) < IDLE_POLL_TIMEOUT_MS
+    assert poll_timeout_ms(0) == IDLE_POLL_TIMEOUT_MS
+    assert poll_timeout_ms(1, left) == 0
+    wait.on_poll({}, is_idle=True, now=50.2 + EXPECT_WINDOW_S / 2)
+    assert wait.current_ms == EXPECT_FETCH_MAX_WAIT_MS
+    assert wait.before_poll(is_idle=True, now=50.2 + EXPECT_WINDOW_S / 2) == pytest.approx(
+        EXPECT_WINDOW_S / 2)
+    # Nothing came within the window: the wait of a worker whose records flowed lately.
+    wait.on_poll({}, is_idle=True, now=50.2 + EXPECT_WINDOW_S)
+    assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
+    assert wait.before_poll(is_idle=True, now=50.3 + EXPECT_WINDOW_S) is None
+    # A record ends the window at once, and so does work taken on.
+    wait.on_poll({tp: ["a record"]}, is_idle=False, now=60.0)
+    wait.before_poll(is_idle=True, now=60.1)
+    wait.on_poll({tp: ["a record"]}, is_idle=True, now=60.11)
+    assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
+    wait.on_poll({}, is_idle=False, now=60.2)
+    wait.before_poll(is_idle=True, now=60.3)
+    wait.on_poll({}, is_idle=False, now=60.31)
+    assert wait.current_ms == BUSY_FETCH_MAX_WAIT_MS
+
+
+def test_an_empty_fetch_comes_back_after_the_expectant_wait(empty_partition) -> None:
+    s, tp = empty_partition
+    expectant, busy = _consumer(s, tp), _consumer(s, tp)
+    try:
+        wait = FetchWait(expectant, expect_window_s=3600)
+        wait.on_poll({}, is_idle=False)
+        wait.before_poll(is_idle=True)
+        expect_ms = _fetch_latency_ms(expectant, 2.0, wait, is_idle=True)
+        busy_wait = FetchWait(busy, window_s=3600)
+        busy_wait.on_poll({tp: ["a record"]})
+        busy_ms = _fetch_latency_ms(busy, 2.0, busy_wait)
+    finally:
+        expectant.close()
+        busy.close()
+    assert expect_ms < busy_ms / 2 and busy_ms < 70, (expect_ms, busy_ms)

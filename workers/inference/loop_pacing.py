@@ -3,6 +3,8 @@ turn waits in the broker's poll or on the engine's finished queue."""
 
 from __future__ import annotations
 
+import math
+
 from core.settings import Settings
 from workers.engine.embedding_engine import EmbeddingEngine
 from workers.inference.remote_engine import RemoteEngine
@@ -48,10 +50,16 @@ def max_inflight(settings: Settings, engine: object) -> int:
 # up to POLL_TIMEOUT_MS; a record that comes after a quiet spell waits at most that long.
 
 
-def poll_timeout_ms(num_inflight: int) -> int:
+def poll_timeout_ms(num_inflight: int, expecting_s: float | None = None) -> int:
     """How long the loop's broker poll may wait: while jobs run, the finished queue does
-    the waiting (see `finished_wait_s`), so the poll only takes what has arrived."""
-    return 0 if num_inflight else IDLE_POLL_TIMEOUT_MS
+    the waiting (see `finished_wait_s`), so the poll only takes what has arrived; while
+    the fetch wait is the expectant one (`FetchWait.before_poll`), no longer than that
+    lasts, so the wait changes back when it ends."""
+    if num_inflight:
+        return 0
+    if expecting_s is not None:
+        return max(1, min(IDLE_POLL_TIMEOUT_MS, math.ceil(1000 * expecting_s)))
+    return IDLE_POLL_TIMEOUT_MS
 
 
 def finished_wait_s(

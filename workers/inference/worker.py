@@ -177,7 +177,10 @@ class Worker:
                 self._consumer, prefetched=self._prefetch.counts(), limit=self._prefetch_limit
             )
             release_parked_records(self._consumer)
-            batches = self._consumer.poll(timeout_ms=poll_timeout_ms(len(self._inflight)))
+            expecting_s = self._fetch_wait.before_poll(
+                is_idle=not self._inflight and not len(self._prefetch))
+            batches = self._consumer.poll(
+                timeout_ms=poll_timeout_ms(len(self._inflight), expecting_s))
             if self._on_new_assignment():
                 batches = {}  # fetched before the restart from committed offsets: refetched
             if self.on_consuming is not None and self._consumer.assignment():
