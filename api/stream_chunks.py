@@ -30,9 +30,11 @@ def sse(data: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-def named_sse(event: str, data: dict[str, Any]) -> bytes:
-    """One event with a name (`event: <name>`), as `GET /v1/jobs/{id}/events` sends."""
-    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+def named_sse(event: str, data: dict[str, Any], event_id: int | None = None) -> bytes:
+    """One event with a name (`event: <name>`), as `GET /v1/jobs/{id}/events` sends; with
+    an `id:` line when `event_id` is given (what a client's `Last-Event-ID` sends back)."""
+    head = b"" if event_id is None else b"id: %d\n" % event_id
+    return head + b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 @dataclass(frozen=True, slots=True)

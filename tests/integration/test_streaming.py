@@ -6,12 +6,14 @@ without `stream`, in OpenAI's chunk shapes; `include_usage` ends with the usage;
 answer streams; a streamed `/v1/responses` call's typed events join to the text of the
 same call without `stream` (also through the client's accumulating `responses.stream`);
 a client that leaves cancels its job; `GET /v1/jobs/{id}/events` follows a job from
-queued to finished.
+queued to finished, and resumes after a client's `Last-Event-ID`.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -346,6 +348,70 @@ def test_job_events_follow_a_job_from_queued_to_finished(api: Api) -> None:
     # A job that ended answers at once with its result.
     with api.http() as client, client.stream("GET", f"/v1/jobs/{job_id}/events") as again:
         assert [name for name, _ in _events(again)] == ["finished"]
+
+
+def _events_with_ids(response: httpx.Response) -> Iterator[tuple[int | None, str, dict[str, Any]]]:
+    """(id, event name, data) triples of an SSE response."""
+    event_id: int | None = None
+    name = "message"
+    for line in response.iter_lines():
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            yield event_id, name, json.loads(line[6:])
+            event_id, name = None, "message"
+
+
+def test_job_events_resume_after_the_last_event_id(api: Api) -> None:
+    """A follower that drops mid-job and comes back with `Last-Event-ID` gets only the text
+    it had not seen: its tokens across both connections join to the result's text."""
+    body = {"model": api.model, "prompt": "A job to follow twice", "max_tokens": 300,
+            "temperature": 0, "ignore_eos": True, "priority": "high", **OFF}
+    with api.http() as client:
+        job_id = client.post("/v1/jobs", json=body).json()["id"]
+        first: list[tuple[int | None, str, dict[str, Any]]] = []
+        worker = None
+        try:
+            with client.stream("GET", f"/v1/jobs/{job_id}/events") as response:
+                for event in _events_with_ids(response):
+                    first.append(event)
+                    if worker is None:  # after the follower: every token is seen
+                        worker = api.service.start_worker()
+                    if len([e for e in first if e[1] == "token"]) == 3:
+                        # Frozen while it runs, so the second connection finds it running.
+                        os.kill(worker.pid, signal.SIGSTOP)
+                        break
+            last_id = first[-1][0]
+            assert worker is not None
+            with client.stream("GET", f"/v1/jobs/{job_id}/events",
+                               headers={"Last-Event-ID": str(last_id)}) as response:
+                os.kill(worker.pid, signal.SIGCONT)
+                second = list(_events_with_ids(response))
+        finally:
+            if worker is not None:
+                os.kill(worker.pid, signal.SIGCONT)
+        bad = client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "evt_7"})
+        with client.stream("GET", f"/v1/jobs/{job_id}/events",
+                           headers={"Last-Event-ID": str(last_id)}) as response:
+            after_end = list(_events_with_ids(response))
+    # Each id counts the text the events up to it hold.
+    held = 0
+    for event_id, name, data in first + second:
+        if name == "token":
+            held += len(data["text"])
+        assert event_id == held, (name, event_id, held)
+    assert [name for _, name, _ in first] == ["queued", "started", "token", "token", "token"]
+    assert second[0][1] == "started" and second[0][0] == last_id
+    assert second[-1][1] == "finished" and {n for _, n, _ in second[1:-1]} == {"token"}
+    result = second[-1][2]
+    assert result["status"] == "succeeded"
+    text = "".join(d["text"] for _, n, d in first + second if n == "token")
+    assert text == result["result"]["choices"][0]["text"]
+    assert second[-1][0] == len(text)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "Last-Event-ID"
+    assert [name for _, name, _ in after_end] == ["finished"]
 
 
 def test_stream_is_refused_where_nothing_relays_it(api: Api) -> None:
