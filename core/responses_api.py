@@ -131,6 +131,14 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         raise RequestRefused("text.format must be an object with a 'type'.", param="text.format")
     if fmt.get("type") != "json_schema":
         return dict(fmt)  # text / json_object (anything else is refused by name later)
+    # Named here as the Responses API names them (the chat checks after would say
+    # `response_format.json_schema`); unlike chat's, this format has no default schema.
+    if not isinstance(fmt.get("name"), str):
+        raise RequestRefused("text.format.name must be a string naming the schema.",
+                             param="text.format.name")
+    if not isinstance(fmt.get("schema"), dict):
+        raise RequestRefused("text.format.schema must be a JSON Schema object.",
+                             param="text.format.schema")
     spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
     return {"type": "json_schema", "json_schema": spec}
 

@@ -43,6 +43,11 @@ def test_input_instructions_and_format_become_a_chat_body() -> None:
     ({"model": "m", "input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "https://x"}]}]}, "input[0].content[0].type"),
     ({"model": "m", "input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}},
+     "text.format.schema"),
+    ({"model": "m", "input": "x", "text": {"format": {"type": "json_schema",
+                                                      "schema": {"type": "object"}}}},
+     "text.format.name"),
 ])
 def test_what_the_engine_cannot_honour_is_refused_by_name(body: dict[str, Any], param: str
                                                          ) -> None:
