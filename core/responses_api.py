@@ -9,7 +9,7 @@ object (`object: "response"`); see workers/inference/results.py.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, StrictBool, ValidationError
 
@@ -50,7 +50,7 @@ class ResponseRequest(ClientObject):
     model_config = ConfigDict(extra="forbid")
 
     model: Text = Field(min_length=1, max_length=200)
-    input: Text | list[InputMessage]
+    input: Text | Annotated[list[InputMessage], Field(min_length=1)]
     instructions: Text | None = None
     max_output_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
