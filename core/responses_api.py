@@ -9,6 +9,7 @@ object (`object: "response"`); see workers/inference/results.py.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, StrictBool, ValidationError
@@ -141,6 +142,29 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
                              param="text.format.schema")
     spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
     return {"type": "json_schema", "json_schema": spec}
+
+
+# A Responses body runs as a chat body: what the chat checks name, as the Responses API
+# names it. Message positions are left out (`instructions` come first as a message).
+_CHAT_NAMES = re.compile(
+    r"\bmax_completion_tokens\b|\bresponse_format(?:\.json_schema)?(?:\.schema)?\b"
+    r"|\bmessages(?:\[\d+\])?(?:\.\w+)?")
+
+
+def _responses_name(match: re.Match[str]) -> str:
+    name = match.group(0)
+    if name == "max_completion_tokens":
+        return "max_output_tokens"
+    if name.startswith("response_format"):
+        return "text.format.schema" if name.endswith(".schema") else "text.format"
+    return "input"
+
+
+def as_responses_refusal(e: RequestRefused) -> RequestRefused:
+    """`e`, raised by the chat checks of a Responses body, naming the Responses fields."""
+    param = None if e.param is None else _CHAT_NAMES.sub(_responses_name, e.param)
+    return RequestRefused(_CHAT_NAMES.sub(_responses_name, e.message), param=param,
+                          code=e.code, status_code=e.status_code)
 
 
 # The key of a Responses job's body that keeps its `instructions` for the `response` to

@@ -25,7 +25,7 @@ from core.embedding_requests import EmbeddingRequest
 from core.model_context import ModelContext
 from core.request_checks import RequestRefused, check_request, describe_errors, parse_body
 from core.requests import printable
-from core.responses_api import ECHOED_INSTRUCTIONS
+from core.responses_api import ECHOED_INSTRUCTIONS, as_responses_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,10 @@ def check_shape(body: dict[str, Any], *, kind: str) -> None:
             param, message, code = describe_errors(e.errors(include_url=False))
             raise RequestRefused(message, param=param, code=code) from e
         return
-    parse_body(body, is_chat=kind in ("chat.completion", "response"))
+    try:
+        parse_body(body, is_chat=kind in ("chat.completion", "response"))
+    except RequestRefused as e:
+        raise as_responses_refusal(e) if kind == "response" else e from None
 
 
 def refusal(body: dict[str, Any], *, kind: str, context: ModelContext | None
@@ -58,7 +61,7 @@ def refusal(body: dict[str, Any], *, kind: str, context: ModelContext | None
         request = parse_body(body, is_chat=kind in ("chat.completion", "response"))
         check_request(request, context)
     except RequestRefused as e:
-        return e.error_object()
+        return (as_responses_refusal(e) if kind == "response" else e).error_object()
     except Exception as e:  # noqa: BLE001 - one line's defect must not fail the whole batch
         logger.exception("a batch line could not be checked")
         return {"message": f"the request could not be checked: {type(e).__name__}: {e}",

@@ -27,7 +27,12 @@ from api.routes.completions import run_synchronously
 from api.schemas import ChatCompletionRequest, JobPublic, job_path, model_response
 from api.submission import submit
 from core.request_checks import RequestRefused, describe_errors
-from core.responses_api import ECHOED_INSTRUCTIONS, response_shell, to_chat_body
+from core.responses_api import (
+    ECHOED_INSTRUCTIONS,
+    as_responses_refusal,
+    response_shell,
+    to_chat_body,
+)
 from core.topics import Priority
 from storage.jobs import get_job
 from storage.models import JobStatus
@@ -135,7 +140,8 @@ def _as_job(body: dict[str, Any], *, stream: bool) -> ResponseJobRequest:
                              status_code=e.status_code) from e
     except ValidationError as e:
         param, message, code = describe_errors(e.errors(include_url=False))
-        raise InvalidRequest(message, param=param, code=code) from e
+        named = as_responses_refusal(RequestRefused(message, param=param, code=code))
+        raise InvalidRequest(named.message, param=named.param, code=named.code) from e
 
 
 # A job's state as the Responses API names a response's.

@@ -10,7 +10,7 @@ import pytest
 from openai.types.responses import Response
 
 from core.request_checks import RequestRefused
-from core.responses_api import response_object, to_chat_body
+from core.responses_api import as_responses_refusal, response_object, to_chat_body
 from scheduler.batch_input import iter_requests, validate_input
 from workers.inference.results import Completion, build_result
 
@@ -82,7 +82,26 @@ def test_batch_lines_for_responses_validate_and_refuse_by_line() -> None:
     assert requests[0].error is None
     assert requests[0].body["messages"] == [{"role": "user", "content": "hi"}]
     assert requests[0].body["max_completion_tokens"] == 3
-    assert requests[1].error is not None and requests[1].error["param"] == "response_format"
+    # Named as the Responses body has it, though the line runs as a chat body.
+    assert requests[1].error is not None and requests[1].error["param"] == "text.format"
+    assert "response_format" not in requests[1].error["message"]
+
+
+@pytest.mark.parametrize(("chat", "responses"), [
+    ("max_completion_tokens", "max_output_tokens"),
+    ("messages", "input"),
+    ("messages[3].content", "input"),
+    ("response_format", "text.format"),
+    ("response_format.json_schema.schema", "text.format.schema"),
+    ("temperature", "temperature"),
+])
+def test_what_the_chat_checks_name_is_named_as_the_responses_api_names_it(
+        chat: str, responses: str) -> None:
+    refused = as_responses_refusal(RequestRefused(f"Invalid value for '{chat}': no.",
+                                                  param=chat, code="invalid_value"))
+    assert refused.param == responses
+    assert refused.message == f"Invalid value for '{responses}': no."
+    assert refused.code == "invalid_value" and refused.status_code == 400
 
 
 def test_a_finished_job_is_answered_as_a_response_object() -> None:
