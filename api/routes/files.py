@@ -10,6 +10,7 @@ direction holds a file in memory. A full store answers 507 and any other failure
 from __future__ import annotations
 
 import errno
+import json
 import logging
 from collections.abc import Iterator
 from typing import Annotated, Any, BinaryIO, Literal
@@ -132,8 +133,22 @@ def storage_error(error: OSError) -> APIError:
 
 
 def _expires_after(fields: dict[str, str]) -> ExpiresAfter | None:
-    """The form's `expires_after[...]` fields as a policy; 400 naming the bad one."""
-    values = {key: fields[name] for key, name in EXPIRES_AFTER_FIELDS.items() if name in fields}
+    """The form's `expires_after[...]` fields as a policy, or one `expires_after` field
+    holding it as a JSON object (as a hand-written curl sends it); 400 naming the bad one.
+    """
+    values: Any = {key: fields[name] for key, name in EXPIRES_AFTER_FIELDS.items()
+                   if name in fields}
+    if "expires_after" in fields:
+        if values:
+            raise InvalidRequest("Send expires_after either as expires_after[anchor] and "
+                                 "expires_after[seconds] or as one JSON object, not both.",
+                                 param="expires_after", code="invalid_value")
+        try:
+            values = json.loads(fields["expires_after"])
+        except ValueError as e:
+            raise InvalidRequest('expires_after must be a JSON object such as {"anchor": '
+                                 '"created_at", "seconds": 3600}.', param="expires_after",
+                                 code="invalid_value") from e
     if not values:
         return None
     try:

@@ -34,6 +34,16 @@ def test_upload_with_expires_after_sets_expires_at(client: TestClient, acme: Ten
     assert got["expires_at"] == file.expires_at
 
 
+def test_expires_after_as_one_json_field_sets_expires_at(client: TestClient,
+                                                          acme: TenantKey) -> None:
+    """As a hand-written curl sends it: ignored, the file would have lived for good."""
+    response = upload(client, acme,
+                      expires_after='{"anchor": "created_at", "seconds": 7200}')
+    assert response.status_code == 200, response.text
+    file = FileObject.model_validate(response.json())
+    assert file.expires_at == file.created_at + 7200
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "3599"},
      "expires_after.seconds"),
@@ -44,6 +54,11 @@ def test_upload_with_expires_after_sets_expires_at(client: TestClient, acme: Ten
     ({"expires_after[anchor]": "last_active_at", "expires_after[seconds]": "3600"},
      "expires_after.anchor"),
     ({"expires_after[seconds]": "3600"}, "expires_after.anchor"),
+    ({"expires_after": '{"anchor": "created_at", "seconds": 10}'}, "expires_after.seconds"),
+    ({"expires_after": "3600"}, "expires_after"),
+    ({"expires_after": "in an hour"}, "expires_after"),
+    ({"expires_after": '{"anchor": "created_at", "seconds": 3600}',
+      "expires_after[seconds]": "3600"}, "expires_after"),
 ])
 def test_bad_expires_after_is_refused_naming_the_field(
         client: TestClient, acme: TenantKey, fields: dict[str, str], param: str) -> None:
