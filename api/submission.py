@@ -110,7 +110,7 @@ async def submit(
         assert digest is not None
         earlier = await run_in_threadpool(_find_earlier, resources, tenant, idempotency_key)
         if earlier is not None:
-            return _replay(earlier, digest, idempotency_key, resources)
+            return _replay(earlier, digest, idempotency_key, resources, kind=request.kind)
     await _admit(tenant, resources)
     try:
         return await _queue(request, priority=priority, tenant=tenant,
@@ -156,7 +156,7 @@ async def _queue(
         assert idempotency_key is not None and digest is not None
         earlier = await run_in_threadpool(_find_earlier, resources, tenant, idempotency_key)
         assert earlier is not None, "the key's unique index held, so its row exists"
-        return _replay(earlier, digest, idempotency_key, resources)
+        return _replay(earlier, digest, idempotency_key, resources, kind=request.kind)
     except ServiceStopping as e:
         raise StoppingError() from e
     except (BrokerUnavailable, KafkaError) as e:
@@ -215,13 +215,19 @@ def _find_earlier(resources: Resources, tenant: CurrentTenant, key: str) -> Job 
         return find_by_idempotency_key(session, tenant_id=tenant.id, key=key)
 
 
-def _replay(earlier: Job, digest: str, key: str, resources: Resources) -> Submission:
+def _replay(earlier: Job, digest: str, key: str, resources: Resources, *, kind: str
+            ) -> Submission:
     if resources.writer.is_doubtful(earlier.id):
         # Its first request was answered 503 and its row is about to be withdrawn (within
         # a second of the database answering again): the retry must not adopt it.
         raise ServiceUnavailable(
             "database", "the earlier request with this Idempotency-Key is still being "
             "withdrawn after a failed commit")
+    if earlier.kind != kind:
+        raise Conflict(
+            f"Idempotency-Key {key!r} was already used for a {earlier.kind} request "
+            f"(job {earlier.id}), not a {kind} one; use a new key for a new request.",
+            param="Idempotency-Key", code="idempotency_key_reused")
     if earlier.request_hash != digest:
         raise Conflict(
             f"Idempotency-Key {key!r} was already used with a different request body; "

@@ -115,6 +115,13 @@ def test_idempotency_key_replays_and_conflicts(
     conflict = client.post("/v1/jobs", json=VALID | {"max_tokens": 9}, headers=headers)
     assert conflict.status_code == 409
     assert conflict.json()["error"]["code"] == "idempotency_key_reused"
+    assert "different request body" in conflict.json()["error"]["message"]
+    # The same key on another endpoint: the message says so, not "a different body".
+    text = {"model": VALID["model"], "prompt": "Say hello."}
+    elsewhere = client.post("/v1/jobs", json=text, headers=headers)
+    assert elsewhere.status_code == 409
+    assert elsewhere.json()["error"]["code"] == "idempotency_key_reused"
+    assert "chat.completion request" in elsewhere.json()["error"]["message"]
     assert count_jobs(sessions) == 1
     assert len(producer.records) == 1
     keyless = client.post("/v1/jobs", json=VALID, headers=acme.headers).json()["id"]
