@@ -147,24 +147,33 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 # A Responses body runs as a chat body: what the chat checks name, as the Responses API
 # names it. Message positions are left out (`instructions` come first as a message).
 _CHAT_NAMES = re.compile(
-    r"\bmax_completion_tokens\b|\bresponse_format(?:\.json_schema)?(?:\.schema)?\b"
-    r"|\bmessages(?:\[\d+\])?(?:\.\w+)?")
+    r"\bmax_completion_tokens\b|\bmax_tokens\b"
+    r"|\bresponse_format(?:\.json_schema)?(?:\.(?:schema|type|strict|name)\b)?"
+    r"|\bmessages(?:\[\d+\])?(?:\.\w+)?|\bprompt\b")
 
 
 def _responses_name(match: re.Match[str]) -> str:
     name = match.group(0)
-    if name == "max_completion_tokens":
+    if name in ("max_completion_tokens", "max_tokens"):
         return "max_output_tokens"
     if name.startswith("response_format"):
-        return "text.format.schema" if name.endswith(".schema") else "text.format"
+        field = name.rsplit(".", 1)[-1]
+        return f"text.format.{field}" if field in ("schema", "type", "strict", "name") else (
+            "text.format")
     return "input"
+
+
+def responses_names(text: str) -> str:
+    """`text` (an error's message or param from the chat checks that run a Responses
+    body) with chat's field names as the Responses API names them."""
+    return _CHAT_NAMES.sub(_responses_name, text)
 
 
 def as_responses_refusal(e: RequestRefused) -> RequestRefused:
     """`e`, raised by the chat checks of a Responses body, naming the Responses fields."""
-    param = None if e.param is None else _CHAT_NAMES.sub(_responses_name, e.param)
-    return RequestRefused(_CHAT_NAMES.sub(_responses_name, e.message), param=param,
-                          code=e.code, status_code=e.status_code)
+    param = None if e.param is None else responses_names(e.param)
+    return RequestRefused(responses_names(e.message), param=param, code=e.code,
+                          status_code=e.status_code)
 
 
 # The key of a Responses job's body that keeps its `instructions` for the `response` to

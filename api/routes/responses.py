@@ -14,6 +14,8 @@ with the job's state as its status.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 from fastapi import APIRouter, Body, Request
@@ -21,7 +23,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from api.deps import IdempotencyKeyDep, ProducerDep, ResourcesDep, SessionDep, TenantDep
-from api.errors import InvalidRequest, NotFound
+from api.errors import APIError, InvalidRequest, NotFound
 from api.response_stream import stream_response
 from api.routes.completions import run_synchronously
 from api.schemas import ChatCompletionRequest, JobPublic, job_path, model_response
@@ -31,6 +33,7 @@ from core.responses_api import (
     ECHOED_INSTRUCTIONS,
     as_responses_refusal,
     response_shell,
+    responses_names,
     to_chat_body,
 )
 from core.topics import Priority
@@ -83,15 +86,16 @@ async def create_response(
                              "follow it with GET /v1/jobs/{id}/events, or stream it without "
                              "background.", param="background", code="unsupported_parameter")
     job_request = _as_job(body, stream=stream)
-    if stream:
-        return await stream_response(job_request, tenant, resources, producer,
-                                     idempotency_key)
-    if not background:
-        return await run_synchronously(job_request, request, tenant, resources, producer,
-                                       idempotency_key)
-    submission = await submit(request=job_request, priority=Priority.NORMAL, tenant=tenant,
-                              idempotency_key=idempotency_key, resources=resources,
-                              producer=producer)
+    with _named_as_responses():
+        if stream:
+            return await stream_response(job_request, tenant, resources, producer,
+                                         idempotency_key)
+        if not background:
+            return await run_synchronously(job_request, request, tenant, resources,
+                                           producer, idempotency_key)
+        submission = await submit(request=job_request, priority=Priority.NORMAL,
+                                  tenant=tenant, idempotency_key=idempotency_key,
+                                  resources=resources, producer=producer)
     headers = {"Location": job_path(submission.job.id), "X-Job-Id": submission.job.id}
     if submission.is_replay:
         headers["Idempotent-Replayed"] = "true"
@@ -124,6 +128,20 @@ def _check_stream_options(options: Any, *, stream: bool) -> None:
         if not isinstance(value, bool):
             raise InvalidRequest("stream_options.include_obfuscation must be true or false.",
                                  param="stream_options.include_obfuscation")
+
+
+@contextmanager
+def _named_as_responses() -> Iterator[None]:
+    """A refusal of the chat request a Responses body runs as, naming the fields the
+    client sent (`max_output_tokens`, `text.format`, `input`), not chat's."""
+    try:
+        yield
+    except APIError as e:
+        if e.status_code < 500:
+            e.message = responses_names(e.message)
+            e.args = (e.message,)
+            e.param = None if e.param is None else responses_names(e.param)
+        raise
 
 
 def _as_job(body: dict[str, Any], *, stream: bool) -> ResponseJobRequest:

@@ -93,6 +93,9 @@ def test_batch_lines_for_responses_validate_and_refuse_by_line() -> None:
     ("messages[3].content", "input"),
     ("response_format", "text.format"),
     ("response_format.json_schema.schema", "text.format.schema"),
+    ("response_format.type", "text.format.type"),
+    ("response_format.json_schema.strict", "text.format.strict"),
+    ("prompt", "input"),
     ("temperature", "temperature"),
 ])
 def test_what_the_chat_checks_name_is_named_as_the_responses_api_names_it(

@@ -148,3 +148,21 @@ def test_a_queued_or_failed_response_reads_back_with_its_state(
                        json={"model": MODEL, "prompt": "hi"}).json()["id"]
     missing = client.get(f"/v1/responses/resp_{chat}", headers=acme.headers)
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "response_id"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"stream": True, "text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"background": True, "text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_refusals_name_the_fields_a_responses_body_has(
+        client: TestClient, acme: TenantKey, body: dict[str, Any], param: str) -> None:
+    """The chat checks the body runs through name chat's fields; the client sent these."""
+    response = client.post("/v1/responses", json={"model": MODEL, "input": "hi", **body},
+                           headers=acme.headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert "max_completion_tokens" not in error["message"]
+    assert "response_format" not in error["message"]
