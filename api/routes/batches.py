@@ -134,16 +134,17 @@ def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
                              num_jobs=num_lines, on_unattainable=body.on_unattainable,
                              what="completion_window")
     now = utcnow()
-    batch = create_batch(
-        session, tenant_id=tenant.id, input_file_id=file.id, endpoint=body.endpoint,
-        completion_window=body.completion_window, expires_at=now + timedelta(seconds=window_s),
-        priority=body.priority.value, metadata=body.metadata, model_override=body.model,
-        callback_url=callback_url,
-        output_expires_after_s=(body.output_expires_after.seconds
-                                if body.output_expires_after else None),
-        idempotency_key=idempotency_key, request_hash=digest,
-    )
     try:
+        # The key's unique index answers at create_batch's flush, or at the commit.
+        batch = create_batch(
+            session, tenant_id=tenant.id, input_file_id=file.id, endpoint=body.endpoint,
+            completion_window=body.completion_window,
+            expires_at=now + timedelta(seconds=window_s), priority=body.priority.value,
+            metadata=body.metadata, model_override=body.model, callback_url=callback_url,
+            output_expires_after_s=(body.output_expires_after.seconds
+                                    if body.output_expires_after else None),
+            idempotency_key=idempotency_key, request_hash=digest,
+        )
         session.commit()
     except IntegrityError:
         # A concurrent request with the same key created it first.

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from openai.types import Batch, FileObject
 from sqlalchemy.orm import Session, sessionmaker
 
+import api.routes.batches as batches_route
 from core.settings import Settings
 from storage.batches import BatchStatus, get_batch
 from storage.events import publish_batch_done
@@ -123,6 +124,30 @@ def test_batch_create_get_list_cancel(client: TestClient, acme: TenantKey,
     again = client.post(f"/v1/batches/{batch.id}/cancel", headers=acme.headers)
     assert again.status_code == 200 and again.json()["status"] == "cancelled"
     assert client.delete(f"/v1/files/{file_id}", headers=acme.headers).status_code == 200
+
+
+def test_a_create_that_loses_the_race_for_its_key_gets_the_winners_batch(
+        client: TestClient, acme: TenantKey, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests with one key at once: both look the key up before either inserts; the
+    loser's insert meets the unique index (at the flush) and answers the winner's batch."""
+    file_id = upload(client, acme).json()["id"]
+    key = {"Idempotency-Key": "raced"}
+    body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
+    winner = client.post("/v1/batches", headers=acme.headers | key, json=body)
+    lookups: list[object] = []
+    real_lookup = batches_route.find_batch_by_idempotency_key
+
+    def lookup_before_the_winner_committed(*args: Any, **kwargs: Any) -> Any:
+        lookups.append(args)
+        return None if len(lookups) == 1 else real_lookup(*args, **kwargs)
+
+    monkeypatch.setattr(batches_route, "find_batch_by_idempotency_key",
+                        lookup_before_the_winner_committed)
+    loser = client.post("/v1/batches", headers=acme.headers | key, json=body)
+    assert loser.status_code == 200, loser.text
+    assert loser.headers["Idempotent-Replayed"] == "true"
+    assert loser.json()["id"] == winner.json()["id"]
+    assert len(lookups) == 2
 
 
 def test_a_retried_create_with_its_idempotency_key_gets_the_same_batch(
