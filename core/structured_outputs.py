@@ -69,6 +69,12 @@ def response_format_schema(response_format: object) -> dict[str, Any] | None:
             raise StructuredOutputError(
                 "response_format.json_schema must be an object with a 'name' and a 'schema'.",
                 param="response_format.json_schema")
+        _check_strict(spec, "response_format.json_schema.strict")
+        if not FUNCTION_NAME.fullmatch(spec["name"]):
+            raise StructuredOutputError(
+                f"response_format.json_schema.name {spec['name'][:80]!r} must be 1-64 "
+                "letters, digits, underscores or dashes.",
+                param="response_format.json_schema.name")
         schema = spec.get("schema", {})
         if not isinstance(schema, dict):
             raise StructuredOutputError("response_format.json_schema.schema must be an object.",
@@ -104,6 +110,15 @@ NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
                                  "additionalProperties": False}
 
 
+def _check_strict(spec: dict[str, Any], param: str) -> None:
+    """`strict` is true, false or left out: "true" or 1 read as not strict would skip the
+    keyword checks the client asked for, so anything else is refused."""
+    value = spec.get("strict")
+    if value is not None and not isinstance(value, bool):
+        raise StructuredOutputError(f"{param} must be true or false, got {value!r:.40}.",
+                                    param=param)
+
+
 def functions_of(tools: object) -> dict[str, dict[str, Any]]:
     """Tool name → its `function` object; StructuredOutputError naming the bad tool."""
     if not isinstance(tools, list):
@@ -117,6 +132,7 @@ def functions_of(tools: object) -> dict[str, dict[str, Any]]:
                 f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
                 f'"parameters": ...}}}}; other tool types are not supported.',
                 param=f"tools[{i}]")
+        _check_strict(function, f"tools[{i}].function.strict")
         name = function["name"]
         if not FUNCTION_NAME.fullmatch(name):
             raise StructuredOutputError(

@@ -190,6 +190,17 @@ def test_a_deep_schema_is_walked_without_recursion() -> None:
     ({"tools": [{"type": "function", "function": {"name": "g", "strict": True, "parameters": {
         "type": "object", "not": {"required": ["a"]}}}}]},
      "tools", "tools: the schema keyword 'not' at tools[0].function.parameters cannot"),
+    # A `strict` that is not a boolean would turn those checks off unasked.
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": "true",
+                                                                 "schema": {"type": "object"}}}},
+     "response_format.json_schema.strict",
+     "response_format.json_schema.strict must be true or false, got 'true'"),
+    ({"tools": [{"type": "function", "function": {"name": "g", "strict": 1}}],
+      "tool_choice": "required"},
+     "tools[0].function.strict", "tools[0].function.strict must be true or false, got 1"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "my schema",
+                                                                 "schema": {"type": "object"}}}},
+     "response_format.json_schema.name", "response_format.json_schema.name 'my schema' must"),
     # A reference the grammar cannot follow is refused with or without strict.
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
         "type": "object", "properties": {"u": {"$ref": "file:///etc/passwd"}}}}}},
