@@ -149,8 +149,10 @@ def _expires_after(fields: dict[str, str]) -> ExpiresAfter | None:
             raise InvalidRequest('expires_after must be a JSON object such as {"anchor": '
                                  '"created_at", "seconds": 3600}.', param="expires_after",
                                  code="invalid_value") from e
-    if not values:
+    elif not values:
         return None
+    # Sent, it is checked even as {} or null: a file kept for good is not what a client
+    # that sent a policy asked for.
     try:
         return ExpiresAfter.model_validate(values)
     except ValidationError as e:
