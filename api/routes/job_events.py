@@ -62,6 +62,11 @@ async def job_events(job_id: str, request: Request, tenant: TenantDep,
     view = await wait_for_job(resources, job_id=job_id, tenant_id=tenant.id, timeout=0)
     if view is None:
         raise job_not_found(job_id)
+    if view.status.is_terminal and seen > _text_length(view):
+        raise InvalidParameter(
+            f"Last-Event-ID {seen} is past the end of the job's text "
+            f"({_text_length(view)} characters): this endpoint never sent it.",
+            param="Last-Event-ID")
     return StreamingResponse(_events(resources, view, tenant_id=tenant.id, seen=seen),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -83,6 +88,8 @@ async def _events(resources: Resources, view: JobPublic, *, tenant_id: str, seen
     if view.status.is_terminal:
         yield named_sse("finished", view.model_dump(mode="json"), _text_length(view))
         return
+    # `seen` may run past what the job will write (it is not known yet); the `finished`
+    # event's id is the text's length all the same.
     asking = asyncio.ensure_future(_keep_asking(resources, view.id))
     sent = 0  # characters of text relayed on this connection, the skipped ones included
     try:
@@ -104,7 +111,7 @@ async def _events(resources: Resources, view: JobPublic, *, tenant_id: str, seen
                 yield KEEPALIVE
             elif isinstance(event, Finished):
                 yield named_sse("finished", event.view.model_dump(mode="json"),
-                                max(seen, sent))
+                                _text_length(event.view))
                 return
     finally:
         asking.cancel()

@@ -393,6 +393,8 @@ def test_job_events_resume_after_the_last_event_id(api: Api) -> None:
             if worker is not None:
                 os.kill(worker.pid, signal.SIGCONT)
         bad = client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "evt_7"})
+        past_end = client.get(f"/v1/jobs/{job_id}/events",
+                              headers={"Last-Event-ID": "10000000"})
         with client.stream("GET", f"/v1/jobs/{job_id}/events",
                            headers={"Last-Event-ID": str(last_id)}) as response:
             after_end = list(_events_with_ids(response))
@@ -412,6 +414,7 @@ def test_job_events_resume_after_the_last_event_id(api: Api) -> None:
     assert second[-1][0] == len(text)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "Last-Event-ID"
     assert [name for _, name, _ in after_end] == ["finished"]
+    assert past_end.status_code == 400, past_end.text
 
 
 def test_stream_is_refused_where_nothing_relays_it(api: Api) -> None:
