@@ -1,7 +1,8 @@
 """Query parameters of `GET /v1/jobs` that FastAPI cannot declare: `metadata.<key>`.
 
 Any other parameter the route does not know is refused (400 naming it) rather than
-ignored: a filter that silently does nothing answers with jobs it was meant to leave out.
+ignored, and so is one given twice: a filter that silently does nothing (or half of what
+was asked) answers with jobs it was meant to leave out.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ METADATA_PREFIX = "metadata."
 def list_filters(request: Request) -> dict[str, str]:
     """The `metadata.<key>=<value>` filters; InvalidRequest for an unknown parameter."""
     metadata: dict[str, str] = {}
+    seen: set[str] = set()
     for name, value in request.query_params.multi_items():
+        if name in seen:
+            # The last would win, and `status=failed&status=succeeded` read as one status
+            # answers with jobs of the other left out without a word.
+            raise InvalidRequest(f"query parameter {name!r} is given more than once; each "
+                                 "filter takes one value", param=name, code="invalid_value")
+        seen.add(name)
         if name.startswith(METADATA_PREFIX) and len(name) > len(METADATA_PREFIX):
             metadata[name.removeprefix(METADATA_PREFIX)] = value
         elif name not in KNOWN_PARAMS:

@@ -60,6 +60,11 @@ def test_jobs_filter_by_model_priority_metadata_batch_and_time(
     refused = client.get("/v1/jobs?team=red", headers=acme.headers)
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "team"
+    for twice, param in (("status=queued&status=succeeded", "status"),
+                         ("metadata.team=red&metadata.team=blue", "metadata.team")):
+        repeated = client.get(f"/v1/jobs?{twice}", headers=acme.headers)
+        assert repeated.status_code == 400, repeated.text
+        assert repeated.json()["error"]["param"] == param
 
 
 def test_usage_sums_finished_jobs_per_model_and_day_for_the_tenant(
