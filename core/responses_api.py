@@ -106,13 +106,20 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
 def _text_of(item: InputMessage, index: int) -> str:
     if isinstance(item.content, str):
         return item.content
+    if not item.content:
+        raise RequestRefused("A message's content must be a string or at least one part.",
+                             param=f"input[{index}].content")
     texts = []
     for j, part in enumerate(item.content):
-        if part.type not in ("input_text", "output_text") or part.text is None:
+        if part.type not in ("input_text", "output_text"):
             raise RequestRefused(
                 f"Content parts of type {part.type!r} are not supported; only 'input_text' "
-                "and 'output_text' with a 'text'.", param=f"input[{index}].content[{j}].type",
+                "and 'output_text'.", param=f"input[{index}].content[{j}].type",
                 code="unsupported_parameter")
+        if part.text is None:
+            raise RequestRefused(f"A part of type {part.type!r} needs its 'text'.",
+                                 param=f"input[{index}].content[{j}].text",
+                                 code="missing_required_parameter")
         texts.append(part.text)
     return "\n".join(texts)
 

@@ -39,6 +39,9 @@ def test_input_instructions_and_format_become_a_chat_body() -> None:
 @pytest.mark.parametrize(("body", "param"), [
     ({"model": "m"}, "input"),
     ({"model": "m", "input": []}, "input"),
+    ({"model": "m", "input": [{"role": "user", "content": []}]}, "input[0].content"),
+    ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+     "input[0].content[0].text"),
     ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
     ({"model": "m", "input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"model": "m", "input": [{"role": "user", "content": [
