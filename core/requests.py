@@ -121,13 +121,22 @@ def _check_keys(value: object) -> object:
 # unchecked.
 Text = Annotated[str, BeforeValidator(check_text)]
 Key = Annotated[str, BeforeValidator(check_key)]
+# Length bounds sit before the check: after it, pydantic counts a string's length in
+# "items" ("Value should have at most 512 items after validation").
+MetadataKey = Annotated[str, Field(max_length=64), BeforeValidator(check_key)]
+MetadataValue = Annotated[str, Field(max_length=512), BeforeValidator(check_text)]
+NonEmptyText = Annotated[str, Field(min_length=1), BeforeValidator(check_text)]
+FunctionName = Annotated[str, Field(min_length=1, max_length=64), BeforeValidator(check_text)]
+MessageName = Annotated[str, Field(max_length=64), BeforeValidator(check_text)]
+CallId = Annotated[str, Field(min_length=1, max_length=256), BeforeValidator(check_text)]
+UserId = Annotated[str, Field(max_length=256), BeforeValidator(check_text)]
 Stop = Annotated[
-    list[Annotated[Text, Field(min_length=1)]],
+    list[NonEmptyText],
     BeforeValidator(_as_list),
     Field(max_length=MAX_STOP_SEQUENCES),
 ]
 Metadata = Annotated[
-    dict[Annotated[Key, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
+    dict[MetadataKey, MetadataValue],
     BeforeValidator(_check_keys),
     Field(max_length=MAX_METADATA_KEYS),
 ]
@@ -195,7 +204,7 @@ class CalledFunction(ClientObject):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: Annotated[Text, Field(min_length=1, max_length=64)]
+    name: FunctionName
     arguments: Text
 
 
@@ -204,7 +213,7 @@ class MessageToolCall(ClientObject):
 
     model_config = ConfigDict(extra="forbid")
 
-    id: Annotated[Text, Field(min_length=1, max_length=256)]
+    id: CallId
     type: Literal["function"] = "function"
     function: CalledFunction
 
@@ -217,9 +226,9 @@ class ChatMessage(ClientObject):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
-    name: Text | None = Field(default=None, max_length=64)
+    name: MessageName | None = None
     tool_calls: list[MessageToolCall] | None = Field(default=None, min_length=1, max_length=128)
-    tool_call_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
+    tool_call_id: CallId | None = None
     # What an answer's message carries and clients send back with it (appending the
     # returned message to the conversation); read, not used.
     refusal: Text | None = None
@@ -297,7 +306,7 @@ class SamplingRequest(ClientObject):
     stop: Stop | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    user: Text | None = Field(default=None, max_length=256)
+    user: UserId | None = None
     stream: StrictBool | None = None
     # OpenAI's `store` keeps a completion for its dashboard; every request is a stored job
     # here, so it is read and changes nothing.

@@ -23,6 +23,7 @@ from core.requests import (
     Temperature,
     Text,
     TopP,
+    UserId,
 )
 
 
@@ -58,7 +59,7 @@ class ResponseRequest(ClientObject):
     top_p: TopP | None = None
     text: ClientDict | None = None
     metadata: Metadata | None = None
-    user: Text | None = Field(default=None, max_length=256)
+    user: UserId | None = None
     store: StrictBool | None = None  # accepted; results are kept as every job's are
     # This service's own: the result and semantic caches' options, as on a chat request.
     cache: ClientDict | None = None
