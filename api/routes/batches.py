@@ -124,7 +124,10 @@ def create(body: BatchCreate, session: SessionDep, tenant: TenantDep,
         try:
             validate_callback_url(callback_url, settings)
         except ValueError as e:
-            raise InvalidParameter(str(e), param="callback_url") from e
+            # Named where the client put it: the field, or the metadata key.
+            where = ("callback_url" if body.callback_url
+                     else f"metadata.{CALLBACK_METADATA_KEY}")
+            raise InvalidParameter(str(e), param=where) from e
     if body.on_unattainable != "accept":
         num_lines, model = _lines_and_model(FileStore.from_settings(settings), file.id)
         model = body.model or model

@@ -107,7 +107,8 @@ def _route_flag(body: dict[str, Any], name: str) -> bool:
     """A true/false field of this route (absent or null: false); 400 for anything else."""
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
-        raise InvalidRequest(f"{name} must be true or false.", param=name)
+        raise InvalidRequest(f"{name} must be true or false.", param=name,
+                             code="invalid_value")
     return value is True
 
 
@@ -118,16 +119,18 @@ def _check_stream_options(options: Any, *, stream: bool) -> None:
         return
     if not stream:
         raise InvalidRequest("stream_options is only allowed with stream: true.",
-                             param="stream_options")
+                             param="stream_options", code="invalid_value")
     if not isinstance(options, dict):
-        raise InvalidRequest("stream_options must be an object.", param="stream_options")
+        raise InvalidRequest("stream_options must be an object.", param="stream_options",
+                             code="invalid_value")
     for key, value in options.items():
         if key != "include_obfuscation":
             raise InvalidRequest(f"stream_options.{key} is not supported.",
                                  param=f"stream_options.{key}", code="unsupported_parameter")
         if not isinstance(value, bool):
             raise InvalidRequest("stream_options.include_obfuscation must be true or false.",
-                                 param="stream_options.include_obfuscation")
+                                 param="stream_options.include_obfuscation",
+                                 code="invalid_value")
 
 
 @contextmanager

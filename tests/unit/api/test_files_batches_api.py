@@ -201,7 +201,8 @@ def test_batch_create_refusals(client: TestClient, acme: TenantKey) -> None:
         ({"model": "gpt-4o"}, 404, "model"),
         ({"priority": "urgent"}, 400, "priority"),
         ({"callback_url": "ftp://example.com/x"}, 400, "callback_url"),
-        ({"metadata": {"callback_url": "http://10.0.0.1/hook"}}, 400, "callback_url"),
+        # Named where it was sent.
+        ({"metadata": {"callback_url": "http://10.0.0.1/hook"}}, 400, "metadata.callback_url"),
     ]
     for overrides, status_code, param in cases:
         body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h",

@@ -166,3 +166,20 @@ def test_refusals_name_the_fields_a_responses_body_has(
     assert error["param"] == param, error
     assert "max_completion_tokens" not in error["message"]
     assert "response_format" not in error["message"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"background": "yes"}, "background"),
+    ({"stream": 1}, "stream"),
+    ({"stream_options": {"include_obfuscation": True}}, "stream_options"),
+    ({"stream": True, "stream_options": []}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_obfuscation": "no"}},
+     "stream_options.include_obfuscation"),
+])
+def test_the_routes_own_fields_are_refused_with_a_code(
+        client: TestClient, acme: TenantKey, body: dict[str, Any], param: str) -> None:
+    response = client.post("/v1/responses", json={"model": MODEL, "input": "hi", **body},
+                           headers=acme.headers)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert response.json()["error"]["code"] == "invalid_value"
