@@ -62,11 +62,10 @@ async def job_events(job_id: str, request: Request, tenant: TenantDep,
     view = await wait_for_job(resources, job_id=job_id, tenant_id=tenant.id, timeout=0)
     if view is None:
         raise job_not_found(job_id)
-    if view.status.is_terminal and seen > _text_length(view):
+    if view.status.is_terminal and seen > (length := _text_length(view)):
         raise InvalidParameter(
-            f"Last-Event-ID {seen} is past the end of the job's text "
-            f"({_text_length(view)} characters): this endpoint never sent it.",
-            param="Last-Event-ID")
+            f"Last-Event-ID {seen} is past the end of the job's text ({length} "
+            "characters): this endpoint never sent it.", param="Last-Event-ID")
     return StreamingResponse(_events(resources, view, tenant_id=tenant.id, seen=seen),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 

@@ -31,7 +31,6 @@ from api.submission import submit
 from core.request_checks import RequestRefused, describe_errors
 from core.responses_api import (
     ECHOED_INSTRUCTIONS,
-    as_responses_refusal,
     response_shell,
     responses_names,
     to_chat_body,
@@ -85,8 +84,8 @@ async def create_response(
         raise InvalidRequest("background cannot be streamed; queue it with background and "
                              "follow it with GET /v1/jobs/{id}/events, or stream it without "
                              "background.", param="background", code="unsupported_parameter")
-    job_request = _as_job(body, stream=stream)
     with _named_as_responses():
+        job_request = _as_job(body, stream=stream)
         if stream:
             return await stream_response(job_request, tenant, resources, producer,
                                          idempotency_key)
@@ -161,8 +160,7 @@ def _as_job(body: dict[str, Any], *, stream: bool) -> ResponseJobRequest:
                              status_code=e.status_code) from e
     except ValidationError as e:
         param, message, code = describe_errors(e.errors(include_url=False))
-        named = as_responses_refusal(RequestRefused(message, param=param, code=code))
-        raise InvalidRequest(named.message, param=named.param, code=named.code) from e
+        raise InvalidRequest(message, param=param, code=code) from e
 
 
 # A job's state as the Responses API names a response's.
