@@ -42,6 +42,10 @@ class JobMessage(BaseModel):
     # When the job must be done by (seconds since the epoch): the engine runs it before
     # jobs of its priority with later deadlines or none.
     deadline: float | None = None
+    # When the job was created (seconds since the epoch): a `response`'s `created_at`,
+    # the same on every read of it as on the stream that opened it. None in a message
+    # from before the field: the worker's clock then.
+    created_at: float | None = None
 
     def encode(self) -> bytes:
         """Bytes for the Kafka record value (UTF-8 JSON).

@@ -476,6 +476,7 @@ def job_message(job: Job) -> JobMessage:
         attempt=job.attempts + 1,
         has_callback=job.callback_url is not None,
         deadline=job.deadline.timestamp() if job.deadline is not None else None,
+        created_at=job.created_at.timestamp() if job.created_at is not None else None,
     )
 
 
@@ -494,6 +495,7 @@ def new_job_message(values: dict[str, Any]) -> JobMessage:
         attempt=values["attempts"] + 1,
         has_callback=values["callback_url"] is not None,
         deadline=values["deadline"].timestamp() if values.get("deadline") else None,
+        created_at=values["created_at"].timestamp(),
     )
 
 

@@ -8,6 +8,7 @@ requests and answers 503/429 first, drops them, or holds them open.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -121,6 +122,55 @@ def test_jobs_run_through_an_engine_server_that_is_busy_at_first(
     message = failed.error["message"]
     assert message.startswith("the engine server refused the request (400): ")
     assert "max_tokens" in message
+
+
+# A schema whose language is finite: even the random-weight model completes it.
+PICK = {"type": "object", "properties": {"pick": {"enum": ["red", "green", "blue"]}},
+        "required": ["pick"], "additionalProperties": False}
+PICK_FORMAT = {"type": "json_schema", "json_schema": {"name": "pick", "strict": True,
+                                                       "schema": PICK}}
+
+
+def test_responses_and_structured_outputs_run_through_an_engine_server(
+    service: Callable[..., Service], settings: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A schema-constrained chat job reaches the server with its `response_format` (its
+    answer parses and keeps to the schema), and a /v1/responses job runs as its chat body
+    and is stored as OpenAI's `response`, created when its job was."""
+    with engine_server(service, tmp_path) as (upstream, url, key), \
+            engine_server_front(url, model=upstream.settings.model) as front:
+        down = front_service(settings, upstream, tmp_path, [front.url],
+                             engine_url_api_key=key)
+        down.start_worker()
+        try:
+            (chat,) = down.submit("normal", [{
+                "messages": [{"role": "user", "content": "Pick a colour."}],
+                "max_tokens": 40, "temperature": 0, "response_format": PICK_FORMAT}])
+            (response,) = down.submit("normal", [{
+                "messages": [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "Pick one."}],
+                "instructions": "Be brief.", "metadata": {"run": "9"}, "max_tokens": 40,
+                "temperature": 0, "response_format": PICK_FORMAT}], kind="response")
+            done = down.wait_terminal([chat, response], timeout=400)
+        finally:
+            down.workers[0].stop()
+    assert all(r["response_format"] == PICK_FORMAT for r in front.requests)
+    assert all("instructions" not in r and "metadata" not in r for r in front.requests)
+    chat_job = done[chat]
+    assert chat_job.status is JobStatus.SUCCEEDED, chat_job.error
+    assert chat_job.result is not None
+    text = chat_job.result["choices"][0]["message"]["content"]
+    assert json.loads(text)["pick"] in PICK["properties"]["pick"]["enum"]
+    job = done[response]
+    assert job.status is JobStatus.SUCCEEDED, job.error
+    from openai.types.responses import Response
+
+    stored = Response.model_validate(job.result)
+    assert (stored.id, stored.object, stored.model) == (f"resp_{response}", "response",
+                                                        REMOTE_NAME)
+    assert stored.created_at == int(job.created_at.timestamp())
+    assert (stored.metadata, stored.instructions) == ({"run": "9"}, "Be brief.")
+    assert json.loads(stored.output_text)["pick"] in PICK["properties"]["pick"]["enum"]
 
 
 def test_cancel_closes_the_request_on_the_engine_server(

@@ -19,7 +19,6 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.kafka import make_producer, publish_job
-from core.messages import JobMessage
 from core.settings import Settings
 from storage import jobs
 from storage.models import Job, JobStatus
@@ -44,12 +43,14 @@ class Service:
         *,
         spread: bool = False,
         batched: bool = False,
+        kind: str | None = None,
     ) -> list[str]:
         """Create queued jobs, then produce them (the API's order); their ids.
 
         `spread` puts them on the partitions in turn instead of by affinity key; `batched`
         lets the producer put several records in one batch, as the API's does (lag counts
-        on the embedded broker are then off).
+        on the embedded broker are then off). `kind`: the jobs' kind (by default, each
+        body's: chat with `messages`, else text).
         """
         with self.sessions() as session:
             rows = [
@@ -58,24 +59,14 @@ class Service:
                     tenant_id=self.tenant_id,
                     priority=priority,
                     model=self.settings.served_model_name,
-                    kind=kind_of(body),
+                    kind=kind or kind_of(body),
                     request=body,
                 )
                 for body in bodies
             ]
             jobs.mark_published(session, job_ids=[r.id for r in rows])
             session.commit()
-            messages = [
-                JobMessage(
-                    job_id=r.id,
-                    tenant_id=r.tenant_id,
-                    priority=priority,
-                    model=r.model,
-                    kind=kind_of(r.request),
-                    body=r.request,
-                )
-                for r in rows
-            ]
+            messages = [jobs.job_message(r) for r in rows]
         # One record per request unless asked: lag assertions count records on the
         # embedded broker, which counts a batch as one.
         producer = make_producer(self.settings, **({} if batched else {"batch_size": 0}))

@@ -36,6 +36,14 @@ REQUEST_FIELDS = (
 )  # fmt: skip
 
 
+def created_at_of(message: JobMessage) -> int:
+    """The `created` / `created_at` of a job's result: a `response`'s is its job's creation,
+    as the response read back or streamed before it finished says; a completion's, now."""
+    if message.kind == "response" and message.created_at is not None:
+        return int(message.created_at)
+    return int(time.time())
+
+
 class OutcomeRecorder:
     """Stores and counts how jobs ended (see the module docstring)."""
 
@@ -76,7 +84,7 @@ class OutcomeRecorder:
         for message, cached, _, marker in hits:
             result = dict(cached)
             if message.kind == "response":
-                result.update(id=f"resp_{message.job_id}", created_at=int(time.time()),
+                result.update(id=f"resp_{message.job_id}", created_at=created_at_of(message),
                               cached=marker)
             else:
                 prefix = "chatcmpl" if message.kind == "chat.completion" else "cmpl"
@@ -103,7 +111,7 @@ class OutcomeRecorder:
     def _result_of(self, message: JobMessage, output: RequestOutput | RemoteOutput,
                    choices: list[RequestOutput] | None = None) -> dict[str, Any]:
         if isinstance(output, RemoteOutput):  # an engine server's answer
-            return build_remote_result(message, output, created=int(time.time()),
+            return build_remote_result(message, output, created=created_at_of(message),
                                        system_fingerprint=self._store.system_fingerprint)
         if message.kind == "embedding":
             # The embedding engine's EmbeddingRequestOutput, through the same engine loop.
@@ -115,7 +123,7 @@ class OutcomeRecorder:
             job_id=message.job_id,
             model=message.model,
             completion=_completion(first),
-            created=int(time.time()),
+            created=created_at_of(message),
             token_text=self._token_text,
             system_fingerprint=self._store.system_fingerprint,
             tool_calls=_tool_calls(message, first),

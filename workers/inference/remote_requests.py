@@ -15,12 +15,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.messages import JobMessage
+from core.responses_api import response_object
 from core.topics import Priority
 from workers.engine.outputs import RequestMetrics
 
 # Job fields passed through under the same name (vLLM's names for its extras).
+# Structured output and tools go as the client sent them: a server that cannot honour one
+# refuses it (the job fails with its message) rather than answering free text unasked.
 PASSED_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
-                 "user", "presence_penalty", "frequency_penalty", "n")
+                 "user", "presence_penalty", "frequency_penalty", "n", "logit_bias",
+                 "response_format", "tools", "tool_choice", "parallel_tool_calls")
 # Finish reasons a server may give that our results carry as they are.
 FINISH_REASONS = {"stop", "length", "tool_calls", "content_filter"}
 
@@ -32,7 +36,7 @@ def request_of(
     an engine server cannot run here."""
     body = message.body
     payload: dict[str, Any] = {"model": model}
-    if message.kind == "chat.completion":
+    if message.kind in ("chat.completion", "response"):  # a response runs as its chat body
         path = "/chat/completions"
         payload["messages"] = body["messages"]
         if body.get("logprobs"):
@@ -49,7 +53,7 @@ def request_of(
                 0 if logprobs is True else logprobs)
     else:
         raise ValueError(f"a worker in front of an engine server runs chat and text "
-                         f"completions, not {message.kind!r} jobs")
+                         f"completions and responses, not {message.kind!r} jobs")
     payload.update((name, body[name]) for name in PASSED_FIELDS if body.get(name) is not None)
     if send_priority:
         payload["priority"] = Priority(message.priority).rank  # vLLM: lower runs first
@@ -94,12 +98,14 @@ def build_remote_result(
     message: JobMessage, output: RemoteOutput, *, created: int, system_fingerprint: str | None
 ) -> dict[str, Any]:
     """The job's result in the shape our engine's results have (our ids, the served
-    model's name), with the server's text, logprobs, finish_reason and usage."""
-    choices = [_shaped_choice(message.kind, index, choice)
+    model's name), with the server's text, logprobs, finish_reason and usage; a
+    `response` job's is its chat result reshaped as the Responses API's object."""
+    is_chat = message.kind in ("chat.completion", "response")
+    choices = [_shaped_choice("chat.completion" if is_chat else message.kind, index, choice)
                for index, choice in enumerate(output.response["choices"])]
-    object_name, id_prefix = (("chat.completion", "chatcmpl")
-                              if message.kind == "chat.completion" else ("text_completion", "cmpl"))
-    return {
+    object_name, id_prefix = (("chat.completion", "chatcmpl") if is_chat
+                              else ("text_completion", "cmpl"))
+    result = {
         "id": f"{id_prefix}-{message.job_id}",
         "object": object_name,
         "created": created,
@@ -108,6 +114,9 @@ def build_remote_result(
         "usage": _usage(output.response.get("usage")),
         "system_fingerprint": system_fingerprint,
     }
+    if message.kind == "response":
+        return response_object(result, job_id=message.job_id, body=message.body)
+    return result
 
 
 def _shaped_choice(kind: str, index: int, choice: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from workers.inference.remote_requests import (
 
 
 def job(kind: str = "chat.completion", priority: str = "low", **body: Any) -> JobMessage:
-    if kind == "chat.completion":
+    if kind in ("chat.completion", "response"):
         body.setdefault("messages", [{"role": "user", "content": "Hi"}])
     else:
         body.setdefault("prompt", "Once")
@@ -118,3 +118,47 @@ def test_n_choices_pass_to_the_server_and_all_come_back() -> None:
                                  system_fingerprint=None)
     assert [(c["index"], c["text"], c["finish_reason"]) for c in result["choices"]] == [
         (0, " a", "stop"), (1, " b", "length")]
+
+
+SCHEMA = {"type": "json_schema", "json_schema": {
+    "name": "pick", "strict": True,
+    "schema": {"type": "object", "properties": {"pick": {"enum": ["a", "b"]}},
+               "required": ["pick"], "additionalProperties": False}}}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def test_structured_output_tools_and_biases_go_to_the_server_as_sent() -> None:
+    """A server asked without them would answer free text for a schema the client set."""
+    _, payload = request_of(job(response_format=SCHEMA, tools=TOOLS, tool_choice="required",
+                                parallel_tool_calls=False, logit_bias={"7": -100}),
+                            model="m", send_priority=False)
+    assert (payload["response_format"], payload["tools"], payload["tool_choice"],
+            payload["parallel_tool_calls"], payload["logit_bias"]) == (
+        SCHEMA, TOOLS, "required", False, {"7": -100})
+
+
+def test_a_response_runs_as_its_chat_body_and_comes_back_as_a_response() -> None:
+    """A /v1/responses job: the chat request it runs as, its answer as OpenAI's `response`
+    object, `created_at` the job's creation."""
+    message = job("response", max_tokens=5, response_format=SCHEMA,
+                  metadata={"k": "v"}, instructions="Be brief.")
+    path, payload = request_of(message, model="m", send_priority=False)
+    assert path == "/chat/completions"
+    assert payload["messages"] == [{"role": "user", "content": "Hi"}]
+    assert (payload["max_tokens"], payload["response_format"]) == (5, SCHEMA)
+    assert "metadata" not in payload and "instructions" not in payload
+    answer = {"choices": [{"index": 0, "message": {"role": "assistant",
+                                                   "content": '{"pick": "a"}'},
+                           "finish_reason": "stop"}],
+              "usage": {"prompt_tokens": 9, "completion_tokens": 5}}
+    result = build_remote_result(message, RemoteOutput("job_1", check_response(answer)),
+                                 created=1700, system_fingerprint=None)
+    from openai.types.responses import Response
+
+    response = Response.model_validate(result)
+    assert (response.id, response.object, response.status, response.created_at) == (
+        "resp_job_1", "response", "completed", 1700)
+    assert response.output_text == '{"pick": "a"}'
+    assert (response.metadata, response.instructions) == ({"k": "v"}, "Be brief.")
+    assert response.usage is not None
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (9, 5)
