@@ -11,7 +11,6 @@ stream ends with an `error` event.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
@@ -42,7 +41,8 @@ async def stream_response(
                               idempotency_key=idempotency_key, resources=resources,
                               producer=producer)
     job_id = submission.job.id
-    shell = response_shell(job_id=job_id, model=body.model, created_at=int(time.time()),
+    shell = response_shell(job_id=job_id, model=body.model,
+                           created_at=int(submission.job.created_at.timestamp()),
                            body=body.inference_body())
     events = _events(resources, ResponseEvents(job_id=job_id, shell=shell), job_id=job_id,
                      tenant_id=tenant.id)

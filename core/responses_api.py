@@ -246,6 +246,29 @@ def response_object(chat_result: dict[str, Any], *, job_id: str, body: dict[str,
     return response
 
 
+def input_items(body: dict[str, Any], *, job_id: str) -> list[dict[str, Any]]:
+    """The `input` of a Responses job as OpenAI lists it back (`input_items`), oldest
+    first, from the chat body it ran as (`to_chat_body`): its messages less the system
+    message its `instructions` became. A message's text parts come back as one part, as
+    they ran (joined by newlines). Ids are `msg_<job id>_<position in input>`."""
+    messages = list(body.get("messages") or [])
+    if body.get(ECHOED_INSTRUCTIONS):
+        messages = messages[1:]
+    items = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        content = message.get("content")
+        text = content if isinstance(content, str) else ""
+        item: dict[str, Any] = {"id": f"msg_{job_id}_{i}", "type": "message", "role": role,
+                                "status": "completed"}
+        if role == "assistant":  # an earlier answer passed back in: output text
+            item["content"] = [{"type": "output_text", "text": text, "annotations": []}]
+        else:
+            item["content"] = [{"type": "input_text", "text": text}]
+        items.append(item)
+    return items
+
+
 def response_text(response: dict[str, Any]) -> str:
     """The output text of a stored `response` object (its message's text parts, joined)."""
     return "".join(part.get("text") or "" for item in response.get("output") or []

@@ -1,15 +1,17 @@
-"""OpenAI-compatible `POST /v1/responses`, in the subset the engine honours.
+"""OpenAI-compatible `/v1/responses`, in the subset the engine honours.
 
 Text input (a string, or messages of text parts) with `instructions`, output length,
 temperature, top_p and `text.format` (structured output), as batch lines already accept
 it (`core.responses_api`). The request runs as a chat completion job of kind `response`
 (queued at high priority, cached, recorded like any other) and is answered with the
 `response` object the worker stored. With `background: true` it is not awaited: the
-answer is the job (202), followed with GET /v1/jobs/{id}, whose result is the same object.
-With `stream: true` the answer is the Responses API's typed events as the text comes
-(`api.response_stream`). `GET /v1/responses/{id}` reads one back: the stored `response`
-once its job succeeded, before that (or when it failed or was cancelled) the response
-with the job's state as its status.
+answer is the response as it stands (`queued`, OpenAI's way), its job id in `X-Job-Id`
+and `Location` for GET /v1/jobs/{id} and its events. With `stream: true` the answer is
+the Responses API's typed events as the text comes (`api.response_stream`).
+`GET /v1/responses/{id}` reads one back: the stored `response` once its job succeeded,
+before that (or when it failed or was cancelled) the response with the job's state as
+its status; `POST .../cancel` cancels it (again: the cancelled response), and
+`GET .../input_items` lists the input it ran on.
 """
 
 from __future__ import annotations
@@ -18,26 +20,35 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
-from fastapi import APIRouter, Body, Request
-from fastapi.responses import Response
+from fastapi import APIRouter, Body, Query, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from api.deps import IdempotencyKeyDep, ProducerDep, ResourcesDep, SessionDep, TenantDep
-from api.errors import APIError, InvalidRequest, NotFound
+from api.deps import (
+    IdempotencyKeyDep,
+    ProducerDep,
+    RedisDep,
+    ResourcesDep,
+    SessionDep,
+    TenantDep,
+)
+from api.errors import APIError, Conflict, InvalidRequest, NotFound
+from api.job_state import cancel_and_announce
 from api.response_stream import stream_response
 from api.routes.completions import run_synchronously
-from api.schemas import ChatCompletionRequest, JobPublic, job_path, model_response
+from api.schemas import ChatCompletionRequest, job_path
 from api.submission import submit
 from core.request_checks import RequestRefused, describe_errors
 from core.responses_api import (
     ECHOED_INSTRUCTIONS,
+    input_items,
     response_shell,
     responses_names,
     to_chat_body,
 )
 from core.topics import Priority
 from storage.jobs import get_job
-from storage.models import JobStatus
+from storage.models import Job, JobStatus
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -76,7 +87,7 @@ async def create_response(
     idempotency_key: IdempotencyKeyDep = None,
 ) -> Response:
     """Run a Responses request now and return its `response` (with `stream`, its events as
-    they come), or with `background`, queue it and return its job."""
+    they come), or with `background`, queue it and return the response queued."""
     stream = _route_flag(body, "stream")
     background = _route_flag(body, "background")
     _check_stream_options(body.get("stream_options"), stream=stream)
@@ -98,8 +109,7 @@ async def create_response(
     headers = {"Location": job_path(submission.job.id), "X-Job-Id": submission.job.id}
     if submission.is_replay:
         headers["Idempotent-Replayed"] = "true"
-    return model_response(JobPublic.from_job(submission.job),
-                          status_code=200 if submission.is_replay else 202, headers=headers)
+    return JSONResponse(response_view(submission.job), headers=headers)
 
 
 def _route_flag(body: dict[str, Any], name: str) -> bool:
@@ -168,22 +178,88 @@ _RESPONSE_STATUS = {
     JobStatus.QUEUED: "queued", JobStatus.RUNNING: "in_progress",
     JobStatus.FAILED: "failed", JobStatus.CANCELLED: "cancelled", JobStatus.EXPIRED: "failed",
 }
+# Input items one page lists at most, and by default (OpenAI's bounds).
+MAX_ITEMS_PAGE = 100
+DEFAULT_ITEMS_PAGE = 20
+
+
+def response_view(job: Job) -> dict[str, Any]:
+    """Job `job`'s `response` as it stands: the stored object once it succeeded, before
+    that the response with the job's state as its status (and its error once it failed).
+    `created_at` is the job's creation on every read, as on the stream that opened it."""
+    created_at = int(job.created_at.timestamp())
+    if job.status is JobStatus.SUCCEEDED and job.result is not None:
+        return {**job.result, "created_at": created_at}
+    response = response_shell(job_id=job.id, model=job.model, created_at=created_at,
+                              body=job.request)
+    response["status"] = _RESPONSE_STATUS.get(job.status, "in_progress")
+    if job.error and job.status is not JobStatus.CANCELLED:
+        response["error"] = {"code": job.error.get("code") or "server_error",
+                             "message": job.error.get("message") or "The request failed."}
+    return response
+
+
+def _response_job(session: SessionDep, tenant: TenantDep, response_id: str) -> Job:
+    """The tenant's response job by id (`resp_<job id>`, or the job id); 404 otherwise."""
+    job = get_job(session, job_id=response_id.removeprefix("resp_"), tenant_id=tenant.id)
+    if job is None or job.kind != "response":
+        raise NotFound(f"No response found with id '{response_id}'.", param="response_id",
+                       code="response_not_found")
+    return job
 
 
 @router.get("/responses/{response_id}", response_model=None)
 def read_response(response_id: str, tenant: TenantDep, session: SessionDep) -> dict[str, Any]:
     """A response by id (`resp_<job id>`), as OpenAI's retrieve returns it."""
-    job_id = response_id.removeprefix("resp_")
-    job = get_job(session, job_id=job_id, tenant_id=tenant.id)
-    if job is None or job.kind != "response":
+    return response_view(_response_job(session, tenant, response_id))
+
+
+@router.post("/responses/{response_id}/cancel", response_model=None)
+def cancel_response(response_id: str, tenant: TenantDep, session: SessionDep,
+                    resources: ResourcesDep, redis_client: RedisDep) -> dict[str, Any]:
+    """Cancel a queued or running response: the response, `cancelled` (again for one
+    cancelled before); 409 for one that already finished otherwise."""
+    job = _response_job(session, tenant, response_id)
+    cancelled = cancel_and_announce(session, redis_client,
+                                    prefix=resources.settings.topic_prefix, job_id=job.id,
+                                    tenant_id=tenant.id)
+    if cancelled is None:  # gone between the two reads
         raise NotFound(f"No response found with id '{response_id}'.", param="response_id",
                        code="response_not_found")
-    if job.status is JobStatus.SUCCEEDED and job.result is not None:
-        return dict(job.result)
-    response = response_shell(job_id=job.id, model=job.model,
-                              created_at=int(job.created_at.timestamp()), body=job.request)
-    response["status"] = _RESPONSE_STATUS.get(job.status, "in_progress")
-    if job.error:
-        response["error"] = {"code": job.error.get("code") or "server_error",
-                             "message": job.error.get("message") or "The request failed."}
-    return response
+    if cancelled.status is not JobStatus.CANCELLED:
+        view = response_view(cancelled)
+        raise Conflict(f"Response '{response_id}' is already {view['status']}; it can no "
+                       "longer be cancelled.", param="response_id",
+                       code="response_not_cancellable")
+    return response_view(cancelled)
+
+
+@router.get("/responses/{response_id}/input_items", response_model=None)
+def list_input_items(
+    response_id: str,
+    tenant: TenantDep,
+    session: SessionDep,
+    after: str | None = None,
+    before: str | None = None,
+    limit: int = Query(DEFAULT_ITEMS_PAGE, ge=1, le=MAX_ITEMS_PAGE),
+    order: Literal["asc", "desc"] = "desc",
+) -> dict[str, Any]:
+    """The items of the response's `input`, a page at a time as OpenAI lists them: newest
+    first unless `order=asc`, those after (or before) the item id given."""
+    job = _response_job(session, tenant, response_id)
+    items = input_items(job.request, job_id=job.id)
+    if order == "desc":
+        items.reverse()
+    ids = [item["id"] for item in items]
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None and cursor not in ids:
+            raise InvalidRequest(f"{name} must be the id of one of this response's input "
+                                 f"items; got '{cursor[:64]}'.", param=name,
+                                 code="invalid_value")
+    start = ids.index(after) + 1 if after is not None else 0
+    end = ids.index(before) if before is not None else len(items)
+    page = items[start:end][:limit]
+    return {"object": "list", "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + len(page) < end}

@@ -204,14 +204,28 @@ def _check_responses(api: Api, client: openai.OpenAI) -> None:
 
     queued = client.responses.create(model=api.model, input="Hi", max_output_tokens=4,
                                      temperature=0, extra_body={"background": True})
-    job_id = queued.id  # the job's id: GET /v1/jobs/{id} follows it
+    assert queued.status == "queued" and queued.output == []
+    job_id = queued.id.removeprefix("resp_")  # GET /v1/jobs/{id} follows it too
     deadline = time.monotonic() + 120
     while (view := api.job(job_id))["status"] != "succeeded":
         assert view["status"] in ("queued", "running"), view
         assert time.monotonic() < deadline, view
         time.sleep(0.1)
     assert view["result"]["object"] == "response" and view["result"]["output"]
-    assert client.responses.retrieve(f"resp_{job_id}").status in ("completed", "incomplete")
+    assert view["result"]["created_at"] == queued.created_at  # as the worker stored it
+    done = client.responses.retrieve(queued.id)
+    assert done.status in ("completed", "incomplete")
+    assert done.created_at == queued.created_at  # the same response, read later
+    (item,) = client.responses.input_items.list(queued.id)
+    assert (item.type, item.role, item.content[0].text) == (  # type: ignore[union-attr]
+        "message", "user", "Hi")
+    with pytest.raises(openai.ConflictError):
+        client.responses.cancel(queued.id)  # finished: nothing left to cancel
+    long = client.responses.create(model=api.model, input="Go on and on", temperature=0,
+                                   max_output_tokens=900, extra_body={"background": True})
+    assert client.responses.cancel(long.id).status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    assert api.job(long.id.removeprefix("resp_"))["status"] == "cancelled"
 
     with pytest.raises(openai.BadRequestError) as image:
         image_part: Any = {"role": "user", "content": [

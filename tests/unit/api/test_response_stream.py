@@ -123,20 +123,28 @@ def test_stream_fields_refused_before_anything_is_queued(
 def test_a_queued_or_failed_response_reads_back_with_its_state(
     client: TestClient, acme: TenantKey, sessions: sessionmaker[Session]
 ) -> None:
-    """GET /v1/responses/{id} before the job ran: OpenAI's response object, `queued`; once
-    it failed, `failed` with the error; another kind of job is not a response."""
+    """`background: true` answers with OpenAI's response object, `queued`, and GET
+    /v1/responses/{id} reads the same before the job ran; once it failed, `failed` with
+    the error; another kind of job is not a response."""
     from openai.types.responses import Response
 
     queued = client.post("/v1/responses", headers=acme.headers, json={
         "model": MODEL, "input": "Hi", "background": True, "metadata": {"k": "v"},
         "instructions": "Answer in French."})
-    assert queued.status_code == 202, queued.text
-    job_id = queued.json()["id"]
+    assert queued.status_code == 200, queued.text
+    job_id = queued.headers["x-job-id"]
+    assert queued.headers["location"] == f"/v1/jobs/{job_id}"
+    answered = Response.model_validate(queued.json())
     read = client.get(f"/v1/responses/resp_{job_id}", headers=acme.headers)
     assert read.status_code == 200, read.text
     response = Response.model_validate(read.json())
+    assert response == answered
     assert (response.id, response.status, response.metadata, response.instructions) == (
         f"resp_{job_id}", "queued", {"k": "v"}, "Answer in French.")
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        assert response.created_at == int(job.created_at.timestamp())
     with sessions() as session:
         job = session.get(Job, job_id)
         assert job is not None
@@ -148,6 +156,98 @@ def test_a_queued_or_failed_response_reads_back_with_its_state(
                        json={"model": MODEL, "prompt": "hi"}).json()["id"]
     missing = client.get(f"/v1/responses/resp_{chat}", headers=acme.headers)
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "response_id"
+
+
+def test_a_response_is_cancelled_once_and_then_reads_cancelled(
+    client: TestClient, acme: TenantKey, sessions: sessionmaker[Session]
+) -> None:
+    """POST /v1/responses/{id}/cancel: the response `cancelled` (again on a second call,
+    as OpenAI's is idempotent); a finished one 409; another kind of job, or another
+    tenant's response, 404."""
+    from openai.types.responses import Response
+
+    job_id = client.post("/v1/responses", headers=acme.headers, json={
+        "model": MODEL, "input": "Hi", "background": True}).headers["x-job-id"]
+    for _ in range(2):
+        cancelled = client.post(f"/v1/responses/resp_{job_id}/cancel", headers=acme.headers)
+        assert cancelled.status_code == 200, cancelled.text
+        response = Response.model_validate(cancelled.json())
+        assert (response.id, response.status, response.error) == (
+            f"resp_{job_id}", "cancelled", None)
+    assert client.get(f"/v1/responses/{job_id}", headers=acme.headers).json()["status"] == (
+        "cancelled")
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and job.status is JobStatus.CANCELLED
+
+    done_id = client.post("/v1/responses", headers=acme.headers, json={
+        "model": MODEL, "input": "Hi again", "background": True}).headers["x-job-id"]
+    with sessions() as session:
+        job = session.get(Job, done_id)
+        assert job is not None
+        job.status, job.error = JobStatus.FAILED, {"message": "boom"}
+        session.commit()
+    refused = client.post(f"/v1/responses/resp_{done_id}/cancel", headers=acme.headers)
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"]["code"] == "response_not_cancellable"
+    assert "already failed" in refused.json()["error"]["message"]
+
+    chat = client.post("/v1/jobs", headers=acme.headers,
+                       json={"model": MODEL, "prompt": "hi"}).json()["id"]
+    assert client.post(f"/v1/responses/resp_{chat}/cancel",
+                       headers=acme.headers).status_code == 404
+    with sessions() as session:  # not cancelled: it is not a response
+        job = session.get(Job, chat)
+        assert job is not None and job.status is JobStatus.QUEUED
+
+
+def test_input_items_list_the_input_as_sent_a_page_at_a_time(
+    client: TestClient, acme: TenantKey
+) -> None:
+    """GET /v1/responses/{id}/input_items: the input messages (not the instructions),
+    newest first by default, paged by `after`/`before` and `limit`, each an item of the
+    official client's types."""
+    from openai.types.responses import ResponseItem
+    from pydantic import TypeAdapter
+
+    item_type: TypeAdapter[Any] = TypeAdapter(ResponseItem)
+    sent = [{"role": "user", "content": "one"},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "two"}]},
+            {"type": "message", "role": "developer", "content": "three"},
+            {"role": "user", "content": [{"type": "input_text", "text": "four"},
+                                         {"type": "input_text", "text": "five"}]}]
+    job_id = client.post("/v1/responses", headers=acme.headers, json={
+        "model": MODEL, "input": sent, "instructions": "Be brief.",
+        "background": True}).headers["x-job-id"]
+    url = f"/v1/responses/resp_{job_id}/input_items"
+
+    whole = client.get(url, headers=acme.headers, params={"order": "asc"}).json()
+    assert whole["object"] == "list" and whole["has_more"] is False
+    items = [item_type.validate_python(item) for item in whole["data"]]
+    assert [(i.role, i.content[0].text) for i in items] == [  # type: ignore[union-attr]
+        ("user", "one"), ("assistant", "two"), ("developer", "three"),
+        ("user", "four\nfive")]
+    ids = [item["id"] for item in whole["data"]]
+    assert len(set(ids)) == 4 and (whole["first_id"], whole["last_id"]) == (ids[0], ids[-1])
+
+    newest = client.get(url, headers=acme.headers, params={"limit": 2}).json()
+    assert [item["id"] for item in newest["data"]] == ids[::-1][:2]
+    assert newest["has_more"] is True
+    rest = client.get(url, headers=acme.headers,
+                      params={"limit": 2, "after": newest["last_id"]}).json()
+    assert [item["id"] for item in rest["data"]] == ids[::-1][2:]
+    assert rest["has_more"] is False
+    before = client.get(url, headers=acme.headers,
+                        params={"order": "asc", "before": ids[2]}).json()
+    assert [item["id"] for item in before["data"]] == ids[:2]
+
+    for params, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"),
+                          ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after")):
+        refused = client.get(url, headers=acme.headers, params=params)
+        assert refused.status_code == 400, (params, refused.text)
+        assert refused.json()["error"]["param"] == param
+    assert client.get("/v1/responses/resp_nope/input_items",
+                      headers=acme.headers).status_code == 404
 
 
 @pytest.mark.parametrize(("body", "param"), [
