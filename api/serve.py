@@ -13,6 +13,7 @@ import socket
 import uvicorn
 from fastapi import FastAPI
 
+from api.http_limits import bounded_http_config
 from core.settings import Settings
 
 
@@ -38,7 +39,8 @@ def api_server(app: FastAPI, settings: Settings) -> tuple[uvicorn.Server, socket
     sock = listening_socket(settings.api_host, settings.api_port,
                             reuse_port=settings.api_reuse_port)
     config = uvicorn.Config(app, log_level=settings.log_level.lower(), lifespan="on",
-                            access_log=settings.api_access_log)
+                            access_log=settings.api_access_log,
+                            **bounded_http_config(settings.api_max_head_bytes))
     return uvicorn.Server(config), sock
 
 

@@ -303,6 +303,9 @@ class Settings(BaseSettings):
     # request on the API's one event loop, and batchinfer_http_request_seconds already
     # counts every request by route and status.
     api_access_log: bool = False
+    # The most bytes of a request's line and headers the API reads; past it, 431 and the
+    # connection closed (api.http_limits). 64 KiB holds any real token or cookie.
+    api_max_head_bytes: int = Field(default=64 * 1024, ge=1024)
 
     @field_validator(
         "served_models",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import uvicorn
 
+from api.http_limits import bounded_http_config
 from core.settings import Settings
 from scheduler.embedded_services import free_port
 from tests.utils.child_process import ChildProcess
@@ -24,7 +25,8 @@ def running_api(settings: Settings) -> Iterator[str]:
 
     port = free_port()
     config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
-                            log_level="warning", lifespan="on")
+                            log_level="warning", lifespan="on",
+                            **bounded_http_config(settings.api_max_head_bytes))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="test-api", daemon=True)
     thread.start()

@@ -1,0 +1,136 @@
+"""A request's head is read up to a bound: past it, 431 and the connection closed.
+
+A real uvicorn server on a socket, with the protocol the API runs (api.http_limits) and a
+bound of 4 KiB, spoken to byte by byte."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+
+from api.http_limits import bounded_http_config
+from scheduler.embedded_services import free_port
+
+LIMIT = 4096
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    app = FastAPI()
+
+    @app.api_route("/echo", methods=["GET", "POST"])
+    async def echo(request: Request) -> dict[str, int]:
+        return {"body": len(await request.body()), "headers": len(request.headers)}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="error", **bounded_http_config(LIMIT)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    yield port
+    server.should_exit = True
+    thread.join(10)
+
+
+def _head(path: str = "/echo", method: str = "GET", headers: dict[str, str] | None = None,
+          body: bytes = b"") -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: test"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    if body:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def _answers(sock: socket.socket) -> list[tuple[int, bytes]]:
+    """Every response read until the server closes or goes quiet: (status, body)."""
+    sock.settimeout(5)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    answers = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        answers.append((status, rest[:length]))
+        data = rest[length:]
+    return answers
+
+
+def _send(port: int, *requests: bytes, close: bool = True) -> list[tuple[int, bytes]]:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for request in requests:
+            sock.sendall(request)
+        if close:
+            sock.shutdown(socket.SHUT_WR)
+        return _answers(sock)
+
+
+def test_a_head_within_the_bound_is_served(port: int) -> None:
+    [(status, body)] = _send(port, _head(headers={"Authorization": "x" * (LIMIT - 200)}))
+    assert status == 200 and json.loads(body)["headers"] == 2
+
+
+@pytest.mark.parametrize("request_bytes", [
+    _head(headers={"Authorization": "x" * (LIMIT + 1)}),  # one long header
+    _head(headers={f"X-{i}": "y" * 100 for i in range(60)}),  # many short ones
+    _head(path="/echo?q=" + "z" * LIMIT),  # a long request line
+])
+def test_a_head_past_the_bound_is_431_and_the_connection_closed(
+        port: int, request_bytes: bytes) -> None:
+    [(status, body)] = _send(port, request_bytes, close=False)  # closed by the server
+    assert status == 431
+    assert json.loads(body)["error"]["code"] == "request_header_fields_too_large"
+
+
+def test_a_header_that_never_ends_is_cut_off_at_the_bound(port: int) -> None:
+    """Sent in pieces and never finished: answered 431 soon after the bound is passed,
+    with the head still open (the parser would buffer it whole otherwise)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /echo HTTP/1.1\r\nHost: test\r\nX-Endless: ")
+        sent, deadline = 0, time.monotonic() + 60
+        while not select.select([sock], [], [], 0.001)[0]:
+            assert time.monotonic() < deadline, f"no answer after {sent} bytes"
+            sock.sendall(b"a" * 512)
+            sent += 512
+        [(status, _)] = _answers(sock)
+    assert status == 431
+    assert sent > LIMIT
+
+
+def test_the_bound_is_per_request_on_a_kept_connection(port: int) -> None:
+    """Requests one after another on one connection, their heads together past the bound;
+    then three sent at once (pipelined) in one read."""
+    head = _head(headers={"Authorization": "x" * (LIMIT // 2)})
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(5)
+        for _ in range(3):
+            sock.sendall(head)
+            answer = b""
+            while not answer.endswith(b"}"):
+                answer += sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+    last = _head(headers={"Authorization": "x" * (LIMIT // 2), "Connection": "close"})
+    assert [status for status, _ in _send(port, head * 2 + last, close=False)] == [200] * 3
+
+
+def test_a_body_arriving_with_its_head_does_not_count(port: int) -> None:
+    body = b"b" * (50 * LIMIT)
+    [(status, answer)] = _send(port, _head(method="POST", body=body))
+    assert status == 200 and json.loads(answer)["body"] == len(body)
