@@ -17,13 +17,16 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 import sqlalchemy as sa
+from openai.types.responses import Response
 
 from api.job_state import cancel_and_announce
 from core.kafka import ensure_topics
 from core.messages import prompt_affinity_key
 from scheduler.embedded_services import free_port
 from storage.models import Job, JobStatus
+from storage.token_streams import STARTED, StreamEntry, token_stream_key
 from tests.utils.api import make_tenant_key
 from tests.utils.child_process import ChildProcess
 from tests.utils.engine_server import engine_server_front
@@ -125,8 +128,9 @@ def test_jobs_run_through_an_engine_server_that_is_busy_at_first(
 
 
 # A schema whose language is finite: even the random-weight model completes it.
-PICK = {"type": "object", "properties": {"pick": {"enum": ["red", "green", "blue"]}},
-        "required": ["pick"], "additionalProperties": False}
+PICK: dict[str, Any] = {
+    "type": "object", "properties": {"pick": {"enum": ["red", "green", "blue"]}},
+    "required": ["pick"], "additionalProperties": False}
 PICK_FORMAT = {"type": "json_schema", "json_schema": {"name": "pick", "strict": True,
                                                        "schema": PICK}}
 
@@ -163,14 +167,58 @@ def test_responses_and_structured_outputs_run_through_an_engine_server(
     assert json.loads(text)["pick"] in PICK["properties"]["pick"]["enum"]
     job = done[response]
     assert job.status is JobStatus.SUCCEEDED, job.error
-    from openai.types.responses import Response
-
     stored = Response.model_validate(job.result)
     assert (stored.id, stored.object, stored.model) == (f"resp_{response}", "response",
                                                         REMOTE_NAME)
     assert stored.created_at == int(job.created_at.timestamp())
     assert (stored.metadata, stored.instructions) == ({"run": "9"}, "Be brief.")
     assert json.loads(stored.output_text)["pick"] in PICK["properties"]["pick"]["enum"]
+
+
+def test_a_streamed_job_hands_on_its_text_as_the_servers_chunks_come(
+    service: Callable[..., Service], settings: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A job with `stream` is asked of the server as a stream (usage included), and its
+    text reaches the job's token stream chunk by chunk, joining to the stored result; a
+    job with `n` 2 is asked whole."""
+    with engine_server(service, tmp_path) as (upstream, url, key), \
+            engine_server_front(url, model=upstream.settings.model) as front:
+        down = front_service(settings, upstream, tmp_path, [front.url],
+                             engine_url_api_key=key)
+        down.start_worker()
+        try:
+            (streamed,) = down.submit("high", [{
+                "messages": [{"role": "user", "content": "Tell me more."}], "max_tokens": 12,
+                "ignore_eos": True, "temperature": 0, "stream": True}])
+            (whole,) = down.submit("high", [{
+                "prompt": "Tell me more:", "max_tokens": 4, "ignore_eos": True,
+                "temperature": 1, "n": 2, "stream": True}])
+            done = down.wait_terminal([streamed, whole], timeout=400)
+        finally:
+            down.workers[0].stop()
+    job = done[streamed]
+    assert job.status is JobStatus.SUCCEEDED, job.error
+    assert job.result is not None
+    assert job.result["usage"]["completion_tokens"] == 12  # the stream's last chunk's
+    text = job.result["choices"][0]["message"]["content"]
+    [as_stream] = [r for r in front.requests if r.get("n") is None]
+    [two_choices] = [r for r in front.requests if r.get("n") == 2]
+    assert (as_stream["stream"], as_stream["stream_options"]) == (True, {"include_usage": True})
+    assert "stream" not in two_choices  # n = 2: asked whole
+    assert done[whole].status is JobStatus.SUCCEEDED, done[whole].error
+
+    redis_client = redis.Redis.from_url(down.settings.redis_url)
+    raw: Any = redis_client.xrange(token_stream_key(down.settings.topic_prefix, streamed))
+    entries = [StreamEntry.parse(streamed, fields) for _, fields in raw]
+    assert entries[0].event == STARTED
+    pieces = [e for e in entries[1:] if e.text]
+    assert len(pieces) > 1, "the text came in one piece, not as the server sent it"
+    assert "".join(e.text for e in pieces) == text
+    assert [e.offset for e in pieces] == [sum(len(p.text) for p in pieces[:i])
+                                          for i in range(len(pieces))]
+    assert entries[-1].finish_reason == "length"
+    assert job.first_token_at is not None and job.finished_at is not None
+    assert job.first_token_at <= job.finished_at
 
 
 def test_cancel_closes_the_request_on_the_engine_server(

@@ -79,12 +79,31 @@ def _handler(front: EngineServerFront) -> type[BaseHTTPRequestHandler]:
             headers = {"Authorization": self.headers.get("Authorization", ""),
                        "Content-Type": "application/json"}
             try:
+                if raw is not None and json.loads(raw).get("stream"):
+                    self._forward_stream(front.upstream + path, raw, headers)
+                    return
                 answer = httpx.request(method, front.upstream + path, content=raw,
                                        headers=headers, timeout=120)
             except httpx.HTTPError:
                 self._answer(502, {"error": {"message": "upstream unreachable"}})
                 return
             self._answer(answer.status_code, answer.content)
+
+        def _forward_stream(self, url: str, raw: bytes, headers: dict[str, str]) -> None:
+            """A streamed answer passed on chunk by chunk as it comes (then the connection
+            is closed: its end is the body's end)."""
+            with httpx.stream("POST", url, content=raw, headers=headers,
+                              timeout=120) as answer:
+                with front.lock:
+                    front.answered.append(answer.status_code)
+                self.send_response(answer.status_code)
+                self.send_header("Content-Type", answer.headers.get("content-type", ""))
+                self.send_header("Connection", "close")
+                self.end_headers()
+                for chunk in answer.iter_raw():
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+            self.close_connection = True
 
         def _answer(self, status: int, body: object,
                     headers: dict[str, str] | None = None) -> None:

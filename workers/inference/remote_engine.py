@@ -35,7 +35,7 @@ import httpx
 from core import metrics
 from core.messages import JobMessage
 from core.settings import Settings
-from storage.token_streams import StreamEntry
+from storage.token_streams import STARTED, StreamEntry
 from workers.engine import SamplingParams
 from workers.engine.model_card import ModelCard
 from workers.inference.engine_loop import WAKE, EngineRequest, FinishedRequest
@@ -50,6 +50,12 @@ from workers.inference.remote_requests import (
     check_response,
     error_message,
     request_of,
+)
+from workers.inference.remote_stream import (
+    StreamAssembler,
+    StreamError,
+    is_streamable,
+    streamed,
 )
 from workers.inference.sampling import Prompt
 
@@ -159,6 +165,11 @@ class _Request:
     payload: dict[str, Any]
     num_attempts: int = 0
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+    # Asked with `stream` (remote_stream): the characters of its text handed to the token
+    # stream so far, over every attempt, and when the first came.
+    stream: bool = False
+    num_published: int = 0
+    first_token_time: float | None = None
 
     @property
     def order(self) -> tuple[int, int]:
@@ -185,7 +196,7 @@ class RemoteEngineLoop:
         self._client: httpx.AsyncClient | None = None
         self._num_output_tokens = 0
         self._last_stats = (time.monotonic(), 0)
-        # Never called: a server's answer comes whole (see `add`); set like EngineLoop's.
+        # Streamed jobs' text, as the servers' chunks bring it (see `add`).
         self.token_sink: Callable[[list[StreamEntry]], None] | None = None
 
     def start(self) -> None:
@@ -209,9 +220,11 @@ class RemoteEngineLoop:
             tenant_weight: float = 1.0) -> None:
         """Queue `job`'s request (prompt and params were checked by the caller; the
         request carries the job's own fields, see remote_requests, `tools` and `n`
-        included). A streamed job's text comes whole when the server's answer does: the
-        server is asked without `stream`. (`tenant_weight` is the in-process engine's: a
-        server orders requests by its own policy.)"""
+        included). A streamed job is asked with `stream` and its text goes to
+        `token_sink` as the server's chunks bring it, unless it has tools, logprobs or
+        more than one choice (remote_stream): then its text comes whole when the answer
+        does. (`tenant_weight` is the in-process engine's: a server orders requests by
+        its own policy.)"""
         if job is None:
             raise ValueError("an engine server runs jobs: pass job=")
         try:
@@ -220,8 +233,11 @@ class RemoteEngineLoop:
         except ValueError as e:
             self._outbox.put(FinishedRequest(request_id, error=str(e)))
             return
+        is_streamed = stream and is_streamable(payload)
         request = _Request(priority, next(self._seq), request_id, job.affinity_key(), path,
-                           payload)
+                           streamed(payload) if is_streamed else payload, stream=is_streamed)
+        if is_streamed:
+            self._publish([StreamEntry(request_id, event=STARTED)])
         self._call(self._enqueue, request)
 
     def add_all(self, requests: Sequence[EngineRequest]) -> None:
@@ -342,15 +358,20 @@ class RemoteEngineLoop:
         request.num_attempts += 1
         outcome: FinishedRequest | None = None
         try:
-            response = await self._client.post(server.url + request.path, json=request.payload)
+            if request.stream:
+                outcome = await self._stream(request, server)
+            else:
+                response = await self._client.post(server.url + request.path,
+                                                   json=request.payload)
+                outcome = self._outcome(request, server, response)
         except (httpx.ReadTimeout, httpx.WriteTimeout):
             outcome = FinishedRequest(request.request_id, error=(
                 f"the engine server {server.url} did not answer within "
                 f"{self.engine.config.timeout_s:g} s (engine_url_timeout_s)"))
         except httpx.TransportError as e:  # refused, reset, dropped: the server's trouble
             self._retry(request, server, reason="connection", detail=repr(e))
-        else:
-            outcome = self._outcome(request, server, response)
+        except StreamError as e:
+            outcome = FinishedRequest(request.request_id, error=str(e))
         finally:
             server.num_running -= 1
             self._poke()
@@ -380,6 +401,50 @@ class RemoteEngineLoop:
         output.metrics.finish_time = time.time()
         self._num_output_tokens += output.num_output_tokens
         return FinishedRequest(request.request_id, output=output)
+
+    async def _stream(self, request: _Request, server: ServerState) -> FinishedRequest | None:
+        """Send a streamed request and hand its text on as it comes; its outcome, or None
+        when it is to be sent again. A stream cut short is sent again like a dropped
+        answer: the text already handed on is not handed on twice (a greedy job's text
+        comes out the same; a sampled one's continues from the new answer's)."""
+        assert self._client is not None
+        assembler = StreamAssembler(is_chat=request.path == "/chat/completions")
+        async with self._client.stream("POST", server.url + request.path,
+                                       json=request.payload) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return self._outcome(request, server, response)
+            server.succeeded()
+            async for line in response.aiter_lines():
+                if assembler.feed_line(line):
+                    self._publish_text(request, assembler.text)
+                if assembler.is_done:
+                    break
+        if assembler.finish_reason is None and not assembler.is_done:
+            self._retry(request, server, reason="connection",
+                        detail="the stream ended before its last chunk")
+            return None
+        output = RemoteOutput(request.request_id, check_response(assembler.answer()))
+        self._publish([StreamEntry(request.request_id, offset=request.num_published,
+                                   finish_reason=output.finish_reason or "stop")])
+        output.metrics.first_token_time = request.first_token_time
+        output.metrics.finish_time = time.time()
+        self._num_output_tokens += output.num_output_tokens
+        return FinishedRequest(request.request_id, output=output)
+
+    def _publish_text(self, request: _Request, text: str) -> None:
+        """Hand on what `text` (the answer so far) holds beyond what was handed on."""
+        if len(text) <= request.num_published:
+            return
+        if request.first_token_time is None:
+            request.first_token_time = time.time()
+        self._publish([StreamEntry(request.request_id, offset=request.num_published,
+                                   text=text[request.num_published:])])
+        request.num_published = len(text)
+
+    def _publish(self, entries: list[StreamEntry]) -> None:
+        if self.token_sink is not None:
+            self.token_sink(entries)
 
     def _retry(self, request: _Request, server: ServerState, *, reason: str, detail: str,
                retry_after_s: float | None = None) -> None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
 
 from core.messages import JobMessage
+from storage.token_streams import StreamEntry
 from tests.utils.engine_server import EngineServerFront, engine_server_front
 from workers.engine import SamplingParams
 from workers.inference.remote_engine import RemoteEngine, RemoteEngineConfig, RemoteEngineLoop
@@ -81,3 +86,90 @@ def test_an_embedding_job_is_refused_with_a_reason(
     loop.add("e", "x", SamplingParams(max_tokens=1), 2, job=message)
     (refused,) = loop.take_finished(5.0)
     assert refused.error is not None and "embedding" in refused.error
+
+
+class _Streams:
+    """A real HTTP server answering each streamed request with the next script: SSE lines
+    sent one by one, then the connection closed (a script without [DONE] is cut short)."""
+
+    def __init__(self, scripts: list[list[str]]) -> None:
+        self.requests: list[dict[str, Any]] = []
+        streams = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                """Quiet."""
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                streams.requests.append(json.loads(raw))
+                script = scripts.pop(0)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                for line in script:
+                    self.wfile.write(f"{line}\n\n".encode())
+                    self.wfile.flush()
+                self.close_connection = True
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _chunk(text: str = "", finish_reason: str | None = None) -> str:
+    return "data: " + json.dumps({"choices": [
+        {"index": 0, "delta": {"content": text}, "finish_reason": finish_reason}]})
+
+
+def _streamed_run(scripts: list[list[str]]) -> tuple[list[Any], Any, list[dict[str, Any]]]:
+    """One streamed chat job through a loop over `_Streams(scripts)`: the token entries
+    handed on, its FinishedRequest, and the requests the server got."""
+    streams = _Streams(scripts)
+    entries: list[StreamEntry] = []
+    loop = RemoteEngineLoop(RemoteEngine(RemoteEngineConfig(
+        urls=[streams.url], model="m", backoff_s=0.01, backoff_max_s=0.01)))
+    loop.token_sink = entries.extend
+    loop.start()
+    try:
+        message = JobMessage(job_id="s", tenant_id="t", priority="high", model="m",
+                             kind="chat.completion",
+                             body={"messages": [{"role": "user", "content": "Hi"}],
+                                   "max_tokens": 3, "stream": True})
+        loop.add("s", "Hi", SamplingParams(max_tokens=3), 0, stream=True, job=message)
+        (finished,) = loop.take_finished(20.0)
+    finally:
+        loop.stop(10)
+        streams.close()
+    return entries, finished, streams.requests
+
+
+def test_a_stream_cut_short_is_asked_again_and_its_text_not_handed_on_twice() -> None:
+    usage = 'data: {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}}'
+    entries, finished, requests = _streamed_run([
+        [_chunk("Hel"), _chunk("lo")],  # dropped before its end
+        [_chunk("Hel"), _chunk("lo"), _chunk(" you", "length"), usage, "data: [DONE]"],
+    ])
+    assert finished.error is None and finished.output is not None
+    message = finished.output.response["choices"][0]
+    assert (message["message"]["content"], message["finish_reason"]) == ("Hello you", "length")
+    assert finished.output.num_output_tokens == 3
+    assert finished.output.metrics.first_token_time is not None
+    assert [r["stream"] for r in requests] == [True, True]
+    assert [(e.event, e.offset, e.text, e.finish_reason) for e in entries] == [
+        ("started", None, "", None), (None, 0, "Hel", None), (None, 3, "lo", None),
+        (None, 5, " you", None), (None, 9, "", "length")]
+
+
+def test_an_error_event_mid_stream_fails_the_job_with_the_servers_words() -> None:
+    _, finished, _ = _streamed_run([
+        [_chunk("Hel"), 'data: {"error": {"message": "engine died", "code": 500}}']])
+    assert finished.output is None
+    assert finished.error == "the engine server ended the stream with an error: engine died"
