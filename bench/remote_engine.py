@@ -16,6 +16,10 @@ with the model), then measures output tokens/s three times over the same workloa
 3. direct again, so that drift in the machine's load shows.
 Each phase has prompts of its own (same lengths), so no cache answers for the next. It
 prints each phase and the ratio service / mean(direct), the issue's target being >= 0.9.
+
+With `--streams N`, then N streamed chat calls one at a time, straight to the server and
+through the service in turn (`stream: true`, the first `--max-tokens`): the median time
+to the first chunk with text and to the end of each, and the service's over the server's.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +60,7 @@ def parse_args() -> argparse.Namespace:
     add("--concurrency", type=int, default=16)
     add("--seed", type=int, default=0)
     add("--server-start-timeout", type=float, default=900.0)
+    add("--streams", type=int, default=0, help="streamed calls timed each way (0: none)")
     return parser.parse_args()
 
 
@@ -202,6 +208,47 @@ async def through_service(up: UpProcess, bodies: list[dict[str, Any]]) -> tuple[
         return time.perf_counter() - start, sum(tokens)
 
 
+async def streamed_call(url: str, headers: dict[str, str], body: dict[str, Any]
+                        ) -> tuple[float, float]:
+    """(seconds to the first chunk with text, seconds to the stream's end) of one call."""
+    async with httpx.AsyncClient(headers=headers, timeout=600) as client:
+        start = time.perf_counter()
+        first: float | None = None
+        async with client.stream("POST", f"{url}/chat/completions",
+                                 json={**body, "stream": True}) as answer:
+            answer.raise_for_status()
+            async for line in answer.aiter_lines():
+                if first is None and line.startswith("data: {"):
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    if (choices[0].get("delta") or {}).get("content"):
+                        first = time.perf_counter() - start
+        end = time.perf_counter() - start
+        return (first if first is not None else end), end
+
+
+def time_streams(server_url: str, server_headers: dict[str, str], front: UpProcess,
+                 bodies: list[dict[str, Any]]) -> None:
+    """Each body streamed straight and through the service in turn; medians printed."""
+    figures: dict[str, list[tuple[float, float]]] = {"direct": [], "service": []}
+    for i, body in enumerate(bodies):
+        # Each way gets its own prompt: no cache answers.
+        direct_body = {**body, "messages": [{"role": "user",
+                                             "content": f"direct {i}: " + body["messages"][0]
+                                             ["content"]}]}
+        figures["direct"].append(asyncio.run(streamed_call(server_url, server_headers,
+                                                           direct_body)))
+        figures["service"].append(asyncio.run(streamed_call(f"{front.url}/v1", front.headers,
+                                                            body)))
+    medians = {name: (statistics.median(t for t, _ in runs),
+                      statistics.median(e for _, e in runs)) for name, runs in figures.items()}
+    for name, (first, end) in medians.items():
+        print(f"streamed {name:8s} first chunk {first * 1000:7.1f} ms  "
+              f"end {end * 1000:7.1f} ms  (median of {len(bodies)})")
+    print(f"streamed: first chunk service / direct = "
+          f"{medians['service'][0] / medians['direct'][0]:.2f}, "
+          f"end {medians['service'][1] / medians['direct'][1]:.2f}")
+
+
 def main() -> None:
     """Start the server, run the three phases, print figures and the ratio."""
     args = parse_args()
@@ -240,6 +287,8 @@ def main() -> None:
         figures["direct 1"] = straight("first ")
         figures["service"] = asyncio.run(through_service(front, bodies("service ")))
         figures["direct 2"] = straight("second ")
+        if args.streams:
+            time_streams(server.url, headers, front, bodies("stream ", args.streams))
     finally:
         if front is not None:
             front.stop(timeout=120.0)
