@@ -411,9 +411,18 @@ class RemoteEngineLoop:
         assembler = StreamAssembler(is_chat=request.path == "/chat/completions")
         async with self._client.stream("POST", server.url + request.path,
                                        json=request.payload) as response:
-            if response.status_code != 200:
+            if response.status_code != 200 or not response.headers.get(
+                    "content-type", "").startswith("text/event-stream"):
+                # A refusal, or a server that answered whole (it ignores `stream`).
                 await response.aread()
-                return self._outcome(request, server, response)
+                outcome = self._outcome(request, server, response)
+                if outcome is not None and isinstance(outcome.output, RemoteOutput):
+                    self._publish_text(request, _text_of(outcome.output))
+                    self._publish([StreamEntry(request.request_id,
+                                               offset=request.num_published,
+                                               finish_reason=outcome.output.finish_reason
+                                               or "stop")])
+                return outcome
             server.succeeded()
             async for line in response.aiter_lines():
                 if assembler.feed_line(line):
@@ -474,3 +483,11 @@ class RemoteEngineLoop:
         metrics.ENGINE_TOKENS_PER_SECOND.set(
             (self._num_output_tokens - last_tokens) / (now - last_at))
         self._last_stats = (now, self._num_output_tokens)
+
+
+def _text_of(output: RemoteOutput) -> str:
+    """The text of a whole answer's first choice (chat or text completion)."""
+    choice = output.response["choices"][0]
+    message = choice.get("message")
+    return str((message.get("content") if isinstance(message, dict) else choice.get("text"))
+               or "")

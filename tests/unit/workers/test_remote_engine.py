@@ -92,7 +92,7 @@ class _Streams:
     """A real HTTP server answering each streamed request with the next script: SSE lines
     sent one by one, then the connection closed (a script without [DONE] is cut short)."""
 
-    def __init__(self, scripts: list[list[str]]) -> None:
+    def __init__(self, scripts: list[list[str] | dict[str, Any]]) -> None:
         self.requests: list[dict[str, Any]] = []
         streams = self
 
@@ -107,6 +107,13 @@ class _Streams:
                 streams.requests.append(json.loads(raw))
                 script = scripts.pop(0)
                 self.send_response(200)
+                if isinstance(script, dict):  # a server that ignores `stream`
+                    data = json.dumps(script).encode()
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Connection", "close")
                 self.end_headers()
@@ -129,7 +136,8 @@ def _chunk(text: str = "", finish_reason: str | None = None) -> str:
         {"index": 0, "delta": {"content": text}, "finish_reason": finish_reason}]})
 
 
-def _streamed_run(scripts: list[list[str]]) -> tuple[list[Any], Any, list[dict[str, Any]]]:
+def _streamed_run(scripts: list[list[str] | dict[str, Any]]
+                  ) -> tuple[list[Any], Any, list[dict[str, Any]]]:
     """One streamed chat job through a loop over `_Streams(scripts)`: the token entries
     handed on, its FinishedRequest, and the requests the server got."""
     streams = _Streams(scripts)
@@ -173,3 +181,16 @@ def test_an_error_event_mid_stream_fails_the_job_with_the_servers_words() -> Non
         [_chunk("Hel"), 'data: {"error": {"message": "engine died", "code": 500}}']])
     assert finished.output is None
     assert finished.error == "the engine server ended the stream with an error: engine died"
+
+
+def test_a_server_that_answers_a_stream_whole_is_taken_at_its_word() -> None:
+    """Its answer is the job's, its text handed on in one piece (not asked again)."""
+    whole = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi!"},
+                          "finish_reason": "stop"}],
+             "usage": {"prompt_tokens": 2, "completion_tokens": 2}}
+    entries, finished, requests = _streamed_run([whole])
+    assert finished.error is None and finished.output is not None
+    assert finished.output.response["choices"][0]["message"]["content"] == "Hi!"
+    assert len(requests) == 1
+    assert [(e.event, e.offset, e.text, e.finish_reason) for e in entries] == [
+        ("started", None, "", None), (None, 0, "Hi!", None), (None, 3, "", "stop")]
