@@ -125,6 +125,13 @@ def _text_of(item: InputMessage, index: int) -> str:
     return "\n".join(texts)
 
 
+# The fields of each `text.format` type (OpenAI's ResponseFormatTextConfig).
+_FORMAT_FIELDS = {
+    "text": {"type"}, "json_object": {"type"},
+    "json_schema": {"type", "name", "schema", "strict", "description"},
+}
+
+
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """`text.format` (flat, Responses style) → chat's `response_format` (nested)."""
     if not text:
@@ -138,6 +145,12 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     if not isinstance(fmt, dict):
         raise RequestRefused("text.format must be an object with a 'type'.", param="text.format")
+    known = _FORMAT_FIELDS.get(str(fmt.get("type")))
+    extra = sorted(set(fmt) - known) if known is not None else []
+    if extra:  # as OpenAI's: a misspelt `strict` must not pass as absent
+        raise RequestRefused(f"Unrecognized request argument supplied: 'text.format."
+                             f"{extra[0]}'.", param=f"text.format.{extra[0]}",
+                             code="unknown_parameter")
     if fmt.get("type") != "json_schema":
         return dict(fmt)  # text / json_object (anything else is refused by name later)
     # Named here as the Responses API names them (the chat checks after would say

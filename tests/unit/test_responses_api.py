@@ -52,6 +52,12 @@ def test_input_instructions_and_format_become_a_chat_body() -> None:
     ({"model": "m", "input": "x", "text": {"format": {"type": "json_schema",
                                                       "schema": {"type": "object"}}}},
      "text.format.name"),
+    ({"model": "m", "input": "x", "text": {"format": {  # a misspelt strict
+        "type": "json_schema", "name": "x", "schema": {"type": "object"}, "strcit": True}}},
+     "text.format.strcit"),
+    ({"model": "m", "input": "x", "text": {"format": {"type": "json_object",
+                                                      "schema": {"type": "object"}}}},
+     "text.format.schema"),
 ])
 def test_what_the_engine_cannot_honour_is_refused_by_name(body: dict[str, Any], param: str
                                                          ) -> None:
