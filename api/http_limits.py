@@ -11,7 +11,8 @@ connection closed, before the app sees the request. Two counts cover it: the req
 line and headers as the parser completes them, and, while the head has not ended, the
 raw bytes received, so that one header that never completes is cut off too (the parser
 buffers it whole otherwise). Memory held per connection is then at most the bound and
-two socket reads.
+two socket reads. A head refused behind pipelined requests not yet answered gets no 431
+(it would read as their answer): they are answered, then the connection closed.
 """
 
 from __future__ import annotations
@@ -36,24 +37,27 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_open = False  # a request's head has begun and not ended
+        self._num_heads = 0  # heads begun on this connection
         self._head_bytes = 0  # its request line and headers, as parsed
         self._raw_head_bytes = 0  # bytes received while it stayed open
         self._head_too_large = False
 
     def data_received(self, data: bytes) -> None:
         if self._head_too_large:
-            return  # the 431 is out and the connection closing
-        was_open = self._head_open
+            return  # refused: nothing more is read from this connection
+        was_open, num_heads = self._head_open, self._num_heads
         super().data_received(data)
-        # Counted only for reads wholly inside an open head: the read it begins in may
-        # hold earlier requests, pipelined, of any size.
-        if was_open and self._head_open and not self._head_too_large:
+        # Counted only for reads wholly inside one open head: a read in which a head
+        # begins may hold earlier requests, pipelined, and their bodies, of any size.
+        if (was_open and self._head_open and self._num_heads == num_heads
+                and not self._head_too_large):
             self._raw_head_bytes += len(data)
             if self._raw_head_bytes > self.max_head_bytes:
                 self._refuse()
 
     def on_message_begin(self) -> None:
         self._head_open = True
+        self._num_heads += 1
         self._head_bytes = self._raw_head_bytes = 0
         super().on_message_begin()
 
@@ -62,7 +66,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value) + 4)  # ": " and CRLF
+        if self._head_open:  # not a chunked body's trailers, which come after the head
+            self._count(len(name) + len(value) + 4)  # ": " and CRLF
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
@@ -84,6 +89,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def _refuse(self) -> None:
         self._head_too_large = True
         if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # Earlier requests on this connection (pipelined) are still being answered:
+            # a 431 now would read as their answer. They are answered, then the
+            # connection closes, the refused request unanswered.
+            self.cycle.keep_alive = False
             return
         body = json.dumps({"error": {
             "message": f"The request line and headers exceed {self.max_head_bytes} bytes.",

@@ -5,6 +5,7 @@ bound of 4 KiB, spoken to byte by byte."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import select
 import socket
@@ -29,6 +30,11 @@ def port() -> Iterator[int]:
     @app.api_route("/echo", methods=["GET", "POST"])
     async def echo(request: Request) -> dict[str, int]:
         return {"body": len(await request.body()), "headers": len(request.headers)}
+
+    @app.get("/slow")
+    async def slow() -> dict[str, int]:
+        await asyncio.sleep(0.3)
+        return {"body": 0, "headers": 0}
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
@@ -134,3 +140,35 @@ def test_a_body_arriving_with_its_head_does_not_count(port: int) -> None:
     body = b"b" * (50 * LIMIT)
     [(status, answer)] = _send(port, _head(method="POST", body=body))
     assert status == 200 and json.loads(answer)["body"] == len(body)
+
+
+def test_a_head_is_not_charged_with_the_reads_of_the_request_before_it(port: int) -> None:
+    """A POST whose head and 20 KB body span reads, then a small GET begun in the same
+    read as the body's end: both answered (the GET's head is small)."""
+    post = _head(method="POST", body=b"p" * (5 * LIMIT))
+    get = _head(headers={"Connection": "close"})
+    cut = post.index(b"\r\n\r\n") // 2
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for piece in (post[:cut], post[cut:] + get[:10], get[10:]):
+            sock.sendall(piece)
+            time.sleep(0.05)
+        assert [status for status, _ in _answers(sock)] == [200, 200]
+
+
+def test_trailers_are_not_part_of_the_head(port: int) -> None:
+    """A chunked body's trailers come after the head: not counted against its bound."""
+    request = (b"POST /echo HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n"
+               b"Connection: close\r\n\r\n3\r\nabc\r\n0\r\nX-Trailer: "
+               + b"t" * (LIMIT + 100) + b"\r\n\r\n")
+    [(status, body)] = _send(port, request, close=False)
+    assert status == 200 and json.loads(body)["body"] == 3
+
+
+def test_a_head_too_large_behind_an_unanswered_request_closes_after_its_answer(
+        port: int) -> None:
+    """Pipelined behind a request still running: that request gets its own answer (not a
+    431 in its place), then the connection closes."""
+    big = _head(headers={"Authorization": "x" * (LIMIT + 1)})
+    answers = _send(port, _head(path="/slow") + big, close=False)
+    assert [status for status, _ in answers] == [200]
