@@ -67,6 +67,8 @@ RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
 STATS_INTERVAL_S = 1.0
 # Seconds to open a connection before the server counts as unreachable (backed off).
 CONNECT_TIMEOUT_S = 10.0
+# Streams of one request cut before their finish, sent again, before its job fails.
+MAX_STREAM_CUTS = 3
 
 
 @dataclass(slots=True)
@@ -165,11 +167,12 @@ class _Request:
     payload: dict[str, Any]
     num_attempts: int = 0
     task: asyncio.Task[None] | None = field(default=None, repr=False)
-    # Asked with `stream` (remote_stream): the characters of its text handed to the token
-    # stream so far, over every attempt, and when the first came.
+    # Asked with `stream` (remote_stream): its text handed to the token stream so far,
+    # over every attempt, when the first came, and how many of its streams were cut.
     stream: bool = False
-    num_published: int = 0
+    published: str = ""
     first_token_time: float | None = None
+    num_cuts: int = 0
 
     @property
     def order(self) -> tuple[int, int]:
@@ -372,6 +375,11 @@ class RemoteEngineLoop:
             self._retry(request, server, reason="connection", detail=repr(e))
         except StreamError as e:
             outcome = FinishedRequest(request.request_id, error=str(e))
+        except Exception as e:  # an answer no check foresaw: the job fails, never hangs
+            logger.exception("job %s: the answer of %s could not be read", request.request_id,
+                             server.url)
+            outcome = FinishedRequest(request.request_id, error=(
+                f"the engine server's answer could not be read: {e!r}"))
         finally:
             server.num_running -= 1
             self._poke()
@@ -404,52 +412,83 @@ class RemoteEngineLoop:
 
     async def _stream(self, request: _Request, server: ServerState) -> FinishedRequest | None:
         """Send a streamed request and hand its text on as it comes; its outcome, or None
-        when it is to be sent again. A stream cut short is sent again like a dropped
-        answer: the text already handed on is not handed on twice (a greedy job's text
-        comes out the same; a sampled one's continues from the new answer's)."""
+        when it is to be sent again.
+
+        A stream cut before its finish (the connection dropped, or the body ended) is sent
+        again like a dropped answer, at most MAX_STREAM_CUTS times. The text already handed
+        on is not handed on twice, and the new answer must begin with it: one that does
+        not (a sampled job's, or a server batching differently) fails the job rather
+        than join two answers in the client's stream."""
         assert self._client is not None
         assembler = StreamAssembler(is_chat=request.path == "/chat/completions")
-        async with self._client.stream("POST", server.url + request.path,
-                                       json=request.payload) as response:
-            if response.status_code != 200 or not response.headers.get(
-                    "content-type", "").startswith("text/event-stream"):
-                # A refusal, or a server that answered whole (it ignores `stream`).
-                await response.aread()
-                outcome = self._outcome(request, server, response)
-                if outcome is not None and isinstance(outcome.output, RemoteOutput):
-                    self._publish_text(request, _text_of(outcome.output))
-                    self._publish([StreamEntry(request.request_id,
-                                               offset=request.num_published,
-                                               finish_reason=outcome.output.finish_reason
-                                               or "stop")])
-                return outcome
-            server.succeeded()
-            async for line in response.aiter_lines():
-                if assembler.feed_line(line):
-                    self._publish_text(request, assembler.text)
-                if assembler.is_done:
-                    break
-        if assembler.finish_reason is None and not assembler.is_done:
-            self._retry(request, server, reason="connection",
-                        detail="the stream ended before its last chunk")
-            return None
+        is_streaming = False
+        try:
+            async with self._client.stream("POST", server.url + request.path,
+                                           json=request.payload) as response:
+                if response.status_code != 200 or not response.headers.get(
+                        "content-type", "").startswith("text/event-stream"):
+                    # A refusal, or a server that answered whole (it ignores `stream`).
+                    await response.aread()
+                    return self._whole_answer(request, server, response)
+                server.succeeded()
+                is_streaming = True
+                async for line in response.aiter_lines():  # to the end: the connection is kept
+                    if assembler.feed_line(line):
+                        self._publish_text(request, assembler.text)
+        except httpx.TransportError as e:
+            if not is_streaming:
+                raise  # never answered: the server's trouble, sent again as any request
+            if not assembler.is_complete:
+                return self._cut(request, server, detail=repr(e))
+        if not assembler.is_complete:
+            return self._cut(request, server, detail="the stream ended before its finish")
         output = RemoteOutput(request.request_id, check_response(assembler.answer()))
-        self._publish([StreamEntry(request.request_id, offset=request.num_published,
+        return self._finish_streamed(request, output)
+
+    def _whole_answer(self, request: _Request, server: ServerState,
+                      response: httpx.Response) -> FinishedRequest | None:
+        """A streamed request answered without a stream: its outcome, its text handed on."""
+        outcome = self._outcome(request, server, response)
+        if outcome is None or not isinstance(outcome.output, RemoteOutput):
+            return outcome
+        self._publish_text(request, _text_of(outcome.output))
+        return self._finish_streamed(request, outcome.output)
+
+    def _finish_streamed(self, request: _Request, output: RemoteOutput) -> FinishedRequest:
+        self._publish([StreamEntry(request.request_id, offset=len(request.published),
                                    finish_reason=output.finish_reason or "stop")])
         output.metrics.first_token_time = request.first_token_time
-        output.metrics.finish_time = time.time()
-        self._num_output_tokens += output.num_output_tokens
+        if output.metrics.finish_time is None:
+            output.metrics.finish_time = time.time()
+            self._num_output_tokens += output.num_output_tokens
         return FinishedRequest(request.request_id, output=output)
 
+    def _cut(self, request: _Request, server: ServerState, *,
+             detail: str) -> FinishedRequest | None:
+        """A stream cut before its finish: sent again (None), or failed after too many."""
+        request.num_cuts += 1
+        if request.num_cuts > MAX_STREAM_CUTS:
+            return FinishedRequest(request.request_id, error=(
+                f"the engine server {server.url} cut the stream {request.num_cuts} times "
+                f"before its end ({detail})"))
+        self._retry(request, server, reason="connection", detail=detail)
+        return None
+
     def _publish_text(self, request: _Request, text: str) -> None:
-        """Hand on what `text` (the answer so far) holds beyond what was handed on."""
-        if len(text) <= request.num_published:
+        """Hand on what `text` (the answer so far) holds beyond what was handed on;
+        StreamError when it does not go on from it (see `_stream`)."""
+        published = request.published
+        if not (text.startswith(published) or published.startswith(text)):
+            raise StreamError(
+                "the engine server's answer, asked again after its stream was cut, does not "
+                "continue the text already streamed")
+        if len(text) <= len(published):
             return
         if request.first_token_time is None:
             request.first_token_time = time.time()
-        self._publish([StreamEntry(request.request_id, offset=request.num_published,
-                                   text=text[request.num_published:])])
-        request.num_published = len(text)
+        self._publish([StreamEntry(request.request_id, offset=len(published),
+                                   text=text[len(published):])])
+        request.published = text
 
     def _publish(self, entries: list[StreamEntry]) -> None:
         if self.token_sink is not None:

@@ -60,26 +60,39 @@ class StreamAssembler:
         if not isinstance(chunk, dict):
             raise StreamError(f"the engine server sent a stream chunk that is not an "
                               f"object: {data[:200]!r}")
-        if "error" in chunk:  # vLLM's and this API's mid-stream error
-            error = chunk["error"]
+        if "error" in chunk or chunk.get("object") == "error":  # vLLM's, new and old
+            error = chunk.get("error", chunk)
             message = error.get("message") if isinstance(error, dict) else error
             raise StreamError(f"the engine server ended the stream with an error: {message}")
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
+        choices = chunk.get("choices") or []
+        if not isinstance(choices, list):
+            raise StreamError(f"the engine server sent a stream chunk whose choices are not a "
+                              f"list: {data[:200]!r}")
         added = ""
-        for choice in chunk.get("choices") or []:
+        for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
             if self.is_chat:
                 delta = choice.get("delta") or {}
-                added += delta.get("content") or ""
-                self.refusal += delta.get("refusal") or ""
+                if not isinstance(delta, dict):
+                    raise StreamError(f"the engine server sent a chunk whose delta is not an "
+                                      f"object: {data[:200]!r}")
+                added += _text(delta.get("content"), data)
+                self.refusal += _text(delta.get("refusal"), data)
             else:
-                added += choice.get("text") or ""
+                added += _text(choice.get("text"), data)
             if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
+                self.finish_reason = str(choice["finish_reason"])
         self.text += added
         return added
+
+    @property
+    def is_complete(self) -> bool:
+        """Whether the answer came to its end: a finish reason (`[DONE]` alone is not one:
+        a server's error may come as text it did not mark)."""
+        return self.finish_reason is not None
 
     def answer(self) -> dict[str, Any]:
         """The answer as the server would have sent it whole."""
@@ -96,3 +109,13 @@ class StreamAssembler:
         if self.usage is not None:
             answer["usage"] = self.usage
         return answer
+
+
+def _text(value: object, data: str) -> str:
+    """A chunk's text field: a string, or absent; StreamError for anything else."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise StreamError(f"the engine server sent a chunk whose text is not a string: "
+                          f"{data[:200]!r}")
+    return value

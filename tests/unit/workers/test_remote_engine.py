@@ -15,7 +15,12 @@ from core.messages import JobMessage
 from storage.token_streams import StreamEntry
 from tests.utils.engine_server import EngineServerFront, engine_server_front
 from workers.engine import SamplingParams
-from workers.inference.remote_engine import RemoteEngine, RemoteEngineConfig, RemoteEngineLoop
+from workers.inference.remote_engine import (
+    MAX_STREAM_CUTS,
+    RemoteEngine,
+    RemoteEngineConfig,
+    RemoteEngineLoop,
+)
 
 
 def wait_until(what: str, check: Callable[[], bool], timeout: float = 20.0) -> None:
@@ -194,3 +199,37 @@ def test_a_server_that_answers_a_stream_whole_is_taken_at_its_word() -> None:
     assert len(requests) == 1
     assert [(e.event, e.offset, e.text, e.finish_reason) for e in entries] == [
         ("started", None, "", None), (None, 0, "Hi!", None), (None, 3, "", "stop")]
+
+
+def test_an_answer_asked_again_that_does_not_go_on_from_the_streamed_text_fails() -> None:
+    """The client has "Hel" already: a new answer "Bye" is not joined to it."""
+    entries, finished, requests = _streamed_run([
+        [_chunk("Hel")], [_chunk("Bye", "stop"), "data: [DONE]"]])
+    assert len(requests) == 2 and finished.output is None
+    assert "does not continue the text already streamed" in finished.error
+    assert [e.text for e in entries if e.text] == ["Hel"]
+
+
+def test_a_stream_cut_again_and_again_fails_its_job() -> None:
+    cut = [_chunk("Hel")]
+    _, finished, requests = _streamed_run([cut] * (MAX_STREAM_CUTS + 1))
+    assert len(requests) == MAX_STREAM_CUTS + 1
+    assert finished.error.startswith("the engine server ") and "cut the stream" in finished.error
+
+
+def test_done_without_a_finish_reason_is_a_cut_stream() -> None:
+    _, finished, requests = _streamed_run([
+        [_chunk("Hi"), "data: [DONE]"], [_chunk("Hi"), _chunk("!", "stop"), "data: [DONE]"]])
+    assert len(requests) == 2
+    assert finished.output.response["choices"][0]["message"]["content"] == "Hi!"
+
+
+@pytest.mark.parametrize(("line", "said"), [
+    ('data: {"choices": [{"index": 0, "delta": "x"}]}', "delta is not an object"),
+    ('data: {"choices": [{"index": 0, "delta": {"content": ["x"]}}]}', "text is not a string"),
+    ('data: {"object": "error", "message": "engine died", "code": 500}', "engine died"),
+])
+def test_a_broken_chunk_or_an_old_error_event_fails_the_job(line: str, said: str) -> None:
+    _, finished, requests = _streamed_run([[_chunk("Hel"), line]])
+    assert len(requests) == 1 and finished.output is None
+    assert said in finished.error

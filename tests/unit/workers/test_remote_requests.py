@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
 from core.messages import JobMessage
+from workers.inference.outcomes import created_at_of
 from workers.inference.remote_requests import (
     RemoteOutput,
     build_remote_result,
@@ -162,3 +164,13 @@ def test_a_response_runs_as_its_chat_body_and_comes_back_as_a_response() -> None
     assert (response.metadata, response.instructions) == ({"k": "v"}, "Be brief.")
     assert response.usage is not None
     assert (response.usage.input_tokens, response.usage.output_tokens) == (9, 5)
+
+
+def test_a_responses_created_at_is_its_jobs_creation_a_completions_created_is_now() -> None:
+    """As the response read back while queued says; from before the field, the clock."""
+    response = job("response").model_copy(update={"created_at": 1_700_000_000.9})
+    assert created_at_of(response) == 1_700_000_000
+    now = int(time.time())
+    assert now <= created_at_of(job("response")) <= now + 1  # a message without the field
+    chat = job().model_copy(update={"created_at": 1_700_000_000.9})
+    assert now <= created_at_of(chat) <= now + 1
