@@ -222,10 +222,25 @@ def response_shell(*, job_id: str, model: str | None, created_at: int | None,
         "top_p": body.get("top_p"),
         "metadata": body.get("metadata") or {},
         "instructions": body.get(ECHOED_INSTRUCTIONS),
+        "background": body.get("background") is True,
         "parallel_tool_calls": False,
         "tool_choice": "none",
         "tools": [],
     }
+
+
+# What a `response` echoes of its request (response_shell): a cached answer to an equal
+# request carries the earlier request's, to be replaced by this one's.
+ECHOED_FIELDS = ("max_output_tokens", "temperature", "top_p", "metadata", "instructions",
+                 "background")
+
+
+def with_request_echoed(response: dict[str, Any], *, job_id: str,
+                        body: dict[str, Any]) -> dict[str, Any]:
+    """`response` (another job's, from the cache) echoing job `job_id`'s request `body`."""
+    shell = response_shell(job_id=job_id, model=response.get("model"), created_at=None,
+                           body=body)
+    return {**response, **{name: shell[name] for name in ECHOED_FIELDS}}
 
 
 def response_object(chat_result: dict[str, Any], *, job_id: str, body: dict[str, Any]

@@ -48,6 +48,8 @@ NON_SAMPLING_FIELDS = frozenset(
         "custom_id",
         "store",
         "service_tier",
+        "background",
+        "instructions",  # a response's echo of them: they run as its first message
     }
 )
 # Greedy decoding takes the argmax: these sampling knobs cannot change its output.

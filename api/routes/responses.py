@@ -61,14 +61,19 @@ class ResponseJobRequest(ChatCompletionRequest):
 
     # Run as the first system message; kept to be echoed back on the `response`.
     instructions: str | None = None
+    # Queued with `background: true`, as the `response` says.
+    background: bool | None = None
 
     def inference_body(self) -> dict[str, Any]:
-        """The chat body, plus the metadata and instructions the `response` echoes back."""
+        """The chat body, plus what the `response` echoes back: metadata, instructions,
+        and whether it runs in the background."""
         body = super().inference_body()
         if self.metadata:
             body["metadata"] = dict(self.metadata)
         if self.instructions is not None:
             body["instructions"] = self.instructions
+        if self.background:
+            body["background"] = True
         return body
 
     @property
@@ -96,7 +101,7 @@ async def create_response(
                              "follow it with GET /v1/jobs/{id}/events, or stream it without "
                              "background.", param="background", code="unsupported_parameter")
     with _named_as_responses():
-        job_request = _as_job(body, stream=stream)
+        job_request = _as_job(body, stream=stream, background=background)
         if stream:
             return await stream_response(job_request, tenant, resources, producer,
                                          idempotency_key)
@@ -156,7 +161,8 @@ def _named_as_responses() -> Iterator[None]:
         raise
 
 
-def _as_job(body: dict[str, Any], *, stream: bool) -> ResponseJobRequest:
+def _as_job(body: dict[str, Any], *, stream: bool, background: bool = False
+            ) -> ResponseJobRequest:
     """The chat request of a Responses body; 400 naming the field it got wrong."""
     try:
         chat = to_chat_body({k: v for k, v in body.items() if k not in _ROUTE_FIELDS})
@@ -164,6 +170,8 @@ def _as_job(body: dict[str, Any], *, stream: bool) -> ResponseJobRequest:
             chat[ECHOED_INSTRUCTIONS] = body["instructions"]  # its system message runs it
         if stream:
             chat["stream"] = True  # the worker publishes its text as it comes
+        if background:
+            chat["background"] = True
         return ResponseJobRequest.model_validate(chat)
     except RequestRefused as e:
         raise InvalidRequest(e.message, param=e.param, code=e.code,
@@ -258,8 +266,11 @@ def list_input_items(
                                  code="invalid_value")
     start = ids.index(after) + 1 if after is not None else 0
     end = ids.index(before) if before is not None else len(items)
-    page = items[start:end][:limit]
+    between = items[start:end]
+    # Paging forward from `after` (or the start), the first `limit`; back from `before`
+    # alone, the `limit` just before it.
+    page = between[-limit:] if before is not None and after is None else between[:limit]
     return {"object": "list", "data": page,
             "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None,
-            "has_more": start + len(page) < end}
+            "has_more": len(between) > len(page)}

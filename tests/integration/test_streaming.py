@@ -221,9 +221,15 @@ def _check_responses(api: Api, client: openai.OpenAI) -> None:
         "message", "user", "Hi")
     with pytest.raises(openai.ConflictError):
         client.responses.cancel(queued.id)  # finished: nothing left to cancel
-    long = client.responses.create(model=api.model, input="Go on and on", temperature=0,
-                                   max_output_tokens=900, extra_body={"background": True})
-    assert client.responses.cancel(long.id).status == "cancelled"
+    # The worker frozen, a response stays queued until cancelled (it cannot finish first).
+    (worker,) = api.service.workers
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        long = client.responses.create(model=api.model, input="Go on and on", temperature=0,
+                                       max_output_tokens=900, extra_body={"background": True})
+        assert client.responses.cancel(long.id).status == "cancelled"
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
     assert client.responses.retrieve(long.id).status == "cancelled"
     assert api.job(long.id.removeprefix("resp_"))["status"] == "cancelled"
 
@@ -280,6 +286,19 @@ def _check_responses_streamed(api: Api, client: openai.OpenAI, whole: Response) 
     assert "".join(e.delta for e in cached if e.type == "response.output_text.delta") \
         == whole.output_text
     assert api.job(raw.headers["x-job-id"])["cached"] == "exact"
+    # Answered from the cache, it echoes its own request, not the cached one's.
+    echo = client.responses.create(**asked, metadata={"run": "8"},
+                                   extra_body={"background": True})
+    assert echo.background is True
+    job_id = echo.id.removeprefix("resp_")
+    deadline = time.monotonic() + 60
+    while (view := api.job(job_id))["status"] != "succeeded":
+        assert view["status"] in ("queued", "running") and time.monotonic() < deadline, view
+        time.sleep(0.1)
+    assert view["cached"] == "exact"
+    echoed = client.responses.retrieve(echo.id)
+    assert (echoed.metadata, echoed.background, echoed.output_text) == (
+        {"run": "8"}, True, whole.output_text)
 
     # Refused before anything is queued: unsupported fields 400, malformed ones 400.
     for extra, status, param in (({"background": True}, 400, "background"),

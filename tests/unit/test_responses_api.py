@@ -10,7 +10,13 @@ import pytest
 from openai.types.responses import Response
 
 from core.request_checks import RequestRefused
-from core.responses_api import as_responses_refusal, response_object, to_chat_body
+from core.responses_api import (
+    ECHOED_INSTRUCTIONS,
+    as_responses_refusal,
+    response_object,
+    to_chat_body,
+    with_request_echoed,
+)
 from scheduler.batch_input import iter_requests, validate_input
 from workers.inference.results import Completion, build_result
 
@@ -136,3 +142,22 @@ def test_a_finished_job_is_answered_as_a_response_object() -> None:
                           job_id="j", body={})
     assert cut["status"] == "incomplete"
     assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_a_cached_response_echoes_the_request_it_now_answers() -> None:
+    """Metadata, instructions, background and the sampling fields are the new request's;
+    the output is the cached one's."""
+    first = to_chat_body({"model": "m", "input": "x", "metadata": {"run": "1"},
+                          "instructions": "Be brief.", "max_output_tokens": 4})
+    first[ECHOED_INSTRUCTIONS] = "Be brief."
+    chat = {"created": 7, "model": "m", "usage": {"prompt_tokens": 3, "completion_tokens": 2,
+            "total_tokens": 5}, "choices": [{"index": 0, "finish_reason": "stop",
+                                             "message": {"role": "assistant", "content": "y"}}]}
+    cached = response_object(chat, job_id="job_1", body=first)
+    second = {**first, "metadata": {"run": "2"}, "background": True, "instructions": "Hi."}
+    echoed = with_request_echoed(cached, job_id="job_2", body=second)
+    assert (echoed["metadata"], echoed["background"], echoed["instructions"]) == (
+        {"run": "2"}, True, "Hi.")
+    assert (cached["metadata"], cached["background"]) == ({"run": "1"}, False)
+    assert echoed["output"] == cached["output"] and echoed["usage"] == cached["usage"]
+    assert echoed["max_output_tokens"] == 4

@@ -17,6 +17,7 @@ from typing import Any
 
 from core import metrics
 from core.messages import JobMessage
+from core.responses_api import with_request_echoed
 from storage.models import utcnow
 from workers.engine import RequestOutput
 from workers.inference.embedding_jobs import build_embedding_result
@@ -84,6 +85,7 @@ class OutcomeRecorder:
         for message, cached, _, marker in hits:
             result = dict(cached)
             if message.kind == "response":
+                result = with_request_echoed(result, job_id=message.job_id, body=message.body)
                 result.update(id=f"resp_{message.job_id}", created_at=created_at_of(message),
                               cached=marker)
             else:

@@ -240,6 +240,10 @@ def test_input_items_list_the_input_as_sent_a_page_at_a_time(
     before = client.get(url, headers=acme.headers,
                         params={"order": "asc", "before": ids[2]}).json()
     assert [item["id"] for item in before["data"]] == ids[:2]
+    just_before = client.get(url, headers=acme.headers,
+                             params={"order": "asc", "before": ids[3], "limit": 2}).json()
+    assert [item["id"] for item in just_before["data"]] == ids[1:3]  # the two before it
+    assert just_before["has_more"] is True  # ids[0], further back
 
     for params, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"),
                           ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after")):
