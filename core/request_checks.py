@@ -280,13 +280,18 @@ def describe_errors(errors: Sequence[Any]) -> tuple[str | None, str, str]:
 
 
 def first_error(errors: Sequence[Any]) -> Any:
-    """The error to report: the first refused value, else the first wrong type.
+    """The error to report: the first refused value, else the deepest wrong type.
 
     A union's members each report: for `content: str | list[parts]`, a bad part's text
     comes after "content should be a valid string". The value error is the one to name.
+    Of wrong types only, the deepest is where the value went wrong: for `input: str |
+    list[messages]` given a list whose message has `content: 7`, the list member's report
+    names `input[0].content`, the string member's only `input`.
     """
     value_errors = [e for e in errors if not _is_type_error(e)]
-    return value_errors[0] if value_errors else errors[0]
+    if value_errors:
+        return value_errors[0]
+    return max(errors, key=lambda e: len(e.get("loc", ())))
 
 
 def _is_type_error(error: Any) -> bool:

@@ -67,6 +67,9 @@ class ResponseRequest(ClientObject):
 
 # List fields whose empty value asks for nothing.
 _EMPTY_MEANS_UNSET = frozenset({"include", "tools"})
+# Flags whose false asks for nothing (a batch line that says `stream: false` runs as one
+# that leaves it out; `true` there is refused by name: nothing would read the stream).
+_FALSE_MEANS_UNSET = frozenset({"stream", "background"})
 
 
 def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +79,8 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
     libraries send `previous_response_id: null` or `include: []` for what they leave
     unset, and OpenAI reads them so; refused by name, they would refuse every request."""
     body = {k: v for k, v in body.items()
-            if v is not None and not (k in _EMPTY_MEANS_UNSET and v == [])}
+            if v is not None and not (k in _EMPTY_MEANS_UNSET and v == [])
+            and not (k in _FALSE_MEANS_UNSET and v is False)}
     try:
         request = ResponseRequest.model_validate(body)
     except ValidationError as e:

@@ -96,6 +96,10 @@ async def create_response(
     stream = _route_flag(body, "stream")
     background = _route_flag(body, "background")
     _check_stream_options(body.get("stream_options"), stream=stream)
+    if background and body.get("store") is False:
+        raise InvalidRequest("background requires store: a response run in the background "
+                             "is kept to be read back.", param="store",
+                             code="invalid_value")
     if stream and background:
         raise InvalidRequest("background cannot be streamed; queue it with background and "
                              "follow it with GET /v1/jobs/{id}/events, or stream it without "
@@ -217,8 +221,16 @@ def _response_job(session: SessionDep, tenant: TenantDep, response_id: str) -> J
 
 
 @router.get("/responses/{response_id}", response_model=None)
-def read_response(response_id: str, tenant: TenantDep, session: SessionDep) -> dict[str, Any]:
+def read_response(response_id: str, tenant: TenantDep, session: SessionDep,
+                  stream: bool = False, starting_after: int | None = None) -> dict[str, Any]:
     """A response by id (`resp_<job id>`), as OpenAI's retrieve returns it."""
+    if stream or starting_after is not None:
+        # Refused rather than answered as JSON, which a client asking for events reads as
+        # a stream of none.
+        raise InvalidRequest(
+            "A stored response is not streamed again: read it whole, or follow its job's "
+            "text with GET /v1/jobs/{id}/events (it resumes with Last-Event-ID).",
+            param="stream" if stream else "starting_after", code="unsupported_parameter")
     return response_view(_response_job(session, tenant, response_id))
 
 

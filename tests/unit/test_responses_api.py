@@ -64,6 +64,11 @@ def test_input_instructions_and_format_become_a_chat_body() -> None:
     ({"model": "m", "input": "x", "text": {"format": {"type": "json_object",
                                                       "schema": {"type": "object"}}}},
      "text.format.schema"),
+    ({"model": "m", "input": [{"role": "user", "content": 7}]}, "input[0].content"),
+    ({"model": "m", "input": [{"role": "user", "content": None}]}, "input[0].content"),
+    ({"model": "m", "input": [{"role": "user", "content": ["x"]}]}, "input[0].content[0]"),
+    ({"model": "m", "input": "x", "stream": True}, "stream"),  # a batch line: nothing reads it
+    ({"model": "m", "input": "x", "background": True}, "background"),
 ])
 def test_what_the_engine_cannot_honour_is_refused_by_name(body: dict[str, Any], param: str
                                                          ) -> None:
@@ -77,7 +82,8 @@ def test_fields_sent_as_null_or_empty_count_as_not_sent() -> None:
     """What client libraries send for what they leave unset runs, as OpenAI runs it."""
     unset: dict[str, Any] = {
         "previous_response_id": None, "reasoning": None, "include": [], "tools": [],
-        "tool_choice": None, "truncation": None, "temperature": None}
+        "tool_choice": None, "truncation": None, "temperature": None, "stream": False,
+        "background": False}
     assert to_chat_body({"model": "m", "input": "x", **unset}) == to_chat_body(
         {"model": "m", "input": "x"})
 

@@ -287,3 +287,23 @@ def test_the_routes_own_fields_are_refused_with_a_code(
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     assert response.json()["error"]["code"] == "invalid_value"
+
+
+def test_background_needs_store_and_a_stored_response_is_not_streamed_again(
+        client: TestClient, acme: TenantKey) -> None:
+    """`store: false` with `background` is refused, as OpenAI refuses it; a retrieve asking
+    for a stream is refused rather than answered as JSON (a client would read no events)."""
+    refused = client.post("/v1/responses", headers=acme.headers, json={
+        "model": MODEL, "input": "Hi", "background": True, "store": False})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "store"
+    job_id = client.post("/v1/responses", headers=acme.headers, json={
+        "model": MODEL, "input": "Hi", "background": True}).headers["x-job-id"]
+    for params, param in (({"stream": "true"}, "stream"),
+                          ({"stream": "true", "starting_after": 3}, "stream"),
+                          ({"starting_after": 3}, "starting_after")):
+        streamed = client.get(f"/v1/responses/resp_{job_id}", headers=acme.headers,
+                              params=params)
+        assert streamed.status_code == 400, streamed.text
+        assert streamed.json()["error"]["param"] == param
+    assert client.get(f"/v1/responses/resp_{job_id}", headers=acme.headers,
+                      params={"stream": "false"}).status_code == 200
