@@ -40,7 +40,8 @@ def api_server(app: FastAPI, settings: Settings) -> tuple[uvicorn.Server, socket
                             reuse_port=settings.api_reuse_port)
     config = uvicorn.Config(app, log_level=settings.log_level.lower(), lifespan="on",
                             access_log=settings.api_access_log,
-                            **bounded_http_config(settings.api_max_head_bytes))
+                            **bounded_http_config(settings.api_max_head_bytes,
+                                                settings.api_head_timeout_s))
     return uvicorn.Server(config), sock
 
 

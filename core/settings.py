@@ -306,6 +306,9 @@ class Settings(BaseSettings):
     # The most bytes of a request's line and headers the API reads; past it, 431 and the
     # connection closed (api.http_limits). 64 KiB holds any real token or cookie.
     api_max_head_bytes: int = Field(default=64 * 1024, ge=1024)
+    # Seconds a request's line and headers may take to arrive; past them, 408 and the
+    # connection closed (a client that opens connections and never finishes a request).
+    api_head_timeout_s: float = Field(default=30.0, gt=0)
 
     @field_validator(
         "served_models",

@@ -26,7 +26,8 @@ def running_api(settings: Settings) -> Iterator[str]:
     port = free_port()
     config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
                             log_level="warning", lifespan="on",
-                            **bounded_http_config(settings.api_max_head_bytes))
+                            **bounded_http_config(settings.api_max_head_bytes,
+                                                settings.api_head_timeout_s))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="test-api", daemon=True)
     thread.start()

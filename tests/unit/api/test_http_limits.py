@@ -1,7 +1,8 @@
-"""A request's head is read up to a bound: past it, 431 and the connection closed.
+"""A request's head is read up to a bound of bytes and of time: past it, 431 or 408 and
+the connection closed; a chunked body's trailers are held to the bound too.
 
-A real uvicorn server on a socket, with the protocol the API runs (api.http_limits) and a
-bound of 4 KiB, spoken to byte by byte."""
+A real uvicorn server on a socket, with the protocol the API runs (api.http_limits), a
+bound of 4 KiB and 1 s, spoken to byte by byte."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from api.http_limits import bounded_http_config
 from scheduler.embedded_services import free_port
 
 LIMIT = 4096
+HEAD_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,8 @@ def port() -> Iterator[int]:
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="error", **bounded_http_config(LIMIT)))
+                                           log_level="error",
+                                           **bounded_http_config(LIMIT, HEAD_TIMEOUT_S)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -156,13 +159,64 @@ def test_a_head_is_not_charged_with_the_reads_of_the_request_before_it(port: int
         assert [status for status, _ in _answers(sock)] == [200, 200]
 
 
-def test_trailers_are_not_part_of_the_head(port: int) -> None:
-    """A chunked body's trailers come after the head: not counted against its bound."""
-    request = (b"POST /echo HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n"
-               b"Connection: close\r\n\r\n3\r\nabc\r\n0\r\nX-Trailer: "
-               + b"t" * (LIMIT + 100) + b"\r\n\r\n")
-    [(status, body)] = _send(port, request, close=False)
+def _chunked(trailer: bytes) -> bytes:
+    return (b"POST /echo HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n"
+            b"Connection: close\r\nX-Pad: " + b"h" * (LIMIT // 2) + b"\r\n\r\n"
+            b"3\r\nabc\r\n0\r\n" + trailer)
+
+
+def test_trailers_are_bounded_apart_from_the_head(port: int) -> None:
+    """Head and trailers each within the bound, together past it: served."""
+    [(status, body)] = _send(port, _chunked(b"X-Trailer: " + b"t" * (LIMIT // 2) + b"\r\n\r\n"),
+                             close=False)
     assert status == 200 and json.loads(body)["body"] == 3
+
+
+@pytest.mark.parametrize("trailer", [
+    b"X-Trailer: " + b"t" * (LIMIT + 1) + b"\r\n\r\n",  # one long trailer
+    b"X-Trailer: " + b"t" * (20 * LIMIT),  # one that never ends
+])
+def test_trailers_past_the_bound_close_the_connection(port: int, trailer: bytes) -> None:
+    """The app has the request already: no status can be sent, the connection closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        request = _chunked(b"")
+        sock.sendall(request)
+        for start in range(0, len(trailer), 512):
+            try:
+                sock.sendall(trailer[start:start + 512])
+            except OSError:
+                break
+            time.sleep(0.001)
+        sock.settimeout(5)
+        try:
+            assert sock.recv(65536) == b""  # closed by the server, with no answer
+        except ConnectionResetError:
+            pass  # closed with unread bytes: reset
+
+
+def test_a_head_not_finished_in_time_is_408(port: int) -> None:
+    """Half a request line, a header a byte at a time, or nothing at all."""
+    for sent in (b"GET /ec", b"GET /echo HTTP/1.1\r\nHost: te", b""):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            started = time.monotonic()
+            sock.sendall(sent)
+            [(status, body)] = _answers(sock)
+            waited = time.monotonic() - started
+        assert status == 408 and json.loads(body)["error"]["code"] == "request_timeout"
+        assert HEAD_TIMEOUT_S * 0.9 <= waited < HEAD_TIMEOUT_S + 4
+
+
+def test_a_slow_answer_is_not_a_slow_head(port: int) -> None:
+    """A request whose answer takes its time, and the next one on the connection after a
+    pause, are served: the bound is on heads arriving, not on the app or idle time."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        for path in ("/slow", "/slow", "/echo"):
+            sock.sendall(_head(path=path))
+            answer = b""
+            while not answer.endswith(b"}"):
+                answer += sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            time.sleep(HEAD_TIMEOUT_S / 2)
 
 
 def test_a_head_too_large_behind_an_unanswered_request_closes_after_its_answer(
