@@ -29,7 +29,7 @@ from storage.models import Job, JobStatus
 from storage.token_streams import STARTED, StreamEntry, token_stream_key
 from tests.utils.api import make_tenant_key
 from tests.utils.child_process import ChildProcess
-from tests.utils.engine_server import engine_server_front
+from tests.utils.engine_server import EngineServerFront, engine_server_front
 from tests.utils.worker_service import Service, job_bodies
 from workers.inference.engine_routing import ServerState, pick_server
 
@@ -73,6 +73,22 @@ def front_service(settings: Callable[..., Any], upstream: Service, tmp_path: Pat
     ensure_topics(s)
     (tmp_path / "front").mkdir(exist_ok=True)
     return Service(s, upstream.sessions, upstream.tenant_id, tmp_path / "front", [])
+
+
+@contextmanager
+def worker_through_front(service: Callable[..., Service], settings: Callable[..., Any],
+                         tmp_path: Path) -> Iterator[tuple[EngineServerFront, Service]]:
+    """A worker serving REMOTE_NAME through a recording front of the engine server: (the
+    front, the worker's service), the worker stopped on the way out."""
+    with engine_server(service, tmp_path) as (upstream, url, key), \
+            engine_server_front(url, model=upstream.settings.model) as front:
+        down = front_service(settings, upstream, tmp_path, [front.url],
+                             engine_url_api_key=key)
+        down.start_worker()
+        try:
+            yield front, down
+        finally:
+            down.workers[0].stop()
 
 
 def upstream_jobs(service: Service) -> list[Job]:
@@ -141,23 +157,16 @@ def test_responses_and_structured_outputs_run_through_an_engine_server(
     """A schema-constrained chat job reaches the server with its `response_format` (its
     answer parses and keeps to the schema), and a /v1/responses job runs as its chat body
     and is stored as OpenAI's `response`, created when its job was."""
-    with engine_server(service, tmp_path) as (upstream, url, key), \
-            engine_server_front(url, model=upstream.settings.model) as front:
-        down = front_service(settings, upstream, tmp_path, [front.url],
-                             engine_url_api_key=key)
-        down.start_worker()
-        try:
-            (chat,) = down.submit("normal", [{
-                "messages": [{"role": "user", "content": "Pick a colour."}],
-                "max_tokens": 40, "temperature": 0, "response_format": PICK_FORMAT}])
-            (response,) = down.submit("normal", [{
-                "messages": [{"role": "system", "content": "Be brief."},
-                             {"role": "user", "content": "Pick one."}],
-                "instructions": "Be brief.", "metadata": {"run": "9"}, "max_tokens": 40,
-                "temperature": 0, "response_format": PICK_FORMAT}], kind="response")
-            done = down.wait_terminal([chat, response], timeout=400)
-        finally:
-            down.workers[0].stop()
+    with worker_through_front(service, settings, tmp_path) as (front, down):
+        (chat,) = down.submit("normal", [{
+            "messages": [{"role": "user", "content": "Pick a colour."}],
+            "max_tokens": 40, "temperature": 0, "response_format": PICK_FORMAT}])
+        (response,) = down.submit("normal", [{
+            "messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Pick one."}],
+            "instructions": "Be brief.", "metadata": {"run": "9"}, "max_tokens": 40,
+            "temperature": 0, "response_format": PICK_FORMAT}], kind="response")
+        done = down.wait_terminal([chat, response], timeout=400)
     assert all(r["response_format"] == PICK_FORMAT for r in front.requests)
     assert all("instructions" not in r and "metadata" not in r for r in front.requests)
     chat_job = done[chat]
@@ -181,21 +190,14 @@ def test_a_streamed_job_hands_on_its_text_as_the_servers_chunks_come(
     """A job with `stream` is asked of the server as a stream (usage included), and its
     text reaches the job's token stream chunk by chunk, joining to the stored result; a
     job with `n` 2 is asked whole."""
-    with engine_server(service, tmp_path) as (upstream, url, key), \
-            engine_server_front(url, model=upstream.settings.model) as front:
-        down = front_service(settings, upstream, tmp_path, [front.url],
-                             engine_url_api_key=key)
-        down.start_worker()
-        try:
-            (streamed,) = down.submit("high", [{
-                "messages": [{"role": "user", "content": "Tell me more."}], "max_tokens": 12,
-                "ignore_eos": True, "temperature": 0, "stream": True}])
-            (whole,) = down.submit("high", [{
-                "prompt": "Tell me more:", "max_tokens": 4, "ignore_eos": True,
-                "temperature": 1, "n": 2, "stream": True}])
-            done = down.wait_terminal([streamed, whole], timeout=400)
-        finally:
-            down.workers[0].stop()
+    with worker_through_front(service, settings, tmp_path) as (front, down):
+        (streamed,) = down.submit("high", [{
+            "messages": [{"role": "user", "content": "Tell me more."}], "max_tokens": 12,
+            "ignore_eos": True, "temperature": 0, "stream": True}])
+        (whole,) = down.submit("high", [{
+            "prompt": "Tell me more:", "max_tokens": 4, "ignore_eos": True,
+            "temperature": 1, "n": 2, "stream": True}])
+        done = down.wait_terminal([streamed, whole], timeout=400)
     job = done[streamed]
     assert job.status is JobStatus.SUCCEEDED, job.error
     assert job.result is not None
