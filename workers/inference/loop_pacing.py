@@ -7,7 +7,7 @@ import math
 
 from core.settings import Settings
 from workers.engine.embedding_engine import EmbeddingEngine
-from workers.inference.remote_engine import RemoteEngine
+from workers.inference.remote_servers import RemoteEngine
 
 # How long an idle worker (nothing in flight) waits in the broker's poll. Records end the
 # wait as soon as a fetch brings them (within the consumer's fetch_max_wait_ms), so this

@@ -42,7 +42,8 @@ from workers.inference.job_store import JobStore
 from workers.inference.kv_tier import connect_kv_tier
 from workers.inference.liveness import LoopPulse
 from workers.inference.model_presence import ModelPresence, load_recorded
-from workers.inference.remote_engine import RemoteEngine, RemoteEngineConfig, RemoteEngineLoop
+from workers.inference.remote_engine import RemoteEngineLoop
+from workers.inference.remote_servers import RemoteEngine, RemoteEngineConfig
 from workers.inference.semantic_lookup import SemanticLookup
 from workers.inference.service_rate import ServiceRate
 from workers.inference.token_publisher import TokenPublisher

@@ -298,9 +298,10 @@ def test_background_needs_store_and_a_stored_response_is_not_streamed_again(
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "store"
     job_id = client.post("/v1/responses", headers=acme.headers, json={
         "model": MODEL, "input": "Hi", "background": True}).headers["x-job-id"]
-    for params, param in (({"stream": "true"}, "stream"),
-                          ({"stream": "true", "starting_after": 3}, "stream"),
-                          ({"starting_after": 3}, "starting_after")):
+    refusals: list[tuple[dict[str, str | int], str]] = [
+        ({"stream": "true"}, "stream"), ({"stream": "true", "starting_after": 3}, "stream"),
+        ({"starting_after": 3}, "starting_after")]
+    for params, param in refusals:
         streamed = client.get(f"/v1/responses/resp_{job_id}", headers=acme.headers,
                               params=params)
         assert streamed.status_code == 400, streamed.text

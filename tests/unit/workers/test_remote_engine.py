@@ -15,12 +15,8 @@ from core.messages import JobMessage
 from storage.token_streams import StreamEntry
 from tests.utils.engine_server import EngineServerFront, engine_server_front
 from workers.engine import SamplingParams
-from workers.inference.remote_engine import (
-    MAX_STREAM_CUTS,
-    RemoteEngine,
-    RemoteEngineConfig,
-    RemoteEngineLoop,
-)
+from workers.inference.remote_engine import MAX_STREAM_CUTS, RemoteEngineLoop
+from workers.inference.remote_servers import RemoteEngine, RemoteEngineConfig
 
 
 def wait_until(what: str, check: Callable[[], bool], timeout: float = 20.0) -> None:
