@@ -48,7 +48,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.broker_errors import ServiceStopping
 from core.kafka import publish_job
 from core.settings import Settings
-from storage.jobs import IdempotencyKeyTaken, insert_new_jobs, job_message
+from storage.job_messages import job_message
+from storage.jobs import IdempotencyKeyTaken, insert_new_jobs
 from storage.models import Job, JobStatus
 
 logger = logging.getLogger(__name__)

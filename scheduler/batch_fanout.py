@@ -43,7 +43,8 @@ from scheduler.batch_input import ENDPOINT_TO_KIND, BatchRequest, iter_requests
 from scheduler.job_publisher import count_failed, publish_jobs, record_output
 from storage.batches import BatchStatus, lock_batch
 from storage.files import FileStore
-from storage.jobs import new_job_message, new_job_values
+from storage.job_messages import new_job_message
+from storage.jobs import new_job_values
 from storage.models import Job, JobStatus
 from storage.tenant_limits import Budget, budgets_of, limits_of_tenant
 from storage.token_budget import TokenBudgets, estimate_tokens

@@ -35,7 +35,8 @@ from core import metrics
 from core.kafka import publish_job
 from core.messages import JobMessage
 from core.settings import Settings
-from storage.jobs import fail_job, get_job, job_message, mark_published
+from storage.job_messages import job_message
+from storage.jobs import fail_job, get_job, mark_published
 from storage.models import Job
 from storage.webhook_events import enqueue_job_event
 

@@ -29,7 +29,6 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from core.messages import JobMessage
 from core.random_hex import random_hex
 from core.topics import PRIORITIES, Priority
 from storage.job_batches import Completion, complete_jobs
@@ -459,44 +458,6 @@ def _expire(session: Session, job_ids: list[str]) -> None:
         job = session.identity_map.get(session.identity_key(Job, job_id))
         if job is not None:
             session.expire(job)
-
-
-def job_message(job: Job) -> JobMessage:
-    """The Kafka message that carries a stored job (its next claim is attempt + 1)."""
-    return JobMessage(
-        job_id=job.id,
-        tenant_id=job.tenant_id,
-        priority=job.priority,
-        model=job.model,
-        kind=job.kind,  # type: ignore[arg-type]
-        body=job.request,
-        batch_id=job.batch_id,
-        custom_id=job.custom_id,
-        cache_key=job.cache_key,
-        attempt=job.attempts + 1,
-        has_callback=job.callback_url is not None,
-        deadline=job.deadline.timestamp() if job.deadline is not None else None,
-        created_at=job.created_at.timestamp() if job.created_at is not None else None,
-    )
-
-
-def new_job_message(values: dict[str, Any]) -> JobMessage:
-    """`job_message` of a job stored from `new_job_values` (its first claim is attempt 1)."""
-    return JobMessage(
-        job_id=values["id"],
-        tenant_id=values["tenant_id"],
-        priority=values["priority"],
-        model=values["model"],
-        kind=values["kind"],
-        body=values["request"],
-        batch_id=values["batch_id"],
-        custom_id=values["custom_id"],
-        cache_key=values["cache_key"],
-        attempt=values["attempts"] + 1,
-        has_callback=values["callback_url"] is not None,
-        deadline=values["deadline"].timestamp() if values.get("deadline") else None,
-        created_at=values["created_at"].timestamp(),
-    )
 
 
 def expire_past_deadline(

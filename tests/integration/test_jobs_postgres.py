@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.messages import JobMessage
 from storage.db import create_db_engine, session_factory
+from storage.job_messages import job_message
 from storage.jobs import (
     IdempotencyKeyTaken,
     cancel_job,
@@ -21,7 +22,6 @@ from storage.jobs import (
     create_job,
     find_by_idempotency_key,
     get_job,
-    job_message,
     list_jobs,
     mark_running,
     stale_queued_jobs,

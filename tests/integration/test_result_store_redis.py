@@ -27,7 +27,8 @@ from core.messages import JobMessage
 from scheduler.embedded_services import free_port
 from storage.db import create_db_engine, session_factory
 from storage.events import jobs_done_channel
-from storage.jobs import create_job, get_job, job_message
+from storage.job_messages import job_message
+from storage.jobs import create_job, get_job
 from storage.models import Base, JobStatus, Tenant
 from storage.result_cache import ResultCache
 from storage.tenant_limits import ALL_MODELS, Budget

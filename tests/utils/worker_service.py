@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.kafka import make_producer, publish_job
 from core.settings import Settings
 from storage import jobs
+from storage.job_messages import job_message
 from storage.models import Job, JobStatus
 from tests.utils.budget import within_budget
 from tests.utils.service import WorkerProcess
@@ -66,7 +67,7 @@ class Service:
             ]
             jobs.mark_published(session, job_ids=[r.id for r in rows])
             session.commit()
-            messages = [jobs.job_message(r) for r in rows]
+            messages = [job_message(r) for r in rows]
         # One record per request unless asked: lag assertions count records on the
         # embedded broker, which counts a batch as one.
         producer = make_producer(self.settings, **({} if batched else {"batch_size": 0}))

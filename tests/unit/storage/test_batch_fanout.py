@@ -13,7 +13,7 @@ from scheduler.batch_fanout import _add_chunk
 from scheduler.batch_input import BatchRequest
 from storage.batches import BatchStatus, create_batch
 from storage.files import create_file
-from storage.jobs import job_message
+from storage.job_messages import job_message
 from storage.models import Job, JobStatus, Tenant, utcnow
 
 
