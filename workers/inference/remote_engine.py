@@ -325,9 +325,13 @@ class RemoteEngineLoop:
             output = RemoteOutput(request.request_id, check_response(payload))
         except ValueError as e:
             return FinishedRequest(request.request_id, error=str(e))
+        return self._finished(output)
+
+    def _finished(self, output: RemoteOutput) -> FinishedRequest:
+        """A whole answer, finished now and counted."""
         output.metrics.finish_time = time.time()
         self._num_output_tokens += output.num_output_tokens
-        return FinishedRequest(request.request_id, output=output)
+        return FinishedRequest(output.request_id, output=output)
 
     async def _stream(self, request: _Request, server: ServerState) -> FinishedRequest | None:
         """Send a streamed request and hand its text on as it comes; its outcome, or None
@@ -362,7 +366,7 @@ class RemoteEngineLoop:
         if not assembler.is_complete:
             return self._cut(request, server, detail="the stream ended before its finish")
         output = RemoteOutput(request.request_id, check_response(assembler.answer()))
-        return self._finish_streamed(request, output)
+        return self._end_stream(request, output)
 
     def _whole_answer(self, request: _Request, server: ServerState,
                       response: httpx.Response) -> FinishedRequest | None:
@@ -370,17 +374,19 @@ class RemoteEngineLoop:
         outcome = self._outcome(request, server, response)
         if outcome is None or not isinstance(outcome.output, RemoteOutput):
             return outcome
-        self._publish_text(request, _text_of(outcome.output))
-        return self._finish_streamed(request, outcome.output)
+        self._publish_text(request, outcome.output.text)
+        self._publish_finish(request, outcome.output)
+        return outcome
 
-    def _finish_streamed(self, request: _Request, output: RemoteOutput) -> FinishedRequest:
+    def _end_stream(self, request: _Request, output: RemoteOutput) -> FinishedRequest:
+        """A streamed answer come to its finish: the stream's last entry, the outcome."""
+        self._publish_finish(request, output)
+        return self._finished(output)
+
+    def _publish_finish(self, request: _Request, output: RemoteOutput) -> None:
         self._publish([StreamEntry(request.request_id, offset=len(request.published),
                                    finish_reason=output.finish_reason or "stop")])
         output.metrics.first_token_time = request.first_token_time
-        if output.metrics.finish_time is None:
-            output.metrics.finish_time = time.time()
-            self._num_output_tokens += output.num_output_tokens
-        return FinishedRequest(request.request_id, output=output)
 
     def _cut(self, request: _Request, server: ServerState, *,
              detail: str) -> FinishedRequest | None:
@@ -441,11 +447,3 @@ class RemoteEngineLoop:
         metrics.ENGINE_TOKENS_PER_SECOND.set(
             (self._num_output_tokens - last_tokens) / (now - last_at))
         self._last_stats = (now, self._num_output_tokens)
-
-
-def _text_of(output: RemoteOutput) -> str:
-    """The text of a whole answer's first choice (chat or text completion)."""
-    choice = output.response["choices"][0]
-    message = choice.get("message")
-    return str((message.get("content") if isinstance(message, dict) else choice.get("text"))
-               or "")

@@ -76,6 +76,14 @@ class RemoteOutput:
         return str(reason) if reason is not None else None
 
     @property
+    def text(self) -> str:
+        """The text of the one choice (a chat message's content, or a completion's text)."""
+        choice = (self.response.get("choices") or [{}])[0]
+        message = choice.get("message")
+        return str((message.get("content") if isinstance(message, dict)
+                    else choice.get("text")) or "")
+
+    @property
     def num_output_tokens(self) -> int:
         """Completion tokens, as the server counted them (0 when it did not say)."""
         usage = self.response.get("usage") or {}
