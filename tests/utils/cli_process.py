@@ -14,10 +14,16 @@ from tests.utils.child_process import ChildProcess
 
 
 class CliProcess(ChildProcess):
-    """`python -m cli ARGS...` on the given settings, logging to a file."""
+    """`python -m cli ARGS...` on the given settings, logging to a file.
 
-    def __init__(self, args: list[str], settings: Settings, log_path: Path) -> None:
-        super().__init__(["cli", *args], settings, log_path)
+    Forked from the warm server as `up`'s workers are: a cold start imports torch and
+    transformers (to count prompt tokens) for 4-6 s of CPU, and the suite starts ~40 of
+    these beside everything else on a 2-core machine. `warm=False` keeps a fresh
+    interpreter where the cold start itself is under test."""
+
+    def __init__(self, args: list[str], settings: Settings, log_path: Path, *,
+                 warm: bool = True) -> None:
+        super().__init__(["cli", *args], settings, log_path, warm=warm)
 
     @property
     def rss_bytes(self) -> int:
