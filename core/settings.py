@@ -189,9 +189,10 @@ class Settings(BaseSettings):
     # Touched with every beat (see workers/inference/liveness): its age is what the
     # supervisor and the Kubernetes probes judge a worker alive by. None: no file.
     worker_liveness_file: Path | None = None
-    # `up` forks its workers (and its model check) from a server that has imported torch,
-    # transformers and the engine once (scheduler/warm_start): a restart or scale-up starts
-    # in well under a second instead of 6-10 s of imports. False: a fresh interpreter each.
+    # `up` forks its workers, its extra API processes and its model check from a server
+    # that has imported torch, transformers and the engine once (scheduler/warm_start): a
+    # restart or scale-up starts in well under a second instead of 4-10 s of imports.
+    # False: a fresh interpreter each.
     worker_warm_start: bool = True
     # A worker of a model no live worker serves joins its consumer group while its engine
     # loads (its partitions paused until then), so the group join (seconds: see

@@ -214,9 +214,12 @@ def _start_api(host: str, port: int, stack: ExitStack,
             raise RuntimeError(f"the API did not start on {host}:{port} in "
                                f"{API_START_TIMEOUT_S:.0f}s")
         time.sleep(0.05)
+    # Forked warm as the workers are: an API process counts prompt tokens, so a cold one
+    # imports torch and transformers (4-6 s of CPU) before it answers.
     extra = Supervisor([sys.executable, "-m", "api"], num_workers=settings.api_processes - 1,
                        name="api", log_dir=settings.data_dir / "logs",
-                       drain_timeout_s=API_DRAIN_TIMEOUT_S)
+                       drain_timeout_s=API_DRAIN_TIMEOUT_S,
+                       warm_start=settings.worker_warm_start)
     stack.callback(extra.stop)
     extra.start()
 
