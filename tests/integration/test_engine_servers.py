@@ -47,7 +47,8 @@ def engine_server(service: Callable[..., Service], tmp_path: Path
     key = make_tenant_key(upstream.sessions, "downstream-worker").key
     settings = upstream.settings.model_copy(update={"api_port": free_port(),
                                                     "api_host": "127.0.0.1"})
-    api = ChildProcess(["api"], settings, tmp_path / "engine-server-api.log")
+    # Forked warm (tests.utils.cli_process says why): its cold imports are not under test.
+    api = ChildProcess(["api"], settings, tmp_path / "engine-server-api.log", warm=True)
     base = f"http://127.0.0.1:{settings.api_port}"
     try:
         deadline = time.monotonic() + 60
