@@ -11,6 +11,10 @@ Responsible for:
 
 The bitmask is xgrammar's layout: int32 words, bit `t % 32` of word `t // 32` set when
 token `t` is allowed; a stop token is allowed only where the grammar may end.
+
+A JSON-schema sequence given a budget (its max_tokens) is closed within it: as the
+budget runs low its row is narrowed to the shortest way out of the document
+(grammar_budget), so a model that loops inside a value still returns JSON that parses.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+
+from workers.engine.grammar_budget import CLOSE_MARGIN, BudgetCloser
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +44,17 @@ class GrammarState:
     matcher: Any  # xgrammar.GrammarMatcher
     num_accepted: int = 0
     failed: bool = False  # a sampled token the grammar refused: the row runs unconstrained
+    schema: str | None = None  # the JSON schema; None for a structural tag
+    # Output tokens the sequence may still have in all (max_tokens, or the context left);
+    # None: never closed early.
+    budget: int | None = None
+    # Tokens left at (or under) which the way out is measured next; None: not yet measured.
+    next_check: int | None = None
+    in_string: bool = False  # the JSON lexer's state after the accepted tokens
+    escaped: bool = False
+    close_path: list[int] | None = None  # the way out being followed, once closing
+    close_from: int = 0  # the output index of its first token
+    closed_early: bool = False  # the document was ended by the budget, not the model
 
     def catch_up(self, output_token_ids: list[int]) -> None:
         """Accept the output tokens sampled since the last call."""
@@ -71,6 +89,7 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
                                              cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self._closer = BudgetCloser(info.decoded_vocab, vocab_size, stop_token_ids)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
 
     def new_state(self, json_schema: str) -> GrammarState:
@@ -81,7 +100,7 @@ class GrammarCompiler:
             )
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"response_format: the JSON schema cannot be compiled: {e}") from e
-        return GrammarState(self._xgr.GrammarMatcher(compiled))
+        return GrammarState(self._xgr.GrammarMatcher(compiled), schema=json_schema)
 
     def new_tag_state(self, structural_tag: str) -> GrammarState:
         """A fresh matcher for a structural tag (JSON text); ValueError if it cannot
@@ -115,14 +134,62 @@ class GrammarCompiler:
         bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         matchers = []
         for state, output_ids in work:
+            if state.budget is not None:
+                state.in_string, state.escaped = self._closer.in_string_after(
+                    state.in_string, state.escaped, output_ids[state.num_accepted :]
+                )
             state.catch_up(output_ids)
             matchers.append(state.matcher)
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        for row, (state, output_ids) in enumerate(work):
+            if state.budget is not None and not state.failed:
+                self._close_within_budget(state, len(output_ids), bitmask[row].numpy())
         return StepMasks(rows, bitmask)
+
+    def _close_within_budget(self, state: GrammarState, num_output: int,
+                             words: np.ndarray) -> None:
+        """Narrow the row's mask (`words`) to the way out of the document once that way
+        only just fits in the tokens left; measure it when it is due."""
+        assert state.budget is not None
+        left = state.budget - num_output
+        if state.close_path is None:
+            if state.next_check is not None and left > state.next_check:
+                return
+            path: list[int] | None = None
+            if state.next_check is None and state.num_accepted == 0 and state.schema:
+                # The empty document's way out is the schema's: measured once per schema.
+                distance = self._closer.schema_distance(state.schema, state.matcher, left)
+            else:
+                path = self._closer.walk(state.matcher, state.in_string, state.escaped, left)
+                distance = None if path is None else len(path)
+            if distance is not None and distance + CLOSE_MARGIN < left:
+                slack = left - distance - CLOSE_MARGIN
+                state.next_check = distance + CLOSE_MARGIN + slack // 2
+                return
+            if path is None and distance is not None:
+                path = self._closer.walk(state.matcher, state.in_string, state.escaped, left)
+            if path is None:
+                state.budget = None  # no way out fits: the output is cut where it stands
+                return
+            state.close_path, state.close_from = path, num_output
+            state.closed_early = True
+        step = num_output - state.close_from
+        if step < len(state.close_path):
+            _allow_only(words, state.close_path[step])
+        else:
+            stop = self._closer.stop_token(words)
+            if stop is not None:
+                _allow_only(words, stop)
 
     def close(self) -> None:
         """Stop the mask thread (after the fill in flight, if any)."""
         self._pool.shutdown(wait=True)
+
+
+def _allow_only(words: np.ndarray, token_id: int) -> None:
+    """Make `token_id` the only token a bitmask row allows."""
+    words[:] = 0
+    words[token_id >> 5] = np.uint32(1 << (token_id & 31)).view(np.int32)
 
 
 def bitmask_to_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
