@@ -2,8 +2,10 @@
 
 1. Validity: 200 chat requests over the 10 schemas of bench/structured_schemas.py (20 per
    schema, sampled at temperature 0.7 with distinct seeds); every output must parse and
-   validate with `jsonschema`. Outputs cut by max_tokens are counted apart (a cut output
-   is `finish_reason: length` by contract, not a grammar failure).
+   validate with `jsonschema`, including those the token budget closed (a model looping
+   in a value is given the shortest way out before max_tokens: `finish_reason: length`,
+   whole JSON). Those are counted apart, as are outputs cut unparsable (a budget too small
+   for any way out).
 2. Cost: output tokens/s at batch 64, constrained against unconstrained, side by side in
    one process, alternating runs. The unconstrained run generates exactly the token
    counts the constrained one did (ignore_eos, max_tokens per request), so both do the
@@ -53,20 +55,27 @@ def validity(llm: LLM, n: int) -> None:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)  # type: ignore[arg-type]
     elapsed = time.perf_counter() - start
-    valid = cut = 0
+    valid = closed = cut = 0
     failures: list[str] = []
     for out, k in zip(outputs, schema_ids, strict=True):
-        if out.finish_reason == "length":
-            cut += 1
+        try:
+            document = json.loads(out.text)
+        except json.JSONDecodeError as e:
+            if out.finish_reason == "length":
+                cut += 1
+            else:
+                failures.append(f"schema {k + 1}: {e}: {out.text[:200]!r}")
             continue
         try:
-            jsonschema.validate(json.loads(out.text), SCHEMAS[k])
-            valid += 1
-        except (json.JSONDecodeError, jsonschema.ValidationError) as e:
-            failures.append(f"schema {k + 1}: {e}: {out.text[:200]!r}")
+            jsonschema.validate(document, SCHEMAS[k])
+        except jsonschema.ValidationError as e:
+            failures.append(f"schema {k + 1}: {e.message}: {out.text[:200]!r}")
+            continue
+        valid += 1
+        closed += out.finish_reason == "length"
     tokens = sum(len(o.token_ids) for o in outputs)
-    print(f"validity: {valid}/{n} valid, {cut} cut by max_tokens={MAX_TOKENS}, "  # noqa: T201
-          f"{len(failures)} invalid; {tokens} tokens in {elapsed:.1f} s")
+    print(f"validity: {valid}/{n} valid ({closed} of them closed at max_tokens={MAX_TOKENS}), "  # noqa: T201
+          f"{cut} cut unparsable, {len(failures)} invalid; {tokens} tokens in {elapsed:.1f} s")
     for failure in failures[:5]:
         print("  INVALID", failure)  # noqa: T201
 

@@ -102,9 +102,9 @@ def test_sync_calls_honour_every_new_field(svc: BatchService, tiny_model: Path) 
     text = client.completions.create(model=model, prompt="the quick brown fox", max_tokens=100,
                                      temperature=0.9, seed=5,
                                      extra_body={"response_format": {"type": "json_object"}})
+    # Sampled at 0.9 it may ramble until max_tokens: the budget then closes the object.
     assert text.choices[0].finish_reason in ("stop", "length")
-    if text.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(text.choices[0].text), dict)
+    assert isinstance(json.loads(text.choices[0].text), dict), text.choices[0].text
 
     required = client.chat.completions.create(
         model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
