@@ -37,7 +37,7 @@ import statistics
 import tempfile
 import time
 from contextlib import closing
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -49,6 +49,9 @@ from core.settings import Settings
 from tests.unit.engine.tiny_models import save_tiny_llama
 from workers.engine import SamplingParams
 from workers.inference.runner import build_engine
+
+# (wall clock at the POST, wall clock at its first chunk with text)
+Stamps = tuple[float, float]
 
 WORDS = ("river stone cloud amber lantern meadow copper violet harbor thistle quiet "
          "orbit willow ember falcon marble tide juniper canyon").split()
@@ -82,17 +85,21 @@ def engine_ttft(model: str, texts: list[str], max_tokens: int) -> list[float]:
 
 
 def service_ttfc(url: str, headers: dict[str, str], model: str, texts: list[str],
-                 max_tokens: int) -> tuple[list[float], list[float], list[float], list[str]]:
+                 max_tokens: int
+                 ) -> tuple[list[float], list[float], list[float], list[str], list[Stamps]]:
     """Per prompt: seconds to the first chunk with text, to `[DONE]`, and of the same
-    prompt's 1-token request without `stream`; and the streamed jobs' ids."""
+    prompt's 1-token request without `stream`; the streamed jobs' ids; and the wall
+    clock (epoch seconds) at each POST and at its first chunk."""
     firsts, totals, one_tokens, job_ids = [], [], [], []
+    walls: list[Stamps] = []
     with httpx.Client(base_url=url, headers=headers, timeout=300) as client:
         for i, text in enumerate(["warm up " + texts[0], *texts]):
             body = {"model": model, "prompt": text, "max_tokens": max_tokens,
                     "temperature": 0, "ignore_eos": True, "stream": True,
                     "cache": {"mode": "off"}}
-            begun = time.perf_counter()
+            sent_wall, begun = time.time(), time.perf_counter()
             first: float | None = None
+            first_wall = 0.0
             with client.stream("POST", "/v1/completions", json=body) as response:
                 response.raise_for_status()
                 job_id = response.headers["x-job-id"]
@@ -101,7 +108,7 @@ def service_ttfc(url: str, headers: dict[str, str], model: str, texts: list[str]
                         break
                     if (first is None and line.startswith("data: ")
                             and json.loads(line[6:])["choices"][0]["text"]):
-                        first = time.perf_counter() - begun
+                        first, first_wall = time.perf_counter() - begun, time.time()
             assert first is not None, "no chunk carried text"
             total = time.perf_counter() - begun
             begun = time.perf_counter()
@@ -113,20 +120,42 @@ def service_ttfc(url: str, headers: dict[str, str], model: str, texts: list[str]
                 totals.append(total)
                 one_tokens.append(time.perf_counter() - begun)
                 job_ids.append(job_id)
-    return firsts, totals, one_tokens, job_ids
+                walls.append((sent_wall, first_wall))
+    return firsts, totals, one_tokens, job_ids, walls
 
 
-def engine_in_service(database: Path, job_ids: list[str]) -> list[float]:
-    """Per job, in order: seconds from its claim to its first token, as the worker stored
-    them (`started_at`, `first_token_at`): the engine's time to first token inside the
-    service, measured in the same moments as the chunk (the two phases above run at
-    different moments, and on a shared machine under different loads)."""
+def job_stamps(database: Path, job_ids: list[str]) -> list[tuple[float, ...]]:
+    """Per job, in order, as epoch seconds: when its row was created, queued, claimed
+    (`started_at`) and got its first token, as the API and the worker stored them."""
+    columns = ("created_at", "queued_at", "started_at", "first_token_at")
     with closing(sqlite3.connect(database)) as db:
-        rows = {job_id: (started, first) for job_id, started, first in db.execute(
-            "SELECT id, started_at, first_token_at FROM jobs WHERE id IN "
+        rows = {row[0]: row[1:] for row in db.execute(
+            f"SELECT id, {', '.join(columns)} FROM jobs WHERE id IN "
             f"({','.join('?' * len(job_ids))})", job_ids)}
-    return [(datetime.fromisoformat(rows[job_id][1]) - datetime.fromisoformat(rows[job_id][0])
-             ).total_seconds() for job_id in job_ids]
+    return [tuple(_epoch(stamp) for stamp in rows[job_id]) for job_id in job_ids]
+
+
+def _epoch(stamp: str) -> float:
+    moment = datetime.fromisoformat(stamp)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def stages(walls: list[Stamps], stamps: list[tuple[float, ...]]) -> dict[str, list[float]]:
+    """Where each streamed request's time went, stage by stage (the client and the
+    service share this machine's clock)."""
+    names = ("POST to row created (HTTP, validation, insert)",
+             "row created to queued (publish to the broker)",
+             "queued to claimed (the broker to the worker, the claim)",
+             "claimed to first token (the engine inside the service)",
+             "first token to the client's first chunk (Redis, the API, HTTP)")
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for (sent, first_chunk), row in zip(walls, stamps, strict=True):
+        moments = (sent, *row, first_chunk)
+        for name, start, end in zip(names, moments[:-1], moments[1:], strict=True):
+            out[name].append(end - start)
+    return out
 
 
 def summary(name: str, seconds: list[float]) -> str:
@@ -156,11 +185,12 @@ def main() -> None:
         print(summary("engine TTFT", ttft))
         up = started(root, "service", Path(model), num_workers=1)
         try:
-            ttfc, totals, one_tokens, job_ids = service_ttfc(up.url, up.headers, model, texts,
-                                                             args.max_tokens)
+            ttfc, totals, one_tokens, job_ids, walls = service_ttfc(
+                up.url, up.headers, model, texts, args.max_tokens)
         finally:
             stop_service(up)
-        inside = engine_in_service(root / "service" / "batchinfer.db", job_ids)
+        stamps = job_stamps(root / "service" / "batchinfer.db", job_ids)
+        inside = [row[3] - row[2] for row in stamps]
     print(summary("service TTFC (first chunk with text)", ttfc))
     print(summary(f"service time to [DONE] ({args.max_tokens} tokens)", totals))
     print(summary("service 1-token request without stream", one_tokens))
@@ -172,6 +202,9 @@ def main() -> None:
     print(summary("what the service adds per request (TTFC - claim to first token)", added))
     print(f"TTFC / TTFT inside the service (medians): "
           f"{statistics.median(ttfc) / statistics.median(inside):.2f}")
+    print("where a streamed request's time goes (median per stage):")
+    for name, seconds in stages(walls, stamps).items():
+        print(f"  {name}: {1e3 * statistics.median(seconds):.1f} ms")
     print(f"TTFC / 1-token request without stream (medians): "
           f"{statistics.median(ttfc) / statistics.median(one_tokens):.2f}")
     print(f"load after: {os.getloadavg()}")
