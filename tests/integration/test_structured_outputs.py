@@ -31,6 +31,10 @@ SCHEMA: dict[str, Any] = {
     "required": ["colour", "ok", "tags"],
     "additionalProperties": False,
 }
+# A string the model can repeat for ever: only the token budget ends it.
+UNBOUNDED: dict[str, Any] = {
+    "type": "object", "properties": {"note": {"type": "string"}, "ok": {"type": "boolean"}},
+    "required": ["note", "ok"], "additionalProperties": False}
 RESPONSE_FORMAT: Any = {
     "type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
 TOOLS: Any = [
@@ -105,6 +109,19 @@ def test_sync_calls_honour_every_new_field(svc: BatchService, tiny_model: Path) 
     # Sampled at 0.9 it may ramble until max_tokens: the budget then closes the object.
     assert text.choices[0].finish_reason in ("stop", "length")
     assert isinstance(json.loads(text.choices[0].text), dict), text.choices[0].text
+
+    # Pushed to repeat a letter inside a string, the model never ends the document itself:
+    # the budget closes it, whole and valid, and says length.
+    [letter] = byte_level_tokenizer().encode("a", add_special_tokens=False)
+    looping = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=40, temperature=0,
+        logit_bias={str(letter): 30}, response_format={
+            "type": "json_schema", "json_schema": {"name": "note", "strict": True,
+                                                   "schema": UNBOUNDED}})
+    assert looping.choices[0].finish_reason == "length"
+    assert looping.usage is not None and looping.usage.completion_tokens <= 40
+    assert_valid_json(looping.choices[0].message.content, UNBOUNDED)
+    assert "aaaa" in (looping.choices[0].message.content or "")
 
     required = client.chat.completions.create(
         model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
