@@ -32,6 +32,10 @@ import numpy as np
 # Tokens between the measured way out and the tokens left at which the walk is taken; the
 # model's own token in the same step can lengthen the way out by a little.
 CLOSE_MARGIN = 2
+# The longest way out walked. Each step of a walk is a mask fill on the thread every engine
+# step waits for, and a walk that cannot end (a `pattern` the longest-token fallback never
+# completes) would otherwise run to the budget, thousands of fills, for each request.
+WALK_LIMIT = 256
 _SCHEMA_DISTANCES = 1024  # per-schema distances of the empty document kept
 
 # Separators come before the values: where the grammar allows one, the value before it
@@ -76,8 +80,10 @@ class BudgetCloser:
         self._schema_distance: OrderedDict[str, int | None] = OrderedDict()
 
     def walk(self, matcher: Any, in_string: bool, escaped: bool, limit: int) -> list[int] | None:
-        """The tokens of the way out of `matcher`'s state, at most `limit` of them before
-        the document may end; None if there is none that short. The matcher is not moved."""
+        """The tokens of the way out of `matcher`'s state, at most `limit` (and WALK_LIMIT)
+        of them before the document may end; None if there is none that short. The matcher
+        is not moved."""
+        limit = min(limit, WALK_LIMIT)
         fork = matcher.fork()
         bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
         words = bitmask[0].numpy()
@@ -99,19 +105,18 @@ class BudgetCloser:
         return next((t for t in self._stop if self._allowed(words, t)), None)
 
     def schema_distance(self, schema: str, matcher: Any, limit: int) -> int | None:
-        """The length of the way out of a fresh matcher for `schema` (cached per schema);
-        None where it is longer than `limit`."""
+        """The length of the way out of a fresh matcher for `schema`, walked once per
+        schema (while cached); None where it is longer than `limit` or WALK_LIMIT."""
         if schema in self._schema_distance:
             self._schema_distance.move_to_end(schema)
             known = self._schema_distance[schema]
-            if known is not None:
-                return known if known <= limit else None
-        path = self.walk(matcher, False, False, limit)
-        if path is not None or schema not in self._schema_distance:
-            self._schema_distance[schema] = None if path is None else len(path)
-        while len(self._schema_distance) > _SCHEMA_DISTANCES:
-            self._schema_distance.popitem(last=False)
-        return None if path is None else len(path)
+        else:
+            path = self.walk(matcher, False, False, WALK_LIMIT)
+            known = None if path is None else len(path)
+            self._schema_distance[schema] = known
+            while len(self._schema_distance) > _SCHEMA_DISTANCES:
+                self._schema_distance.popitem(last=False)
+        return known if known is not None and known <= limit else None
 
     def in_string_after(self, in_string: bool, escaped: bool,
                         token_ids: list[int]) -> tuple[bool, bool]:

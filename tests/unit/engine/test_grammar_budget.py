@@ -160,3 +160,27 @@ def test_the_lexer_follows_escapes() -> None:
     assert closer.in_string_after(False, False, [0, 1, 0]) == (True, False)  # "\" stays open
     assert closer.in_string_after(False, False, [0, 3, 0]) == (False, False)  # "\\" closes
     assert closer.in_string_after(False, False, [0, 1]) == (True, True)
+
+
+def test_a_way_out_the_walk_cannot_find_is_given_up_once(
+    compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pattern whose longest-token way out never ends (`ab` for ever, never `c`): the walk
+    stops at WALK_LIMIT whatever the budget, and the schema is not walked again."""
+    schema = {"type": "object", "properties": {"code": {"type": "string",
+                                                        "pattern": "^(ab)*c$"}},
+              "required": ["code"], "additionalProperties": False}
+    state = compiler.new_state(json.dumps(schema))
+    closer = compiler._closer
+    assert closer.walk(state.matcher, False, False, limit=10**6) is None
+    walks: list[int] = []
+    real_walk = closer.walk
+
+    def counted_walk(*args: Any, **kw: Any) -> list[int] | None:
+        walks.append(1)
+        return real_walk(*args, **kw)
+
+    monkeypatch.setattr(closer, "walk", counted_walk)
+    for _ in range(3):
+        assert closer.schema_distance("pattern", state.matcher, 10**6) is None
+    assert walks == [1]
