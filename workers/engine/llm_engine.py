@@ -213,8 +213,9 @@ class LLMEngine:
             tenant=tenant,
             weight=float(tenant_weight),
         )
-        if grammar is not None and grammar.schema is not None:
-            # The document is closed within what the sequence may still generate.
+        if grammar is not None and grammar.schema is not None and not params.ignore_eos:
+            # The document is closed within what the sequence may still generate (not
+            # where the client asked for max_tokens tokens whatever the stop token).
             grammar.budget = min(params.max_tokens, self.max_model_len - len(token_ids))
         seq.grammar = grammar
         self.scheduler.add(seq)  # may raise: the pool could never hold it

@@ -73,6 +73,18 @@ def test_the_closed_output_follows_the_model_until_the_close(model_dir: Path) ->
     assert len(long.token_ids) > len(short.token_ids)
 
 
+def test_ignore_eos_is_never_closed_early(model_dir: Path) -> None:  # noqa: F811
+    """A client that asked for max_tokens tokens whatever the stop token gets them: the
+    looping output runs to the budget, cut, as it did before budgets."""
+    llm = make_llm(model_dir)
+    bias = {token_of(llm, "a"): 30.0}
+    [out] = llm.generate(["hello"], [constrained(40, logit_bias=bias, ignore_eos=True)])
+    assert out.finish_reason == "length"
+    assert len(out.token_ids) == 40
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out.text)
+
+
 def test_a_budget_with_no_way_out_is_cut_as_before(model_dir: Path) -> None:  # noqa: F811
     """Where no way out fits (3 tokens for `{"name":"","count":0,"items":[]}`), the text
     is the prefix it was, unparsable, and says length."""
