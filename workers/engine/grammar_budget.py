@@ -72,11 +72,9 @@ class BudgetCloser:
             ids_of.setdefault(data, token_id)  # the first id of a duplicated text
         self._stop = [t for t in stop_token_ids if 0 <= t < vocab_size]
         self._quote = ids_of.get(b'"')
-        self._closers = [ids_of[b] for b in _CLOSERS if b in ids_of]
-        self._short = [ids_of[b] for b in _SHORT_VALUES if b in ids_of]
-        lengths = np.zeros(vocab_size + 31 - (vocab_size - 1) % 32, dtype=np.int64)
-        lengths[:vocab_size] = [len(d) for d in self._decoded]
-        self._lengths = lengths
+        # Outside a string: close, separate, the shortest value, then a key's opening quote.
+        self._outside = [ids_of[b] for b in (*_CLOSERS, *_SHORT_VALUES, b'"') if b in ids_of]
+        self._lengths = np.array([len(d) for d in self._decoded], dtype=np.int64)
         self._schema_distance: OrderedDict[str, int | None] = OrderedDict()
 
     def walk(self, matcher: Any, in_string: bool, escaped: bool, limit: int) -> list[int] | None:
@@ -90,7 +88,7 @@ class BudgetCloser:
         path: list[int] = []
         while True:
             fork.fill_next_token_bitmask(bitmask)
-            if any(self._allowed(words, t) for t in self._stop):
+            if self.stop_token(words) is not None:
                 return path
             if len(path) >= limit:
                 return None
@@ -130,18 +128,10 @@ class BudgetCloser:
         return bool((int(words[token_id >> 5]) >> (token_id & 31)) & 1)
 
     def _pick(self, words: np.ndarray, in_string: bool) -> int | None:
-        if in_string:
-            if self._quote is not None and self._allowed(words, self._quote):
-                return self._quote
-        else:
-            for token_id in self._closers:
-                if self._allowed(words, token_id):
-                    return token_id
-            for token_id in self._short:
-                if self._allowed(words, token_id):
-                    return token_id
-            if self._quote is not None and self._allowed(words, self._quote):
-                return self._quote
+        preferred = ([] if self._quote is None else [self._quote]) if in_string else self._outside
+        for token_id in preferred:
+            if self._allowed(words, token_id):
+                return token_id
         bits = np.unpackbits(words.view(np.uint8), bitorder="little")
         allowed = np.flatnonzero(bits[: self.vocab_size])
         if allowed.size == 0:

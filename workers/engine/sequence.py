@@ -130,8 +130,9 @@ class Sequence:
     def finish_reason(self) -> str | None:
         """OpenAI-style finish reason, or None while unfinished. A document the token
         budget closed (grammar_budget) ended for its length, not the model's choice."""
-        if self.grammar is not None and self.grammar.closed_early and self.status.is_finished:
-            return "length" if self.status != SequenceStatus.FINISHED_ABORTED else "abort"
+        closed = self.grammar is not None and self.grammar.closed_early
+        if closed and self.status is SequenceStatus.FINISHED_STOPPED:
+            return "length"
         return FINISH_REASON.get(self.status)
 
     def append_token(self, token_id: int, logprob: float | None = None,
