@@ -52,7 +52,12 @@ from workers.inference.intake import InFlightCounts, can_take_any, count_by_rank
 from workers.inference.job_starter import Candidate, InFlightJob, JobStarter
 from workers.inference.job_store import JobStore
 from workers.inference.liveness import LoopPulse
-from workers.inference.loop_pacing import finished_wait_s, max_inflight, poll_timeout_ms
+from workers.inference.loop_pacing import (
+    empty_polls_after,
+    finished_wait_s,
+    max_inflight,
+    poll_timeout_ms,
+)
 from workers.inference.offsets import OffsetTracker
 from workers.inference.outcomes import OutcomeRecorder
 from workers.inference.parked_records import release_parked_records
@@ -172,7 +177,7 @@ class Worker:
             self._housekeeping(finished_wait_s=finished_wait_s(
                 len(self._inflight), self._max_inflight, num_empty_polls,
                 can_take_more_urgent=can_take_any(self._inflight_by_rank(), self._max_inflight)))
-            self._start_prefetched()
+            num_started = self._start_prefetched()
             self._pauser.update(
                 self._consumer, prefetched=self._prefetch.counts(), limit=self._prefetch_limit
             )
@@ -187,7 +192,6 @@ class Worker:
                 self.on_consuming()
                 self.on_consuming = None
             self._watchdog.on_records(batches)
-            num_empty_polls = 0 if batches or len(self._prefetch) else num_empty_polls + 1
             if restarted := self._watchdog.check(is_idle=not self._inflight and not batches
                                                  and not len(self._prefetch)):
                 self._prefetch.drop(restarted)
@@ -196,7 +200,9 @@ class Worker:
                     for record in records:
                         self._tracker.track(tp, record.offset)
                         self._prefetch.add(tp, record)
-            self._start_prefetched()
+            num_started += self._start_prefetched()
+            num_empty_polls = empty_polls_after(num_empty_polls, brought_records=bool(batches),
+                                                num_started=num_started)
             self._fetch_wait.on_poll(
                 batches, is_hungry=not len(self._prefetch)
                 and len(self._inflight) < self._max_inflight,
@@ -206,11 +212,12 @@ class Worker:
             metrics.WORKER_INFLIGHT.set(len(self._inflight))
         self._drain()
 
-    def _start_prefetched(self) -> None:
+    def _start_prefetched(self) -> int:
         """Start prefetched jobs, most urgent first, a batch at a time while there is room;
-        none while results wait for the database (see db_outage)."""
+        none while results wait for the database (see db_outage). How many started."""
+        num_started = 0
         if self._unstored or not self._database.may_try():
-            return
+            return num_started
         while True:
             candidates, self._unstarted = self._unstarted, {}
             # Records come out most urgent first, so the candidates taken so far are all
@@ -231,7 +238,7 @@ class Worker:
                 if len(candidates) > num_before:
                     counts.add(rank, record_tenant(item[1]))
             if not candidates:
-                return
+                return num_started
             try:
                 started = self._starter.start(candidates)
             except SQLAlchemyError as e:
@@ -239,9 +246,10 @@ class Worker:
                 # Nothing of theirs reached the engine; what was settled is settled again
                 # (idempotently) on the next try.
                 self._unstarted = candidates
-                return
+                return num_started
             self._database.succeeded()
             self._inflight.update((job.message.job_id, job) for job in started)
+            num_started += len(started)
 
     def _inflight_by_rank(self) -> Counter[int]:
         return count_by_rank(Priority(job.message.priority).rank

@@ -14,6 +14,7 @@ from workers.inference.loop_pacing import (
     FULL_WAIT_S,
     IDLE_POLL_TIMEOUT_MS,
     POLL_TIMEOUT_MS,
+    empty_polls_after,
     finished_wait_s,
     max_inflight,
     poll_timeout_ms,
@@ -56,3 +57,17 @@ def test_a_worker_with_room_backs_off_while_the_broker_brings_nothing() -> None:
     assert waits == sorted(waits)
     assert waits[-1] == POLL_TIMEOUT_MS / 1000
     assert finished_wait_s(3, 8, num_empty_polls=10_000) == POLL_TIMEOUT_MS / 1000
+
+
+def test_records_waiting_for_room_do_not_keep_the_loop_polling() -> None:
+    """At its bound with a batch's backlog in the prefetch, the loop backs off as when the
+    broker brings nothing: those records start when a job ends, which wakes it anyway."""
+    num_empty, waits = 0, []
+    for _ in range(8):
+        # 512 low jobs in flight: a more urgent record could still start.
+        waits.append(finished_wait_s(512, 512, num_empty, can_take_more_urgent=True))
+        num_empty = empty_polls_after(num_empty, brought_records=False, num_started=0)
+    assert waits[0] == BUSY_WAIT_S and waits[-1] == POLL_TIMEOUT_MS / 1000
+    # Records fetched, or jobs started from the prefetch: more may come at once.
+    assert empty_polls_after(num_empty, brought_records=True, num_started=0) == 0
+    assert empty_polls_after(num_empty, brought_records=False, num_started=3) == 0
