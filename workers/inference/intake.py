@@ -34,7 +34,15 @@ import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 
+from core.messages import JobMessage
+from core.topics import Priority
 from workers.inference.prefetch import MIN_WEIGHT
+from workers.inference.tenant_share import message_tenant
+
+
+def count_key(message: JobMessage) -> tuple[int, str]:
+    """What a job counts under in `InFlightCounts`: its priority rank and tenant."""
+    return Priority(message.priority).rank, message_tenant(message.tenant_id)
 
 
 def count_by_rank(ranks: Iterable[int]) -> Counter[int]:
@@ -66,6 +74,22 @@ class InFlightCounts:
         """Count one more job of this rank and tenant."""
         self.by_rank[rank] += 1
         self.by_tenant[rank, tenant] += 1
+
+    def remove(self, rank: int, tenant: str) -> None:
+        """Count one job of this rank and tenant less (one that was added)."""
+        self.by_rank[rank] -= 1
+        self.by_tenant[rank, tenant] -= 1
+        if not self.by_tenant[rank, tenant]:
+            del self.by_tenant[rank, tenant]
+        if not self.by_rank[rank]:
+            del self.by_rank[rank]
+
+    def copy(self) -> InFlightCounts:
+        """Counts that change apart from these."""
+        other = InFlightCounts()
+        other.by_rank = self.by_rank.copy()
+        other.by_tenant = self.by_tenant.copy()
+        return other
 
     def room_for_tenant(self, rank: int, tenant: str, limit: int, *,
                         waiting: Collection[str], weight_of: Callable[[str], float]) -> int:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from kafka import TopicPartition
 
-from workers.inference.intake import can_take_any, count_by_rank, room_for_rank
+from core.messages import JobMessage
+from workers.inference.intake import (
+    InFlightCounts,
+    can_take_any,
+    count_by_rank,
+    count_key,
+    room_for_rank,
+)
 from workers.inference.loop_pacing import FULL_WAIT_S, POLL_TIMEOUT_MS, finished_wait_s
 from workers.inference.prefetch import PrefetchBuffer
 
@@ -42,3 +49,27 @@ def test_prefetch_reports_the_rank_it_would_pop() -> None:
     assert buffer.most_urgent_rank() == NORMAL
     assert buffer.pop_most_urgent() == (TopicPartition("p.jobs.normal", 0), "n")
     assert buffer.most_urgent_rank() == LOW
+
+
+def test_counts_kept_as_jobs_come_and_go_equal_counts_taken_afresh() -> None:
+    """The worker keeps its in-flight counts as jobs start and end rather than recounting
+    every turn; whatever the order, they must say what a fresh count says."""
+    shapes = [("a", "low")] * 5 + [("b", "low")] * 2 + [("b", "high"), ("not a tenant!", "normal")]
+    jobs = [JobMessage(job_id=f"j{i}", tenant_id=tenant, priority=priority, model="m",
+                       kind="chat.completion", body={})
+            for i, (tenant, priority) in enumerate(shapes)]
+    kept = InFlightCounts()
+    for job in jobs:
+        kept.add(*count_key(job))
+    for job in jobs[3:7]:
+        kept.remove(*count_key(job))
+    left = jobs[:3] + jobs[7:]
+    fresh = InFlightCounts(count_key(job) for job in left)
+    assert kept.by_rank == fresh.by_rank == count_by_rank([LOW] * 3 + [HIGH, NORMAL])
+    assert kept.by_tenant == fresh.by_tenant
+    assert (LOW, "b") not in kept.by_tenant  # gone, not a zero that reads as sharing
+    # A copy takes candidates without touching the counts it came from.
+    candidates = kept.copy()
+    candidates.add(LOW, "b")
+    assert kept.by_tenant == fresh.by_tenant and candidates.by_tenant[LOW, "b"] == 1
+    assert room_for_rank(kept.by_rank, LOW, 8) == 3
