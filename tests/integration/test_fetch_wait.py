@@ -113,6 +113,20 @@ def test_a_full_worker_holding_seconds_of_work_fetches_twice_a_second(consumer) 
     assert latency_ms > 0.8 * LONG_FETCH_MAX_WAIT_MS, latency_ms
 
 
+def test_no_long_wait_while_a_more_urgent_record_would_start_at_once(consumer) -> None:
+    """Holding seconds of `low` work, a `normal` or `high` record still starts at once: the
+    long wait would keep it in the broker for up to half of it."""
+    wait = FetchWait(consumer)
+    wait.on_poll({}, is_hungry=False, seconds_of_work=float("inf"), can_overtake=True)
+    assert wait.current_ms == 100
+    wait.on_poll({}, is_hungry=False, seconds_of_work=float("inf"), can_overtake=False)
+    assert wait.current_ms == LONG_FETCH_MAX_WAIT_MS
+    # Nothing to do for long is still the long wait: any record starts at once anyway.
+    wait.on_poll({}, is_idle=True, can_overtake=True, now=10.0)
+    wait.on_poll({}, is_idle=True, can_overtake=True, now=10.0 + DORMANT_AFTER_S)
+    assert wait.current_ms == LONG_FETCH_MAX_WAIT_MS
+
+
 def test_the_long_wait_needs_work_for_four_times_its_length(consumer) -> None:
     (tp,) = consumer.assignment()
     wait = FetchWait(consumer)

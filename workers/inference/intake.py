@@ -61,6 +61,13 @@ def can_take_any(counts: Counter[int], limit: int) -> bool:
     return room_for_rank(counts, 0, limit) > 0
 
 
+def can_overtake(counts: Counter[int], prefetched_rank: int | None, limit: int) -> bool:
+    """Whether a record more urgent than every job held (in flight by rank, and the most
+    urgent prefetched rank) would start at once; False while nothing is held."""
+    held = [rank for rank in (min(counts, default=None), prefetched_rank) if rank is not None]
+    return bool(held) and min(held) > 0 and can_take_any(counts, limit)
+
+
 class InFlightCounts:
     """In-flight jobs (and those being started) by priority rank and by rank and tenant."""
 

@@ -47,7 +47,7 @@ from workers.inference.db_outage import DatabaseOutage
 from workers.inference.early_join import EarlyJoin
 from workers.inference.engine_loop import EngineLoop, FinishedRequest
 from workers.inference.fetch_wait import FetchWait, WorkPace, num_finishable
-from workers.inference.intake import InFlightCounts, can_take_any, count_key
+from workers.inference.intake import InFlightCounts, can_overtake, can_take_any, count_key
 from workers.inference.job_starter import Candidate, InFlightJob, JobStarter
 from workers.inference.job_store import JobStore
 from workers.inference.liveness import LoopPulse
@@ -210,7 +210,9 @@ class Worker:
                 and len(self._inflight) < self._max_inflight,
                 seconds_of_work=self._pace.seconds_of_work(
                     len(self._prefetch) + len(self._inflight)),
-                is_idle=not self._inflight and not len(self._prefetch))
+                is_idle=not self._inflight and not len(self._prefetch),
+                can_overtake=can_overtake(self._counts.by_rank, self._prefetch.most_urgent_rank(),
+                                          self._max_inflight))
             metrics.WORKER_INFLIGHT.set(len(self._inflight))
         self._drain()
 

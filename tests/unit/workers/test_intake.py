@@ -7,6 +7,7 @@ from kafka import TopicPartition
 from core.messages import JobMessage
 from workers.inference.intake import (
     InFlightCounts,
+    can_overtake,
     can_take_any,
     count_by_rank,
     count_key,
@@ -73,3 +74,13 @@ def test_counts_kept_as_jobs_come_and_go_equal_counts_taken_afresh() -> None:
     candidates.add(LOW, "b")
     assert kept.by_tenant == fresh.by_tenant and candidates.by_tenant[LOW, "b"] == 1
     assert room_for_rank(kept.by_rank, LOW, 8) == 3
+
+
+def test_a_worker_holding_only_less_urgent_work_can_be_overtaken() -> None:
+    """What decides whether the worker may fetch seldom (fetch_wait's long wait)."""
+    assert can_overtake(count_by_rank([LOW] * 8), None, 8)
+    assert can_overtake(count_by_rank([]), NORMAL, 8)  # a normal backlog, nothing running
+    assert not can_overtake(count_by_rank([LOW] * 8), HIGH, 8)  # a high one waits here
+    assert not can_overtake(count_by_rank([HIGH, LOW]), None, 8)
+    assert not can_overtake(count_by_rank([NORMAL] * 6 + [HIGH] * 8), None, 8)
+    assert not can_overtake(count_by_rank([]), None, 8)  # nothing held
