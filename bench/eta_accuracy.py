@@ -188,6 +188,9 @@ def batch_phase(service: Service, args: argparse.Namespace) -> None:
 def jobs_phase(service: Service, args: argparse.Namespace) -> None:
     """Single jobs behind a running batch: ETA at submission against their finish."""
     probes: list[tuple[str, int, float, float | None, float | None]] = []
+    # What the estimate at each submission rested on: its queue position, the worker's
+    # reported pace and the batch's lines queued then.
+    seen: dict[str, str] = {}
     with service.client(service.a_key) as client:
         file_id = upload_batch(client, service.model, "backlog", args.backlog, args.max_tokens)
         created = create_batch(client, file_id, "24h")
@@ -202,6 +205,9 @@ def jobs_phase(service: Service, args: argparse.Namespace) -> None:
             job.raise_for_status()
             job_id = job.json()["id"]
             view = client.get(f"/v1/jobs/{job_id}").json()
+            num_queued = len(service.jobs(batch_id=batch_id, status=JobStatus.QUEUED))
+            seen[job_id] = (f"position {view.get('queue_position')}, {num_queued} lines "
+                            f"queued, pace {pace(service)}")
             probes.append((job_id, max_tokens, submitted, view.get("estimated_completion_at"),
                            view.get("estimated_start_at")))
             time.sleep(args.probe_every)
@@ -236,7 +242,8 @@ def jobs_phase(service: Service, args: argparse.Namespace) -> None:
               f"{finished - submitted:.1f} s (start {start_at - submitted:.1f} s estimated, "
               f"{started - submitted:.1f} s actual; own run {estimated - start_at:.1f} s "
               f"estimated, {finished - started:.1f} s actual), backlog done "
-              f"{backlog_end - submitted:.1f} s after submission: error {e:+.0%}")
+              f"{backlog_end - submitted:.1f} s after submission: error {e:+.0%}\n"
+              f"      at submission: {seen[job_id]}")
     for max_tokens, values in sorted(errors.items()):
         worst = max(values, key=abs)
         print(f"  {max_tokens} tokens: worst error {worst:+.0%}, mean "
