@@ -133,6 +133,9 @@ def _ending(chunks: ChunkMaker, gate: ToolTextGate | None, view: JobPublic,
                 parts.append(sse(chunks.text(rest)))
             if calls:
                 parts.append(sse(chunks.calls(calls)))
+        # Choice 0's logprobs come whole, after its text (api.stream_chunks).
+        if choices[0].get("logprobs") is not None:
+            parts.append(sse(chunks.logprobs(choices[0]["logprobs"])))
         # With n > 1 only choice 0's text was relayed (the others come whole with the
         # result): each other choice opens with its role and text, or its calls.
         for index in range(1, len(choices)):
@@ -140,8 +143,9 @@ def _ending(chunks: ChunkMaker, gate: ToolTextGate | None, view: JobPublic,
             if first is not None:
                 parts.append(sse(first))
             made = result_calls(result, index)
-            parts.append(sse(chunks.calls(made, index) if made
-                             else chunks.text(result_text(result, index), index)))
+            logprobs = choices[index].get("logprobs")
+            parts.append(sse(chunks.calls(made, index, logprobs) if made
+                             else chunks.text(result_text(result, index), index, logprobs)))
         parts += [sse(chunks.finish(choice.get("finish_reason") or "stop", index))
                   for index, choice in enumerate(choices)]
         if chunks.include_usage and result.get("usage") is not None:

@@ -8,6 +8,12 @@ A streamed text completion is the same run of `text_completion` objects with `te
 place of a delta (and no role chunk). Each goes out as `data: <json>\\n\\n`, and the
 stream ends with `data: [DONE]`. A failure after the stream began is an
 `{"error": {...}}` event, which OpenAI's clients raise as an APIError.
+
+Logprobs come whole, in one chunk per choice just before the finishes (`logprobs`): the
+text streams as the engine hands it out, which holds back text that may become a stop
+string or half a character, so a step's tokens and its text do not line up. A client
+that joins the chunks' text and their `logprobs` gets exactly the result the request
+gets without `stream`.
 """
 
 from __future__ import annotations
@@ -61,14 +67,21 @@ class ChunkMaker:
         return self._chunk({"role": "assistant", "content": content}, finish_reason=None,
                            index=index)
 
-    def text(self, text: str, index: int = 0) -> dict[str, Any]:
-        """A chunk that adds `text` to choice `index`."""
+    def text(self, text: str, index: int = 0, logprobs: Any = None) -> dict[str, Any]:
+        """A chunk that adds `text` to choice `index` (and `logprobs`, when given)."""
         return self._chunk({"content": text} if self.is_chat else text, finish_reason=None,
-                           index=index)
+                           index=index, logprobs=logprobs)
 
-    def calls(self, calls: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
+    def calls(self, calls: list[dict[str, Any]], index: int = 0,
+              logprobs: Any = None) -> dict[str, Any]:
         """A chunk that carries choice `index`'s tool calls whole (see tool_call_stream)."""
-        return self._chunk(tool_call_deltas(calls), finish_reason=None, index=index)
+        return self._chunk(tool_call_deltas(calls), finish_reason=None, index=index,
+                           logprobs=logprobs)
+
+    def logprobs(self, logprobs: Any, index: int = 0) -> dict[str, Any]:
+        """A chunk that adds no text, only choice `index`'s logprobs (module docstring)."""
+        return self._chunk({} if self.is_chat else "", finish_reason=None, index=index,
+                           logprobs=logprobs)
 
     def finish(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
         """The last chunk of choice `index`: no new text, the finish reason."""
@@ -82,13 +95,13 @@ class ChunkMaker:
         return chunk
 
     def _chunk(self, delta: dict[str, Any] | str, *, finish_reason: str | None,
-               index: int = 0) -> dict[str, Any]:
+               index: int = 0, logprobs: Any = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
         if isinstance(delta, dict):
             choice["delta"] = delta
         else:
             choice["text"] = delta
-        choice["logprobs"] = None
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
         chunk = self._envelope()
         chunk["choices"] = [choice]

@@ -140,11 +140,6 @@ def _check_stream(request: AnyRequest, *, can_stream: bool) -> None:
             "stream is only supported on POST /v1/chat/completions and /v1/completions; "
             "follow a job's tokens with GET /v1/jobs/{id}/events, or long-poll it with "
             "GET /v1/jobs/{id}?wait=N.", param="stream", code="unsupported_parameter")
-    if request.stream:
-        # A text request's `logprobs: 0` asks for them too; chunks carry text only.
-        logprobs = getattr(request, "logprobs", None)
-        _only(logprobs is None or logprobs is False, "logprobs",
-              "logprobs are not supported with stream; ask without stream for them.")
     options = request.stream_options
     if options is None:
         return

@@ -2,7 +2,8 @@
 broker, Redis and PostgreSQL; requests from the official `openai` client and httpx.
 
 What is checked: a streamed completion's chunks join to the text of the same request
-without `stream`, in OpenAI's chunk shapes; `include_usage` ends with the usage; a cached
+without `stream`, in OpenAI's chunk shapes, and so do their logprobs (chat and text, every
+choice); `include_usage` ends with the usage; a cached
 answer streams; a streamed `/v1/responses` call's typed events join to the text of the
 same call without `stream` (also through the client's accumulating `responses.stream`);
 a client that leaves cancels its job; `GET /v1/jobs/{id}/events` follows a job from
@@ -82,6 +83,7 @@ def test_streams_join_to_the_same_text_chunk_by_chunk(api: Api) -> None:
     _check_text(api, client)
     _check_cached(api, client)
     _check_choices(api, client)
+    _check_logprobs(api, client)
     _check_responses(api, client)
 
 
@@ -178,6 +180,40 @@ def _check_choices(api: Api, client: openai.OpenAI) -> None:
     [first, second] = view["result"]["choices"]
     assert (first["index"], second["index"]) == (0, 1)
     assert first["text"] == second["text"]  # greedy: the same text twice
+
+
+def _check_logprobs(api: Api, client: openai.OpenAI) -> None:
+    """Logprobs with `stream`: the chunks' text and logprobs, joined per choice, are the
+    result of the same request without it (the text as it comes, the logprobs whole)."""
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say more."}]
+    asked: dict[str, Any] = {"model": api.model, "messages": messages, "max_tokens": 12,
+                             "temperature": 1.0, "seed": 5, "n": 2, "logprobs": True,
+                             "top_logprobs": 2, "extra_body": {**OFF, "ignore_eos": True}}
+    whole = client.chat.completions.create(**asked)
+    texts: dict[int, str] = {}
+    content: dict[int, list[Any]] = {}
+    for chunk in client.chat.completions.create(**asked, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.logprobs is not None:
+                content.setdefault(choice.index, []).extend(choice.logprobs.content or [])
+    for choice in whole.choices:
+        assert choice.logprobs is not None and choice.logprobs.content
+        assert len(choice.logprobs.content) == 12
+        assert texts[choice.index] == choice.message.content
+        assert content[choice.index] == choice.logprobs.content
+        assert all(len(t.top_logprobs) == 2 for t in content[choice.index])
+
+    text_asked: dict[str, Any] = {"model": api.model, "prompt": "Once upon a time",
+                                  "max_tokens": 10, "temperature": 0, "logprobs": 1,
+                                  "extra_body": OFF}
+    text_whole = client.completions.create(**text_asked)
+    chunks = list(client.completions.create(**text_asked, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text_whole.choices[0].text
+    carrying = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert carrying == [text_whole.choices[0].logprobs]
+    assert text_whole.choices[0].logprobs is not None
+    assert len(text_whole.choices[0].logprobs.tokens or []) == 10
 
 
 def _check_responses(api: Api, client: openai.OpenAI) -> None:

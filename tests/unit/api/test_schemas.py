@@ -69,7 +69,6 @@ def test_shape_errors_name_the_field(field: str, value: object) -> None:
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"chunk_size": 4}}, "stream_options.chunk_size"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
-    ({"stream": True, "logprobs": True}, "logprobs"),
     ({"n": 129}, "n"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ({"tools": [{"type": "function"}]}, "tools[0]"),

@@ -154,3 +154,22 @@ def test_calls_go_out_in_openais_streamed_shape() -> None:
         {"index": 0, "id": "call_1", "type": "function",
          "function": {"name": "get_weather", "arguments": "{}"}}]}
     assert chunk["choices"][0]["finish_reason"] is None
+
+
+def test_logprobs_chunks_add_no_text_and_parse_as_openais() -> None:
+    """Logprobs come whole in a chunk of their own (api.stream_chunks), in the shapes the
+    official client parses: chat `{"content": [...]}`, text `{"tokens", ...}`."""
+    chat = ChunkMaker(kind="chat.completion", job_id="j", model="m", created=1)
+    content = {"content": [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105],
+                            "top_logprobs": []}], "refusal": None}
+    parsed = ChatCompletionChunk.model_validate(data_of(sse(chat.logprobs(content, 1))))
+    assert parsed.choices[0].index == 1 and parsed.choices[0].delta.content is None
+    assert parsed.choices[0].logprobs is not None
+    assert parsed.choices[0].logprobs.content is not None
+    assert parsed.choices[0].logprobs.content[0].logprob == -0.5
+    assert parsed.choices[0].finish_reason is None
+    text = ChunkMaker(kind="text_completion", job_id="j", model="m", created=1)
+    lp = {"tokens": ["a"], "token_logprobs": [-1.0], "top_logprobs": None, "text_offset": [0]}
+    assert text.logprobs(lp)["choices"] == [{"index": 0, "text": "", "logprobs": lp,
+                                            "finish_reason": None}]
+    assert text.text("b", 2, lp)["choices"][0]["logprobs"] == lp
