@@ -36,7 +36,7 @@ from api.stream_chunks import (
 from api.submission import submit
 from api.token_relay import Finished, Idle, TextDelta, follow_job
 from api.tool_call_stream import ToolTextGate
-from core.requests import ChatCompletionRequest, CompletionRequest
+from core.requests import ChatCompletionRequest, CompletionRequest, requested_priority
 from core.topics import Priority
 from storage.models import JobStatus
 
@@ -52,8 +52,10 @@ async def stream_completion(
     producer: LazyProducer,
     idempotency_key: str | None,
 ) -> StreamingResponse:
-    """Queue the request as a high-priority job and answer with its chunks as they come."""
-    submission = await submit(request=body, priority=Priority.HIGH, tenant=tenant,
+    """Queue the request as a job (high priority unless it asks otherwise, as a call
+    without `stream` does) and answer with its chunks as they come."""
+    submission = await submit(request=body, priority=requested_priority(
+                                  body, default=Priority.HIGH), tenant=tenant,
                               idempotency_key=idempotency_key, resources=resources,
                               producer=producer)
     job = submission.job

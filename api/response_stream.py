@@ -21,6 +21,7 @@ from api.resources import LazyProducer, Resources
 from api.response_events import ResponseEvents
 from api.schemas import ChatCompletionRequest, JobPublic
 from api.submission import submit
+from core.requests import requested_priority
 from core.responses_api import response_shell
 from core.topics import Priority
 from storage.models import JobStatus
@@ -35,9 +36,10 @@ async def stream_response(
     producer: LazyProducer,
     idempotency_key: str | None,
 ) -> StreamingResponse:
-    """Queue the Responses request (as its chat job, `stream` set) at high priority and
-    answer with its events as they come."""
-    submission = await submit(request=body, priority=Priority.HIGH, tenant=tenant,
+    """Queue the Responses request (as its chat job, `stream` set; high priority unless
+    its `service_tier` says otherwise) and answer with its events as they come."""
+    submission = await submit(request=body, priority=requested_priority(
+                                  body, default=Priority.HIGH), tenant=tenant,
                               idempotency_key=idempotency_key, resources=resources,
                               producer=producer)
     job_id = submission.job.id

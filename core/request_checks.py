@@ -18,7 +18,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from core.model_context import ModelContext, PromptRenderError
-from core.requests import AnyRequest, ChatCompletionRequest, CompletionRequest, JobCreate
+from core.requests import (
+    TIER_PRIORITIES,
+    AnyRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    JobCreate,
+)
 from core.structured_outputs import StructuredOutputError, check_output_schema
 
 # Alternatives per position a text completion may ask for in `logprobs` (OpenAI's bound).
@@ -61,6 +67,9 @@ def check_supported(request: AnyRequest, *, can_stream: bool = False) -> None:
     """Refuse (RequestRefused, naming the field) what parses but this service cannot do;
     `stream` only where the caller relays it (the OpenAI-compatible endpoints)."""
     _check_stream(request, can_stream=can_stream)
+    _only(request.service_tier not in TIER_PRIORITIES
+          or "priority" not in request.model_fields_set, "service_tier",
+          "Set priority or service_tier, not both: each picks the queue priority.")
     _only(request.n is None or request.n <= MAX_CHOICES, "n",
           f"n may be at most {MAX_CHOICES} choices per request.")
     if (request.max_tokens is not None and request.max_completion_tokens is not None

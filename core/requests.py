@@ -143,6 +143,7 @@ Metadata = Annotated[
 CallbackUrl = Annotated[Text, AfterValidator(_check_callback_url)]
 ClientDict = Annotated[dict[str, Any], BeforeValidator(_check_keys)]
 Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 MaxTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_CEILING)]
 PositiveInt = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_CEILING)]
 # Ints are accepted for floats (JSON has one number type), strings and booleans are not,
@@ -311,6 +312,9 @@ class SamplingRequest(ClientObject):
     # OpenAI's `store` keeps a completion for its dashboard; every request is a stored job
     # here, so it is read and changes nothing.
     store: StrictBool | None = None
+    # OpenAI's lever between latency and cost, read as a queue priority where the request
+    # sets none of its own (`requested_priority`).
+    service_tier: ServiceTier | None = None
     metadata: Metadata | None = None
     # Our extras (vLLM's names for the sampling ones).
     top_k: PositiveInt | None = None
@@ -409,6 +413,25 @@ def priority_of_rank(rank: int | None) -> Priority:
     if rank is None or rank <= 0:
         return Priority.HIGH
     return Priority.NORMAL if rank == 1 else Priority.LOW
+
+
+# OpenAI's service tiers: `priority` (faster, dearer) runs as `high`, `flex` (slower,
+# cheaper: evaluations, enrichment) as `low`; `auto`, `default` and `scale` leave the
+# endpoint's own default (high for a waiting client, normal for a job).
+TIER_PRIORITIES = {"priority": Priority.HIGH, "flex": Priority.LOW}
+
+
+def requested_priority(request: BaseModel, *, default: Priority) -> Priority:
+    """The queue priority a request asks for: its own `priority` (vLLM's rank on the
+    OpenAI endpoints, ours on a job) where sent, else its `service_tier`, else `default`.
+    A request that sends both with a tier that moves it is refused (core.request_checks)."""
+    if "priority" in request.model_fields_set:
+        own = getattr(request, "priority", None)
+        if isinstance(own, Priority):
+            return own
+        if own is not None:
+            return priority_of_rank(own)
+    return TIER_PRIORITIES.get(getattr(request, "service_tier", None) or "", default)
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -20,6 +20,7 @@ from core.requests import (
     ClientObject,
     MaxTokens,
     Metadata,
+    ServiceTier,
     Temperature,
     Text,
     TopP,
@@ -61,6 +62,7 @@ class ResponseRequest(ClientObject):
     metadata: Metadata | None = None
     user: UserId | None = None
     store: StrictBool | None = None  # accepted; results are kept as every job's are
+    service_tier: ServiceTier | None = None  # a queue priority (core.requests)
     # This service's own: the result and semantic caches' options, as on a chat request.
     cache: ClientDict | None = None
 
@@ -101,6 +103,7 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
         "top_p": request.top_p,
         "metadata": request.metadata,
         "user": request.user,
+        "service_tier": request.service_tier,
         "response_format": _response_format(request.text),
         "cache": request.cache,
     }

@@ -26,7 +26,8 @@ from api.resources import LazyProducer, Resources
 from api.schemas import ChatCompletionRequest, CompletionRequest, JobPublic
 from api.submission import submit
 from core.embedding_requests import EmbeddingRequest
-from core.requests import priority_of_rank
+from core.requests import requested_priority
+from core.topics import Priority
 from storage.models import JobStatus
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ async def run_synchronously(
     """Queue the request as a job (high priority, unless a vLLM-style `priority` says
     otherwise), await it, answer with its stored result
     (the OpenAI object) or its error."""
-    priority = priority_of_rank(getattr(body, "priority", None))
+    priority = requested_priority(body, default=Priority.HIGH)
     submission = await submit(request=body, priority=priority, tenant=tenant,
                               idempotency_key=idempotency_key, resources=resources,
                               producer=producer)

@@ -32,6 +32,7 @@ from api.schemas import JobCreate, JobListPublic, JobPublic, job_path, model_res
 from api.submission import submit
 from core.deadlines import resolve_deadline
 from core.embedding_requests import EmbeddingJobCreate
+from core.requests import requested_priority
 from core.topics import Priority
 from storage.job_queries import JobFilter, list_jobs_where
 from storage.jobs import MAX_LIST_LIMIT
@@ -74,6 +75,7 @@ async def accept_job(raw: dict[str, Any], *, tenant: CurrentTenant,
     The hottest route answers with its own Response (see `model_response`).
     """
     body = _job_request(raw)
+    priority = requested_priority(body, default=Priority.NORMAL)
     deadline = None
     if isinstance(body, JobCreate) and body.deadline is not None:
         try:
@@ -83,9 +85,9 @@ async def accept_job(raw: dict[str, Any], *, tenant: CurrentTenant,
         # The estimate may read the load (once a second): off the event loop.
         await run_in_threadpool(
             check_attainable, resources.estimates, model=body.model,
-            priority=body.priority.value, deadline=deadline,
+            priority=priority.value, deadline=deadline,
             max_tokens=body.num_max_tokens, on_unattainable=body.on_unattainable)
-    submission = await submit(request=body, priority=body.priority, tenant=tenant,
+    submission = await submit(request=body, priority=priority, tenant=tenant,
                               idempotency_key=idempotency_key, resources=resources,
                               producer=producer, deadline=deadline)
     headers = {"Location": job_path(submission.job.id)}

@@ -39,6 +39,7 @@ from api.routes.completions import run_synchronously
 from api.schemas import ChatCompletionRequest, job_path
 from api.submission import submit
 from core.request_checks import RequestRefused, describe_errors
+from core.requests import requested_priority
 from core.responses_api import (
     ECHOED_INSTRUCTIONS,
     input_items,
@@ -112,7 +113,8 @@ async def create_response(
         if not background:
             return await run_synchronously(job_request, request, tenant, resources,
                                            producer, idempotency_key)
-        submission = await submit(request=job_request, priority=Priority.NORMAL,
+        submission = await submit(request=job_request, priority=requested_priority(
+                                      job_request, default=Priority.NORMAL),
                                   tenant=tenant, idempotency_key=idempotency_key,
                                   resources=resources, producer=producer)
     headers = {"Location": job_path(submission.job.id), "X-Job-Id": submission.job.id}

@@ -3,7 +3,8 @@ broker, Redis and PostgreSQL; requests from the official `openai` client and htt
 
 What is checked: a streamed completion's chunks join to the text of the same request
 without `stream`, in OpenAI's chunk shapes, and so do their logprobs (chat and text, every
-choice); `include_usage` ends with the usage; a cached
+choice); OpenAI's `service_tier` picks the queue priority; `include_usage` ends with the
+usage; a cached
 answer streams; a streamed `/v1/responses` call's typed events join to the text of the
 same call without `stream` (also through the client's accumulating `responses.stream`);
 a client that leaves cancels its job; `GET /v1/jobs/{id}/events` follows a job from
@@ -84,6 +85,7 @@ def test_streams_join_to_the_same_text_chunk_by_chunk(api: Api) -> None:
     _check_cached(api, client)
     _check_choices(api, client)
     _check_logprobs(api, client)
+    _check_service_tier(api, client)
     _check_responses(api, client)
 
 
@@ -214,6 +216,25 @@ def _check_logprobs(api: Api, client: openai.OpenAI) -> None:
     assert carrying == [text_whole.choices[0].logprobs]
     assert text_whole.choices[0].logprobs is not None
     assert len(text_whole.choices[0].logprobs.tokens or []) == 10
+
+
+def _check_service_tier(api: Api, client: openai.OpenAI) -> None:
+    """`service_tier` from the official client: `flex` queues low, `priority` high, on a
+    sync call, a streamed one and a Responses call."""
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=api.model, messages=messages, max_tokens=2, service_tier="flex", extra_body=OFF)
+    assert raw.parse().choices[0].message.content is not None
+    assert api.job(raw.headers["x-job-id"])["priority"] == "low"
+    streamed = client.chat.completions.with_raw_response.create(
+        model=api.model, messages=messages, max_tokens=2, service_tier="flex", stream=True,
+        extra_body=OFF)
+    assert list(cast(Stream[ChatCompletionChunk], streamed.parse()))
+    assert api.job(streamed.headers["x-job-id"])["priority"] == "low"
+    response = client.responses.with_raw_response.create(
+        model=api.model, input="Hi", max_output_tokens=4, service_tier="priority")
+    assert response.parse().status in ("completed", "incomplete")  # 4 tokens may cut it
+    assert api.job(response.headers["x-job-id"])["priority"] == "high"
 
 
 def _check_responses(api: Api, client: openai.OpenAI) -> None:

@@ -85,3 +85,38 @@ def test_slow_job_times_out_with_504_and_is_cancelled(
     with sessions() as session:
         statuses = session.scalars(select(Job.status)).all()
     assert statuses == [JobStatus.CANCELLED]
+
+
+def test_service_tier_picks_the_queue_priority_where_no_priority_is_sent(
+    client: TestClient, acme: TenantKey, fake_worker: Any, sessions: sessionmaker[Session]
+) -> None:
+    """OpenAI's `service_tier`: `priority` runs high, `flex` low, the others leave the
+    endpoint's default (high for a waiting client, normal for a job); a request's own
+    `priority` wins, and sent with a tier that would move it, is refused."""
+    fake_worker(prefix_of(client), lambda job: ("succeeded", result_for(job)))
+    chat = {"model": MODEL, **CHAT_BODY}
+    text = {"model": MODEL, "prompt": "Once", "max_tokens": 4}
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        ("/v1/chat/completions", chat | {"service_tier": "flex"}, "low"),
+        ("/v1/chat/completions", chat | {"service_tier": "priority"}, "high"),
+        ("/v1/chat/completions", chat | {"service_tier": "default"}, "high"),
+        ("/v1/chat/completions", chat | {"service_tier": "auto", "priority": 1}, "normal"),
+        ("/v1/completions", text | {"service_tier": "flex", "stream": True}, "low"),
+        ("/v1/completions", text | {"priority": 2, "stream": True}, "low"),
+        ("/v1/jobs", chat | {"service_tier": "flex"}, "low"),
+        ("/v1/jobs", chat | {"service_tier": "scale"}, "normal"),
+        ("/v1/jobs", chat | {"service_tier": "auto", "priority": "high"}, "high"),
+    ]
+    for path, body, priority in cases:
+        response = client.post(path, json=body, headers=acme.headers)
+        assert response.status_code in (200, 202), (path, body, response.text)
+        job_id = response.headers.get("X-Job-Id") or response.json()["id"]
+        with sessions() as session:
+            job = session.get(Job, job_id)
+            assert job is not None and job.priority == priority, (path, body)
+    for path, body in (("/v1/chat/completions", chat | {"service_tier": "flex", "priority": 0}),
+                       ("/v1/jobs", chat | {"service_tier": "priority", "priority": "low"}),
+                       ("/v1/chat/completions", chat | {"service_tier": "slow"})):
+        response = client.post(path, json=body, headers=acme.headers)
+        assert response.status_code == 400, (path, body)
+        assert response.json()["error"]["param"] == "service_tier"
