@@ -84,7 +84,8 @@ class ModelContext:
                 # As the worker renders them: its tools, and tool history, included.
                 try:
                     _, token_ids = render_chat(self.tokenizer, body["messages"],
-                                               body.get("tools"))
+                                               body.get("tools"),
+                                               body.get("chat_template_kwargs"))
                 except ValueError as e:
                     raise PromptRenderError(str(e).removeprefix("prompt: ")) from e
                 return len(token_ids)

@@ -77,6 +77,7 @@ def check_supported(request: AnyRequest, *, can_stream: bool = False) -> None:
         raise RequestRefused("Set max_completion_tokens or max_tokens, not both with different "
                              "values.", param="max_completion_tokens")
     _check_logit_bias(request.logit_bias)
+    _check_template_kwargs(request)
     _only(not request.tools or bool(getattr(request, "messages", None)), "tools",
           "tools need a chat request (messages).")
     try:
@@ -159,6 +160,29 @@ def _check_stream(request: AnyRequest, *, can_stream: bool) -> None:
               f"stream_options.{name} is not supported; only include_usage is.")
         _only(isinstance(value, bool), "stream_options.include_usage",
               "stream_options.include_usage must be true or false.")
+
+
+# Arguments of `apply_chat_template` itself, which a request's template variables must not
+# replace: they would change what is rendered (or returned) rather than fill the template.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+    "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+    "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs",
+})
+
+
+def _check_template_kwargs(request: AnyRequest) -> None:
+    kwargs = getattr(request, "chat_template_kwargs", None)
+    if not kwargs:
+        return
+    _only(bool(getattr(request, "messages", None)), "chat_template_kwargs",
+          "chat_template_kwargs need a chat request (messages).")
+    for name in kwargs:
+        _only(name not in RESERVED_TEMPLATE_KWARGS, f"chat_template_kwargs.{name}",
+              f"chat_template_kwargs.{name} is the renderer's own argument, not a template "
+              "variable; set the request's own field instead.")
+        _only(name.isidentifier(), f"chat_template_kwargs.{name}",
+              f"chat_template_kwargs.{name} is not a template variable name.")
 
 
 def _only(ok: bool, param: str, message: str) -> None:

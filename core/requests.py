@@ -142,6 +142,10 @@ Metadata = Annotated[
 ]
 CallbackUrl = Annotated[Text, AfterValidator(_check_callback_url)]
 ClientDict = Annotated[dict[str, Any], BeforeValidator(_check_keys)]
+# vLLM's `chat_template_kwargs`: variables for the model's chat template (Qwen3's
+# `enable_thinking: false`); checked in core.request_checks.
+ChatTemplateKwargs = Annotated[dict[str, Any], BeforeValidator(_check_keys),
+                               Field(max_length=64)]
 Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)]
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 MaxTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_CEILING)]
@@ -364,6 +368,9 @@ class SamplingRequest(ClientObject):
         messages: list[ChatMessage] | None = getattr(self, "messages", None)
         if messages:
             body["messages"] = [m.body() for m in messages]
+            kwargs = getattr(self, "chat_template_kwargs", None)
+            if kwargs:
+                body["chat_template_kwargs"] = kwargs
         else:
             body["prompt"] = getattr(self, "prompt", None)
         body.update(self._sampling_fields())
@@ -441,6 +448,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     priority: ServerPriority | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -464,6 +472,7 @@ class JobCreate(SamplingRequest):
     logprobs: StrictBool | Annotated[StrictInt, Field(ge=0)] | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     priority: Priority = Priority.NORMAL
+    chat_template_kwargs: ChatTemplateKwargs | None = None
     callback_url: CallbackUrl | None = Field(default=None, max_length=2048)
     # When the job must be done by: an RFC 3339 time with its offset, or seconds from now
     # (1 minute to 7 days). Within a priority the earliest deadline runs first; a job

@@ -3,8 +3,8 @@ broker, Redis and PostgreSQL; requests from the official `openai` client and htt
 
 What is checked: a streamed completion's chunks join to the text of the same request
 without `stream`, in OpenAI's chunk shapes, and so do their logprobs (chat and text, every
-choice); OpenAI's `service_tier` picks the queue priority; `include_usage` ends with the
-usage; a cached
+choice); OpenAI's `service_tier` picks the queue priority; `chat_template_kwargs` reach the
+chat template on a call and a job alike; `include_usage` ends with the usage; a cached
 answer streams; a streamed `/v1/responses` call's typed events join to the text of the
 same call without `stream` (also through the client's accumulating `responses.stream`);
 a client that leaves cancels its job; `GET /v1/jobs/{id}/events` follows a job from
@@ -86,6 +86,7 @@ def test_streams_join_to_the_same_text_chunk_by_chunk(api: Api) -> None:
     _check_choices(api, client)
     _check_logprobs(api, client)
     _check_service_tier(api, client)
+    _check_template_kwargs(api, client)
     _check_responses(api, client)
 
 
@@ -235,6 +236,34 @@ def _check_service_tier(api: Api, client: openai.OpenAI) -> None:
         model=api.model, input="Hi", max_output_tokens=4, service_tier="priority")
     assert response.parse().status in ("completed", "incomplete")  # 4 tokens may cut it
     assert api.job(response.headers["x-job-id"])["priority"] == "high"
+
+
+def _check_template_kwargs(api: Api, client: openai.OpenAI) -> None:
+    """vLLM's `chat_template_kwargs` (the tiny template closes an empty thinking block on
+    `enable_thinking: false`, as Qwen3's does): a longer prompt, on a sync call and on a
+    job alike, and not the plain call's cached answer."""
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Think?"}]
+    asked: dict[str, Any] = {"model": api.model, "messages": messages, "max_tokens": 3,
+                             "temperature": 0}
+    plain = client.chat.completions.create(**asked)
+    raw = client.chat.completions.with_raw_response.create(
+        **asked, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    closed = raw.parse()
+    assert plain.usage is not None and closed.usage is not None
+    assert closed.usage.prompt_tokens > plain.usage.prompt_tokens
+    assert api.job(raw.headers["x-job-id"])["cached"] is None
+    with api.http() as http:
+        job = http.post("/v1/jobs", json={**asked, "chat_template_kwargs": {
+            "enable_thinking": False}, **OFF})
+        assert job.status_code == 202, job.text
+        job_id = job.json()["id"]
+    deadline = time.monotonic() + 120
+    while (view := api.job(job_id))["status"] != "succeeded":
+        assert view["status"] in ("queued", "running"), view
+        assert time.monotonic() < deadline, view
+        time.sleep(0.1)
+    assert view["result"]["usage"]["prompt_tokens"] == closed.usage.prompt_tokens
+    assert view["result"]["choices"][0]["message"]["content"] == closed.choices[0].message.content
 
 
 def _check_responses(api: Api, client: openai.OpenAI) -> None:

@@ -156,6 +156,7 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Queue a request; ValueError naming the field if it is malformed or cannot fit.
 
@@ -163,7 +164,8 @@ class LLMEngine:
         first; requests without one come after those with one. Then `tenant` (any string,
         opaque here) shares admissions with the other tenants by `tenant_weight`, over
         tokens (tenant_clock); requests without one share as one more tenant. `tools` (OpenAI's tool
-        objects) are rendered into a chat prompt (see tool_prompt). `prompt_token_ids`:
+        objects) are rendered into a chat prompt (see tool_prompt), and `chat_template_kwargs`
+        are the chat template's own variables. `prompt_token_ids`:
         a text prompt's ids, encoded already (`encode_ids_batch`, as LLM.generate does).
         """
         params = params if params is not None else SamplingParams()
@@ -198,7 +200,8 @@ class LLMEngine:
                 raise ValueError(f"prompt_token_ids must be non-empty ids in [0, "
                                  f"{self.vocab_size})")
         else:
-            prompt_text, token_ids = tokenize_prompt(self.tokenizer, self.vocab_size, prompt, tools)
+            prompt_text, token_ids = tokenize_prompt(self.tokenizer, self.vocab_size, prompt,
+                                                     tools, chat_template_kwargs)
         if len(token_ids) > self.max_model_len:
             raise ValueError(
                 f"prompt is {len(token_ids)} tokens, longer than max_model_len {self.max_model_len}"

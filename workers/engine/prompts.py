@@ -19,9 +19,15 @@ Prompt = str | list[int] | list[dict[str, Any]]
 
 
 def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: Prompt,
-                    tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[int]]:
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None
+                    ) -> tuple[str | None, list[int]]:
     """(prompt text or None, token ids) for any accepted prompt form; `tokenizer` is None
-    when the engine was built without one (token ids only)."""
+    when the engine was built without one (token ids only). `template_kwargs`: variables
+    for a chat template (chat messages only)."""
+    if template_kwargs and not (isinstance(prompt, list) and prompt
+                                and all(isinstance(m, dict) for m in prompt)):
+        raise ValueError("chat_template_kwargs need a chat prompt (messages)")
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty")
@@ -31,7 +37,7 @@ def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: Prompt,
     if not isinstance(prompt, list) or not prompt:
         raise ValueError("prompt must be a non-empty string, token id list or chat messages")
     if all(isinstance(t, dict) for t in prompt):
-        return render_chat(tokenizer, prompt, tools)  # type: ignore[arg-type]
+        return render_chat(tokenizer, prompt, tools, template_kwargs)  # type: ignore[arg-type]
     if tools:
         raise ValueError("tools need a chat prompt (messages)")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -44,9 +50,13 @@ def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: Prompt,
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
-                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+                tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     """Apply the tokenizer's chat template, ending with the assistant's turn; tools and
-    tool history in the template's own format where it has one, else in Hermes text."""
+    tool history in the template's own format where it has one, else in Hermes text.
+    `template_kwargs` are the template's own variables (Qwen3's `enable_thinking`, as
+    vLLM's `chat_template_kwargs`)."""
+    kwargs = template_kwargs or {}
     if tokenizer is None:
         raise ValueError("prompt: chat messages need a tokenizer; skip_tokenizer_init is set")
     for message in messages:
@@ -57,17 +67,17 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
     try:
         if has_tool_history(messages):
             try:
-                text = _render_native(tokenizer, messages, tools)
+                text = _render_native(tokenizer, messages, tools, kwargs)
             except Exception:  # noqa: BLE001 - jinja's own errors: no `tool` role in the template
                 text = None
             if text is not None and not shows_tool_history(text, messages):
                 text = None
         else:
-            text = _render_native(tokenizer, messages, tools)
+            text = _render_native(tokenizer, messages, tools, kwargs)
         if text is None:  # the template cannot show the tools or the history: Hermes text
             hermes = tool_history_as_hermes(messages)
             text = _apply(tokenizer, with_tools_in_system_message(hermes, tools) if tools
-                          else hermes)
+                          else hermes, **kwargs)
     except Exception as e:  # noqa: BLE001 - no chat template, or the template's own refusal
         raise ValueError(f"prompt: cannot render chat messages: {e}") from e
     # The template already places special tokens such as BOS.
@@ -75,13 +85,13 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
 
 
 def _render_native(tokenizer: Any, messages: list[dict[str, Any]],
-                   tools: list[dict[str, Any]] | None) -> str | None:
+                   tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str | None:
     """The template's own rendering; None when it ignores `tools` (the same text with and
     without them)."""
-    text = _apply(tokenizer, messages)
+    text = _apply(tokenizer, messages, **kwargs)
     if not tools:
         return text
-    with_tools = _apply(tokenizer, messages, tools=tools)
+    with_tools = _apply(tokenizer, messages, tools=tools, **kwargs)
     return with_tools if with_tools != text else None
 
 

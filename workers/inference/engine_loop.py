@@ -106,6 +106,8 @@ class EngineRequest:
     tools: list[dict[str, Any]] | None = None
     n: int = 1
     tenant_weight: float = 1.0
+    # The chat template's own variables (a request's `chat_template_kwargs`).
+    template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -120,6 +122,7 @@ class _Add:
     n: int = 1
     tenant: str | None = None
     tenant_weight: float = 1.0
+    template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -229,7 +232,7 @@ class EngineLoop:
         adds = [_Add(r.request_id, r.prompt, r.params, r.priority, r.stream and r.n == 1,
                      None if r.job is None else engine_deadline(r.job.deadline, now),
                      r.tools, r.n, None if r.job is None else r.job.tenant_id,
-                     r.tenant_weight) for r in requests]
+                     r.tenant_weight, r.template_kwargs) for r in requests]
         if adds:
             self._inbox.put(adds)
 
@@ -348,17 +351,17 @@ class EngineLoop:
 
     def _add_one(self, command: _Add) -> bool:
         """Put one engine request in; False (its FinishedRequest sent) when refused."""
+        # Only what is set: an embedding engine (same loop) takes neither tools nor kwargs.
+        extras: dict[str, Any] = {}
+        if command.tools:
+            extras["tools"] = command.tools
+        if command.template_kwargs:
+            extras["chat_template_kwargs"] = command.template_kwargs
         try:
-            if command.tools:
-                self.engine.add_request(command.request_id, command.prompt, command.params,
-                                        priority=command.priority, deadline=command.deadline,
-                                        tools=command.tools, tenant=command.tenant,
-                                        tenant_weight=command.tenant_weight)
-            else:
-                self.engine.add_request(command.request_id, command.prompt, command.params,
-                                        priority=command.priority, deadline=command.deadline,
-                                        tenant=command.tenant,
-                                        tenant_weight=command.tenant_weight)
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    priority=command.priority, deadline=command.deadline,
+                                    tenant=command.tenant,
+                                    tenant_weight=command.tenant_weight, **extras)
         except ValueError as e:
             # Bad input for this request only (too long a prompt, unknown template...).
             if command.request_id in self._choice_of:

@@ -128,6 +128,8 @@ class JobStarter:
         runnable = self._answer_from_caches(runnable)
         prepared: list[tuple[Candidate, Prompt, SamplingParams, int]] = []
         tools_of: dict[str, list[dict[str, Any]]] = {}  # job id -> tools for its prompt
+        # job id -> its chat template's variables (`chat_template_kwargs`)
+        kwargs_of: dict[str, dict[str, Any]] = {}
         for candidate in runnable:
             message = candidate.message
             try:
@@ -150,6 +152,8 @@ class JobStarter:
                     tools = chat_tools(message.body) if message.body.get("tools") else None
                     if tools:
                         tools_of[message.job_id] = tools
+                    if message.body.get("chat_template_kwargs"):
+                        kwargs_of[message.job_id] = message.body["chat_template_kwargs"]
             except ValueError as e:
                 self._outcomes.failed(message, str(e))
                 self._ack(candidate.records)
@@ -185,6 +189,7 @@ class JobStarter:
                 stream=stream, job=message,
                 tools=tools_of.get(message.job_id),
                 n=n,
+                template_kwargs=kwargs_of.get(message.job_id),
                 tenant_weight=self._weight_of(message.tenant_id),
             ))
         # All at once: the engine orders the whole start by urgency before any of it runs.

@@ -24,7 +24,8 @@ from workers.engine.outputs import RequestMetrics
 # refuses it (the job fails with its message) rather than answering free text unasked.
 PASSED_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
                  "user", "presence_penalty", "frequency_penalty", "n", "logit_bias",
-                 "response_format", "tools", "tool_choice", "parallel_tool_calls")
+                 "response_format", "tools", "tool_choice", "parallel_tool_calls",
+                 "chat_template_kwargs")
 # Finish reasons a server may give that our results carry as they are.
 FINISH_REASONS = {"stop", "length", "tool_calls", "content_filter"}
 

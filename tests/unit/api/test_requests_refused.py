@@ -66,6 +66,12 @@ def test_wrong_and_revoked_keys_are_401(
     ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
      "messages[0].content[0].type"),
     ({"model": "gpt-4o"}, 404, "model"),
+    ({"chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs.tokenize"),
+    ({"chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs.tools"),
+    ({"chat_template_kwargs": {"not a name": 1}}, 400, "chat_template_kwargs.not a name"),
+    ({"chat_template_kwargs": {"k": 1}, "messages": None, "prompt": "hi"}, 400,
+     "chat_template_kwargs"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, 400, "chat_template_kwargs"),
 ])
 def test_bad_payloads_name_the_field_and_write_nothing(
     client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],

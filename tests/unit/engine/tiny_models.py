@@ -21,9 +21,13 @@ CORPUS = [
     "0123456789 + - * / = ( ) [ ] { } < > ! ? , . ; :",
 ] * 20
 
+# Qwen3's switch as its template has it: `enable_thinking: false` (a request's
+# chat_template_kwargs) closes an empty thinking block before the answer.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
 )
 
 

@@ -35,6 +35,13 @@ def test_chat_request_carries_only_what_the_job_set() -> None:
                        "temperature": 0, "max_tokens": 5, "stop": ["\n"]}
 
 
+def test_chat_template_variables_go_to_the_server() -> None:
+    """vLLM and SGLang take `chat_template_kwargs` (Qwen3's enable_thinking) as we do."""
+    _, payload = request_of(job(chat_template_kwargs={"enable_thinking": False}), model="m",
+                            send_priority=False)
+    assert payload["chat_template_kwargs"] == {"enable_thinking": False}
+
+
 def test_chat_without_max_tokens_leaves_the_limit_to_the_server() -> None:
     _, payload = request_of(job(), model="m", send_priority=False)
     assert "max_tokens" not in payload
