@@ -179,8 +179,8 @@ def _check_template_kwargs(request: AnyRequest) -> None:
           "chat_template_kwargs need a chat request (messages).")
     for name in kwargs:
         _only(name not in RESERVED_TEMPLATE_KWARGS, f"chat_template_kwargs.{name}",
-              f"chat_template_kwargs.{name} is the renderer's own argument, not a template "
-              "variable; set the request's own field instead.")
+              f"chat_template_kwargs.{name} is an argument of the template renderer, "
+              "which the service sets; give only the template's own variables.")
         _only(name.isidentifier(), f"chat_template_kwargs.{name}",
               f"chat_template_kwargs.{name} is not a template variable name.")
 
