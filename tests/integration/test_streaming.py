@@ -61,6 +61,19 @@ class Api:
         with self.http() as client:
             return client.get(f"/v1/jobs/{job_id}").json()
 
+    def run_job(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/jobs and wait for it to succeed; the job as it then shows."""
+        with self.http() as client:
+            job = client.post("/v1/jobs", json=body)
+            assert job.status_code == 202, job.text
+            job_id = job.json()["id"]
+        deadline = time.monotonic() + 120
+        while (view := self.job(job_id))["status"] != "succeeded":
+            assert view["status"] in ("queued", "running"), view
+            assert time.monotonic() < deadline, view
+            time.sleep(0.1)
+        return view
+
 
 @pytest.fixture
 def api(service: Callable[..., Service]) -> Iterator[Api]:
@@ -170,16 +183,8 @@ def _check_choices(api: Api, client: openai.OpenAI) -> None:
     assert [streamed[i] for i in range(3)] == texts
     assert finished == {0: "length", 1: "length", 2: "length"}
 
-    with api.http() as http:
-        job = http.post("/v1/jobs", json={"model": api.model, "prompt": "Count:", "n": 2,
-                                          "max_tokens": 4, "temperature": 0, **OFF})
-        assert job.status_code == 202, job.text
-        job_id = job.json()["id"]
-    deadline = time.monotonic() + 120
-    while (view := api.job(job_id))["status"] != "succeeded":
-        assert view["status"] in ("queued", "running"), view
-        assert time.monotonic() < deadline, view
-        time.sleep(0.1)
+    view = api.run_job({"model": api.model, "prompt": "Count:", "n": 2, "max_tokens": 4,
+                        "temperature": 0, **OFF})
     [first, second] = view["result"]["choices"]
     assert (first["index"], second["index"]) == (0, 1)
     assert first["text"] == second["text"]  # greedy: the same text twice
@@ -252,16 +257,7 @@ def _check_template_kwargs(api: Api, client: openai.OpenAI) -> None:
     assert plain.usage is not None and closed.usage is not None
     assert closed.usage.prompt_tokens > plain.usage.prompt_tokens
     assert api.job(raw.headers["x-job-id"])["cached"] is None
-    with api.http() as http:
-        job = http.post("/v1/jobs", json={**asked, "chat_template_kwargs": {
-            "enable_thinking": False}, **OFF})
-        assert job.status_code == 202, job.text
-        job_id = job.json()["id"]
-    deadline = time.monotonic() + 120
-    while (view := api.job(job_id))["status"] != "succeeded":
-        assert view["status"] in ("queued", "running"), view
-        assert time.monotonic() < deadline, view
-        time.sleep(0.1)
+    view = api.run_job({**asked, "chat_template_kwargs": {"enable_thinking": False}, **OFF})
     assert view["result"]["usage"]["prompt_tokens"] == closed.usage.prompt_tokens
     assert view["result"]["choices"][0]["message"]["content"] == closed.choices[0].message.content
 
