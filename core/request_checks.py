@@ -68,6 +68,7 @@ def check_supported(request: AnyRequest, *, can_stream: bool = False) -> None:
     `stream` only where the caller relays it (the OpenAI-compatible endpoints)."""
     _check_stream(request, can_stream=can_stream)
     _only(request.service_tier not in TIER_PRIORITIES
+          or getattr(request, "priority", None) is None
           or "priority" not in request.model_fields_set, "service_tier",
           "Set priority or service_tier, not both: each picks the queue priority.")
     _only(request.n is None or request.n <= MAX_CHOICES, "n",

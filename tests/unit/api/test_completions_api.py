@@ -101,6 +101,8 @@ def test_service_tier_picks_the_queue_priority_where_no_priority_is_sent(
         ("/v1/chat/completions", chat | {"service_tier": "priority"}, "high"),
         ("/v1/chat/completions", chat | {"service_tier": "default"}, "high"),
         ("/v1/chat/completions", chat | {"service_tier": "auto", "priority": 1}, "normal"),
+        # A client library's null for a field left unset is not a priority.
+        ("/v1/chat/completions", chat | {"service_tier": "flex", "priority": None}, "low"),
         ("/v1/completions", text | {"service_tier": "flex", "stream": True}, "low"),
         ("/v1/completions", text | {"priority": 2, "stream": True}, "low"),
         ("/v1/jobs", chat | {"service_tier": "flex"}, "low"),
