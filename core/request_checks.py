@@ -110,12 +110,15 @@ def _check_logit_bias(logit_bias: dict[str, float] | None) -> None:
 
 
 def _check_completion_extras(request: CompletionRequest) -> None:
-    _only(not request.echo, "echo", "echo is not supported.")
+    _only(not (request.echo and request.stream), "echo",
+          "echo is not supported with stream; ask without stream for the prompt echoed.")
     _only(not request.suffix, "suffix", "suffix (insertion) is not supported.")
     _only(request.best_of in (None, 1), "best_of", "best_of must be 1.")
 
 
 def _check_chat_extras(request: ChatCompletionRequest | JobCreate) -> None:
+    _only(not getattr(request, "echo", None) or not request.messages, "echo",
+          "echo is for a text prompt; a chat request has none.")
     if request.top_logprobs and request.logprobs is not True:
         raise RequestRefused("top_logprobs requires logprobs to be true.",
                              param="top_logprobs")

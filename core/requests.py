@@ -373,6 +373,8 @@ class SamplingRequest(ClientObject):
                 body["chat_template_kwargs"] = kwargs
         else:
             body["prompt"] = getattr(self, "prompt", None)
+            if getattr(self, "echo", None):
+                body["echo"] = True  # the result's text starts with the prompt
         body.update(self._sampling_fields())
         logprobs = getattr(self, "logprobs", None)
         if logprobs is not None and logprobs is not False:
@@ -473,6 +475,8 @@ class JobCreate(SamplingRequest):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     priority: Priority = Priority.NORMAL
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    # A text prompt's: the result's text (and logprobs) start with the prompt.
+    echo: StrictBool | None = None
     callback_url: CallbackUrl | None = Field(default=None, max_length=2048)
     # When the job must be done by: an RFC 3339 time with its offset, or seconds from now
     # (1 minute to 7 days). Within a priority the earliest deadline runs first; a job

@@ -4,11 +4,12 @@ broker, Redis and PostgreSQL; requests from the official `openai` client and htt
 What is checked: a streamed completion's chunks join to the text of the same request
 without `stream`, in OpenAI's chunk shapes, and so do their logprobs (chat and text, every
 choice); OpenAI's `service_tier` picks the queue priority; `chat_template_kwargs` reach the
-chat template on a call and a job alike; `include_usage` ends with the usage; a cached
-answer streams; a streamed `/v1/responses` call's typed events join to the text of the
-same call without `stream` (also through the client's accumulating `responses.stream`);
-a client that leaves cancels its job; `GET /v1/jobs/{id}/events` follows a job from
-queued to finished, and resumes after a client's `Last-Event-ID`.
+chat template on a call and a job alike; `echo` with logprobs (lm-eval-harness's
+loglikelihood request) shows the prompt and its logprobs; `include_usage` ends with the
+usage; a cached answer streams; a streamed `/v1/responses` call's typed events join to
+the text of the same call without `stream` (also through the client's accumulating
+`responses.stream`); a client that leaves cancels its job; `GET /v1/jobs/{id}/events`
+follows a job from queued to finished, and resumes after a client's `Last-Event-ID`.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def test_streams_join_to_the_same_text_chunk_by_chunk(api: Api) -> None:
     _check_logprobs(api, client)
     _check_service_tier(api, client)
     _check_template_kwargs(api, client)
+    _check_echo(api, client)
     _check_responses(api, client)
 
 
@@ -260,6 +262,37 @@ def _check_template_kwargs(api: Api, client: openai.OpenAI) -> None:
     view = api.run_job({**asked, "chat_template_kwargs": {"enable_thinking": False}, **OFF})
     assert view["result"]["usage"]["prompt_tokens"] == closed.usage.prompt_tokens
     assert view["result"]["choices"][0]["message"]["content"] == closed.choices[0].message.content
+
+
+def _check_echo(api: Api, client: openai.OpenAI) -> None:
+    """`echo` with `logprobs` and one token, as lm-eval-harness scores a continuation: the
+    text starts with the prompt, and the logprobs cover every prompt token (the first
+    null) and then the output's, whose own equals the same request's without echo."""
+    asked: dict[str, Any] = {"model": api.model, "max_tokens": 1, "temperature": 0,
+                             "logprobs": 1, "extra_body": OFF}
+    for prompt in ("The quick brown fox", [17, 33, 120, 64, 9, 250]):
+        plain = client.completions.create(prompt=prompt, **asked)
+        echoed = client.completions.create(prompt=prompt, echo=True, **asked)
+        [choice], [alone] = echoed.choices, plain.choices
+        assert echoed.usage is not None and alone.logprobs is not None
+        lp = choice.logprobs
+        assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+        assert lp.top_logprobs is not None and lp.text_offset is not None
+        assert len(lp.tokens) == echoed.usage.prompt_tokens + 1
+        assert choice.text == "".join(lp.tokens)
+        assert choice.text.endswith(alone.text) and len(choice.text) > len(alone.text)
+        if isinstance(prompt, str):
+            assert choice.text == prompt + alone.text
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+        assert all(t is not None and len(t) == 1 for t in lp.top_logprobs[1:])
+        assert lp.token_logprobs[-1] == pytest.approx(alone.logprobs.token_logprobs[0],
+                                                      abs=1e-5)
+        job = api.run_job({"model": api.model, "prompt": prompt, "echo": True,
+                           "max_tokens": 1, "temperature": 0, "logprobs": 1, **OFF})
+        assert job["result"]["choices"][0]["text"] == choice.text
+        assert job["result"]["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+            lp.token_logprobs, abs=1e-5)
 
 
 def _check_responses(api: Api, client: openai.OpenAI) -> None:

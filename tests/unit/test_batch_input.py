@@ -245,7 +245,7 @@ def refusals(handle: io.BytesIO, *, endpoint: str = CHAT, models_dir: Path | Non
      "response_format"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0].type"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
 ])
 def test_lines_the_api_would_refuse_fail_alone_with_its_answer(

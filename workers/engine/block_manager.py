@@ -124,8 +124,11 @@ class BlockManager:
         return hashes
 
     def uses_prefix_cache(self, seq: Sequence) -> bool:
-        """Whether the sequence may reuse cached blocks and leave its own for others."""
-        return self.enable_prefix_caching and seq.params.use_prefix_cache
+        """Whether the sequence may reuse cached blocks and leave its own for others (not
+        one that asks for its prompt's logprobs: a cached block's positions never reach
+        the model)."""
+        return (self.enable_prefix_caching and seq.params.use_prefix_cache
+                and seq.params.prompt_logprobs is None)
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids caching the longest prefix of `seq`, leaving at least one token to compute.

@@ -470,4 +470,8 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens or 0,
             metrics=replace(request.metrics),  # a snapshot: later steps move on
             top_logprobs=list(seq.output_top_logprobs) if seq.params.top_logprobs else None,
+            prompt_logprobs=(list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None
+                             and seq.is_finished else None),
+            prompt_top_logprobs=(list(seq.prompt_top_logprobs)
+                                 if seq.params.prompt_logprobs and seq.is_finished else None),
         )

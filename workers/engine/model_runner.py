@@ -41,6 +41,9 @@ from workers.engine.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 _CPU_KV_BYTES = 1 << 30
+# Prompt positions whose logprobs go through the vocabulary projection at once: a
+# 2,048-token chunk at a 49,152-token vocabulary would be 400 MB of fp32 logits.
+PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -57,6 +60,8 @@ class _Step:
     num_decodes: int = 0
     sample_token_rows: list[int] = field(default_factory=list)  # last token of sampling seqs
     sample_seq_indices: list[int] = field(default_factory=list)
+    # Decode rows that are one-token chunks short of a prompt's end (not sampling).
+    mid_prompt: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -222,12 +227,56 @@ class ModelRunner:
             )
         else:
             hidden = self._forward_eager(step, seqs)
+        # Only rows of prompt chunks can carry prompt positions: the prefill rows, and the
+        # rare one-token chunk in the middle of a prompt among the decodes.
+        if any(seqs[i].params.prompt_logprobs is not None
+               for i in (*step.order[step.num_decodes:], *step.mid_prompt)):
+            self._record_prompt_logprobs(step, seqs, hidden)
         if not step.sample_seq_indices:
             return [], hidden.new_empty(0, self.hf_config.vocab_size, dtype=torch.float32)
         rows = to_device(torch.frombuffer(array("q", step.sample_token_rows), dtype=torch.int64),
                          self.device)
         # Only the last token of each sampling sequence reaches the vocab projection.
         return step.sample_seq_indices, self.model.compute_logits(hidden.index_select(0, rows))
+
+    def _record_prompt_logprobs(self, step: _Step, seqs: list[Sequence],
+                                hidden: torch.Tensor) -> None:
+        """For the sequences that ask for them, each computed prompt position's logprob of
+        the next prompt token (and the alternatives), appended to the sequence: position p
+        of a chunk is row `row + p - start`, and predicts token p + 1."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[Sequence] = []
+        row = 0
+        for i, n in zip(step.order, step.query_lens, strict=True):
+            seq = seqs[i]
+            if seq.params.prompt_logprobs is not None:
+                start = seq.num_computed_tokens
+                # Positions already recorded (a recompute after preemption) are skipped.
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                for p in range(first, last):
+                    rows.append(row + p - start)
+                    targets.append(seq.token_ids[p + 1])
+                    owners.append(seq)
+            row += n
+        for lo in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            part = slice(lo, lo + PROMPT_LOGPROB_ROWS)
+            index = torch.tensor(rows[part], dtype=torch.int64, device=hidden.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, index))
+                                         .float(), dim=-1)
+            wanted = torch.tensor(targets[part], dtype=torch.int64, device=hidden.device)
+            chosen = logprobs.gather(1, wanted[:, None])[:, 0].tolist()
+            k = max(seq.params.prompt_logprobs or 0 for seq in owners[part])
+            top = logprobs.topk(k, dim=-1) if k else None
+            top_values = top.values.tolist() if top is not None else None
+            top_ids = top.indices.tolist() if top is not None else None
+            for j, seq in enumerate(owners[part]):
+                seq.prompt_logprobs.append(chosen[j])
+                want = seq.params.prompt_logprobs or 0
+                seq.prompt_top_logprobs.append(
+                    list(zip(top_ids[j][:want], top_values[j][:want], strict=True))
+                    if top_ids is not None and top_values is not None and want else [])
 
     def _forward_eager(self, step: _Step, seqs: list[Sequence]) -> torch.Tensor:
         """Run the model without graphs; hidden states (N, hidden) in batch-row order."""
@@ -274,6 +323,8 @@ class ModelRunner:
             if c + 1 == len(token_ids):
                 step.sample_token_rows.append(len(input_ids) - 1)
                 step.sample_seq_indices.append(i)
+            else:
+                step.mid_prompt.append(i)
         step.query_lens += [1] * len(decodes)
         for i in others:
             seq, n = seqs[i], num_scheduled_tokens[i]

@@ -47,6 +47,10 @@ class RequestOutput:
     metrics: RequestMetrics
     # Per generated token, its step's `top_logprobs` most likely (token id, logprob).
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With `prompt_logprobs`: per prompt token, its log-probability given the tokens
+    # before it (None for the first) and the alternatives there.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,6 +18,9 @@ class SamplingParams:
     changes nothing). `seed` makes sampling reproducible whatever else shares the batch.
     `logprobs` asks for the log-probability of every sampled token, and `top_logprobs`
     (with it, up to MAX_TOP_LOGPROBS) for that many of the most likely tokens at each step.
+    `prompt_logprobs` (0 to MAX_TOP_LOGPROBS) asks for each prompt token's log-probability
+    given the tokens before it (the model's, before any sampling adjustment), and that
+    many alternatives; such a request computes its whole prompt (no prefix cache).
     Penalties and `logit_bias` (token id -> bias) adjust the logits as OpenAI's do;
     `json_schema` (JSON text) constrains the output to documents the schema accepts;
     `structural_tag` (xgrammar's structural tag, JSON text) constrains the parts of a free
@@ -34,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None
     # Tenants sharing a worker can be kept out of each other's prefix cache.
     cache_salt: str | None = None
     # False: this request neither reuses cached prefix blocks (pool or KV tier) nor
@@ -56,6 +60,11 @@ class SamplingParams:
                              f"got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs")
+        pk = self.prompt_logprobs
+        if pk is not None and not (isinstance(pk, int) and not isinstance(pk, bool)
+                                   and 0 <= pk <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {pk!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:

@@ -90,6 +90,11 @@ class Sequence:
         self.rope_long = False
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        # With params.prompt_logprobs: per prompt position, the log-probability of its token
+        # given those before it (position 0 has none), and the alternatives; filled as
+        # prefill chunks run (a recompute after preemption does not add them again).
+        self.prompt_logprobs: list[float | None] = [None]
+        self.prompt_top_logprobs: list[list[tuple[int, float]] | None] = [None]
         # The grammar its output must follow (`params.json_schema`), set by the engine.
         self.grammar: GrammarState | None = None
 

@@ -23,7 +23,13 @@ from workers.engine import RequestOutput
 from workers.inference.embedding_jobs import build_embedding_result
 from workers.inference.job_store import JobStore, Success, epoch_to_datetime
 from workers.inference.remote_requests import RemoteOutput, build_remote_result
-from workers.inference.results import Completion, build_result, error_body, param_of
+from workers.inference.results import (
+    Completion,
+    EchoedPrompt,
+    build_result,
+    error_body,
+    param_of,
+)
 from workers.inference.tool_calls import tool_calls_of
 
 logger = logging.getLogger(__name__)
@@ -48,9 +54,12 @@ def created_at_of(message: JobMessage) -> int:
 class OutcomeRecorder:
     """Stores and counts how jobs ended (see the module docstring)."""
 
-    def __init__(self, store: JobStore, *, token_text: Callable[[int], str]) -> None:
+    def __init__(self, store: JobStore, *, token_text: Callable[[int], str],
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         self._store = store
         self._token_text = token_text
+        # A prompt of token ids as text, for `echo` (None: the ids' texts joined).
+        self._decode = decode
 
     def succeeded(
         self, finished: list[tuple[JobMessage, RequestOutput | RemoteOutput, datetime]],
@@ -120,18 +129,34 @@ class OutcomeRecorder:
             return build_embedding_result(output, model=message.model,  # type: ignore[arg-type]
                                           body=message.body)
         first, *others = choices or [output]
+        echoes = message.kind == "text_completion" and message.body.get("echo") is True
+
+        def completion(o: RequestOutput) -> Completion:
+            return _completion(o, self._echoed(o) if echoes else None)
+
         return build_result(
             message.kind,
             job_id=message.job_id,
             model=message.model,
-            completion=_completion(first),
+            completion=completion(first),
             created=created_at_of(message),
             token_text=self._token_text,
             system_fingerprint=self._store.system_fingerprint,
             tool_calls=_tool_calls(message, first),
             body=message.body,
-            others=[(_completion(o), _tool_calls(message, o)) for o in others],
+            others=[(completion(o), _tool_calls(message, o)) for o in others],
         )
+
+    def _echoed(self, output: RequestOutput) -> EchoedPrompt:
+        """The prompt an `echo` request shows before its output."""
+        ids = list(output.prompt_token_ids)
+        if output.prompt is not None:
+            text = output.prompt
+        elif self._decode is not None:
+            text = self._decode(ids)
+        else:
+            text = "".join(self._token_text(t) for t in ids)
+        return EchoedPrompt(text, ids, output.prompt_logprobs, output.prompt_top_logprobs)
 
     def failed(self, message: JobMessage, reason: str, *, code: str | None = None,
                type: str = "invalid_request_error") -> None:
@@ -148,8 +173,9 @@ class OutcomeRecorder:
         )
 
 
-def _completion(output: RequestOutput) -> Completion:
+def _completion(output: RequestOutput, echo: EchoedPrompt | None = None) -> Completion:
     return Completion(
+        echo=echo,
         text=output.text,
         token_ids=list(output.token_ids),
         finish_reason=output.finish_reason or "stop",

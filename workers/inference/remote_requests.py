@@ -25,7 +25,7 @@ from workers.engine.outputs import RequestMetrics
 PASSED_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
                  "user", "presence_penalty", "frequency_penalty", "n", "logit_bias",
                  "response_format", "tools", "tool_choice", "parallel_tool_calls",
-                 "chat_template_kwargs")
+                 "chat_template_kwargs", "echo")
 # Finish reasons a server may give that our results carry as they are.
 FINISH_REASONS = {"stop", "length", "tool_calls", "content_filter"}
 

@@ -22,6 +22,17 @@ OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
 @dataclass(slots=True)
+class EchoedPrompt:
+    """The prompt of an `echo` request: its text and tokens, and with logprobs each
+    token's given those before it (None for the first) and the alternatives there."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float | None] | None = None
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+@dataclass(slots=True)
 class Completion:
     """What a finished request produced, in engine-neutral terms."""
 
@@ -33,6 +44,8 @@ class Completion:
     logprobs: list[float] | None = None
     # Per generated token, the most likely (token id, logprob) of its step, when asked for.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # A text completion with `echo`: the prompt shown before the output.
+    echo: EchoedPrompt | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -104,8 +117,23 @@ def _choice(kind: str, index: int, completion: Completion,
     tokens = _token_texts(completion, token_text)
     top = _top_texts(completion, token_text)
     if kind == "text_completion":
-        return {"index": index, "text": completion.text,
-                "logprobs": _text_logprobs(tokens, completion.logprobs, top),
+        echo = completion.echo
+        if echo is None:
+            return {"index": index, "text": completion.text,
+                    "logprobs": _text_logprobs(tokens, completion.logprobs, top),
+                    "finish_reason": finish_reason}
+        logprobs = None
+        if completion.logprobs is not None and echo.logprobs is not None:
+            assert tokens is not None and token_text is not None  # with the logprobs
+            prompt_top = None if top is None else [
+                [] if step is None else [(token_text(t), lp) for t, lp in step]
+                for step in (echo.top_logprobs or [None] * len(echo.token_ids))]
+            logprobs = _text_logprobs(
+                [token_text(t) for t in echo.token_ids] + tokens,
+                [*echo.logprobs, *completion.logprobs],
+                None if top is None or prompt_top is None else prompt_top + top,
+                first_is_none=True)
+        return {"index": index, "text": echo.text + completion.text, "logprobs": logprobs,
                 "finish_reason": finish_reason}
     message: dict[str, Any] = {"role": "assistant", "content": completion.text,
                                "refusal": None}
@@ -176,8 +204,11 @@ def _chat_logprobs(tokens: list[str] | None, logprobs: list[float] | None,
     return {"content": content, "refusal": None}
 
 
-def _text_logprobs(tokens: list[str] | None, logprobs: list[float] | None,
-                   top: list[list[tuple[str, float]]] | None = None) -> Any:
+def _text_logprobs(tokens: list[str] | None, logprobs: Sequence[float | None] | None,
+                   top: list[list[tuple[str, float]]] | None = None, *,
+                   first_is_none: bool = False) -> Any:
+    """OpenAI's legacy logprobs object; with an echoed prompt (`first_is_none`) the first
+    position has no logprob and no alternatives (null), as OpenAI's echo shows it."""
     if tokens is None or logprobs is None:
         return None
     offsets, position = [], 0
@@ -188,6 +219,7 @@ def _text_logprobs(tokens: list[str] | None, logprobs: list[float] | None,
         "tokens": tokens,
         "token_logprobs": list(logprobs),
         # One {token: logprob} per position; two alternatives that render alike share a key.
-        "top_logprobs": None if top is None else [dict(step) for step in top],
+        "top_logprobs": None if top is None else [
+            None if first_is_none and i == 0 else dict(step) for i, step in enumerate(top)],
         "text_offset": offsets,
     }

@@ -100,6 +100,8 @@ def sampling_params_from_body(
             ignore_eos=_optional_bool(body, "ignore_eos") or False,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            # `echo` shows the prompt before the output; with logprobs, the prompt's too.
+            prompt_logprobs=top_logprobs if logprobs and body.get("echo") is True else None,
             presence_penalty=_optional_float(body, "presence_penalty") or 0.0,
             frequency_penalty=_optional_float(body, "frequency_penalty") or 0.0,
             logit_bias=_logit_bias(body),

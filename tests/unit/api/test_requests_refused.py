@@ -72,6 +72,7 @@ def test_wrong_and_revoked_keys_are_401(
     ({"chat_template_kwargs": {"k": 1}, "messages": None, "prompt": "hi"}, 400,
      "chat_template_kwargs"),
     ({"chat_template_kwargs": ["enable_thinking"]}, 400, "chat_template_kwargs"),
+    ({"echo": True}, 400, "echo"),  # a chat request has no prompt to echo
 ])
 def test_bad_payloads_name_the_field_and_write_nothing(
     client: TestClient, acme: TenantKey, sessions: sessionmaker[Session],
@@ -86,6 +87,16 @@ def test_bad_payloads_name_the_field_and_write_nothing(
     assert error["type"] == "invalid_request_error"
     assert count_jobs(sessions) == 0
     assert producer.records == []
+
+
+def test_echo_is_not_streamed(client: TestClient, acme: TenantKey,
+                              sessions: sessionmaker[Session]) -> None:
+    """`echo` shows the prompt in the result's text, which a stream's chunks would not."""
+    response = client.post("/v1/completions", json={
+        "model": MODEL, "prompt": "hi", "echo": True, "stream": True}, headers=acme.headers)
+    assert response.status_code == 400
+    assert assert_error_shape(response.json())["param"] == "echo"
+    assert count_jobs(sessions) == 0
 
 
 def test_missing_field_message_names_it(client: TestClient, acme: TenantKey) -> None:

@@ -147,13 +147,15 @@ def test_defaults_clients_send_are_accepted() -> None:
 
 
 def test_completion_extras_are_refused() -> None:
-    """echo, suffix and best_of > 1 are not supported."""
-    for extra, param in (({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
+    """suffix, best_of > 1 and a streamed echo are not supported (echo itself is)."""
+    for extra, param in (({"echo": True, "stream": True}, "echo"), ({"suffix": "x"}, "suffix"),
                          ({"best_of": 2}, "best_of")):
         request = CompletionRequest.model_validate({"model": "m", "prompt": "p", **extra})
         with pytest.raises(InvalidRequest) as info:
-            check_supported(request)
+            check_supported(request)  # a CompletionRequest may stream
         assert info.value.param == param
+    check_supported(CompletionRequest.model_validate({"model": "m", "prompt": "p",
+                                                      "echo": True}))
 
 
 def test_job_needs_exactly_one_of_messages_or_prompt() -> None:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from workers.inference.results import Completion, build_result, error_body, param_of
+from workers.inference.results import (
+    Completion,
+    EchoedPrompt,
+    build_result,
+    error_body,
+    param_of,
+)
 
 
 def completion(**overrides: object) -> Completion:
@@ -94,6 +100,27 @@ def test_top_logprobs_in_both_shapes() -> None:
     )
     assert legacy["choices"][0]["logprobs"]["top_logprobs"] == [
         {"a": -0.5, "c": -1.0}, {"c": -0.25, "b": -1.25}]
+
+
+def test_echo_puts_the_prompt_before_the_output_and_its_logprobs_first() -> None:
+    """`echo`: the text starts with the prompt; with logprobs the prompt's tokens come
+    first, the first with no logprob and no alternatives (null), as OpenAI shows them."""
+    text = {1: "a", 2: "b", 3: "c", 7: "x", 8: "y"}.__getitem__
+    done = completion(text="ab", token_ids=[1, 2], logprobs=[-0.5, -1.25],
+                      top_logprobs=[[(1, -0.5)], [(3, -0.25)]],
+                      echo=EchoedPrompt("xy", [7, 8], [None, -2.0], [None, [(3, -1.5)]]))
+    choice = build_result("text_completion", job_id="j", model="m", completion=done,
+                          created=0, token_text=text)["choices"][0]
+    assert choice["text"] == "xyab"
+    assert choice["logprobs"] == {
+        "tokens": ["x", "y", "a", "b"], "token_logprobs": [None, -2.0, -0.5, -1.25],
+        "top_logprobs": [None, {"c": -1.5}, {"a": -0.5}, {"c": -0.25}],
+        "text_offset": [0, 1, 2, 3]}
+    # Without logprobs: the text alone.
+    plain = completion(text="ab", echo=EchoedPrompt("xy", [7, 8]))
+    choice = build_result("text_completion", job_id="j", model="m", completion=plain,
+                          created=0, token_text=text)["choices"][0]
+    assert choice["text"] == "xyab" and choice["logprobs"] is None
 
 
 def test_aborted_or_unknown_kind_has_no_result() -> None:
