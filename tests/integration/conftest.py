@@ -33,8 +33,11 @@ from storage.db import create_db_engine, session_factory
 from storage.migrate import upgrade
 from storage.tenants import create_tenant
 from tests.unit.engine.tiny_models import save_tiny_llama
+from tests.utils.api import make_tenant_key
 from tests.utils.batch_service import BatchService, batch_service
+from tests.utils.openai_api import Api
 from tests.utils.postgres import PostgresCluster, create_database, drop_database, postgres_bin_dir
+from tests.utils.service import running_api
 from tests.utils.up_process import UpProcess
 from tests.utils.worker_service import Service
 from workers.engine.config import DEFAULT_MODELS_DIR
@@ -223,3 +226,13 @@ def up_runs() -> Iterator[list[UpProcess]]:
     for run in runs:
         if run.process.poll() is None:
             run.kill_tree()
+
+
+@pytest.fixture
+def api(service: Callable[..., Service]) -> Iterator[Api]:
+    """The API on uvicorn over the service (its worker on the tiny model is started by the
+    test: `api.service.start_worker()`), and a tenant's key."""
+    svc = service(tenant_rate_limit_per_s=1000.0)
+    tenant = make_tenant_key(svc.sessions, "streams")
+    with running_api(svc.settings) as url:
+        yield Api(url, svc.settings.served_model_name, tenant, svc)

@@ -3,13 +3,11 @@ broker, Redis and PostgreSQL; requests from the official `openai` client and htt
 
 What is checked: a streamed completion's chunks join to the text of the same request
 without `stream`, in OpenAI's chunk shapes, and so do their logprobs (chat and text, every
-choice); OpenAI's `service_tier` picks the queue priority; `chat_template_kwargs` reach the
-chat template on a call and a job alike; `echo` with logprobs (lm-eval-harness's
-loglikelihood request) shows the prompt and its logprobs; `include_usage` ends with the
-usage; a cached answer streams; a streamed `/v1/responses` call's typed events join to
-the text of the same call without `stream` (also through the client's accumulating
-`responses.stream`); a client that leaves cancels its job; `GET /v1/jobs/{id}/events`
-follows a job from queued to finished, and resumes after a client's `Last-Event-ID`.
+choice); `include_usage` ends with the usage; a cached answer streams; a streamed
+`/v1/responses` call's typed events join to the text of the same call without `stream`
+(also through the client's accumulating `responses.stream`); a client that leaves
+cancels its job; `GET /v1/jobs/{id}/events` follows a job from queued to finished, and
+resumes after a client's `Last-Event-ID`. (The `api` fixture: tests/integration/conftest.py.)
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any, cast
 
 import httpx
@@ -29,60 +26,11 @@ from openai import Stream
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 from openai.types.responses import Response, ResponseStreamEvent
 
-from tests.utils.api import TenantKey, make_tenant_key
-from tests.utils.service import running_api
-from tests.utils.worker_service import Service
+from tests.utils.openai_api import OFF, Api
 
-OFF = {"cache": {"mode": "off"}}  # each request runs in the engine
 # A structured output the random model must finish (one of two words, then EOS).
 PICK: dict[str, Any] = {"type": "object", "properties": {"pick": {"enum": ["yes", "no"]}},
                         "required": ["pick"], "additionalProperties": False}
-
-
-@dataclass
-class Api:
-    """The service under test, its model's name and a tenant's key."""
-
-    url: str
-    model: str
-    tenant: TenantKey
-    service: Service
-
-    def openai(self) -> openai.OpenAI:
-        """The official client, pointed at the API."""
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.tenant.key,
-                             max_retries=0, timeout=300)
-
-    def http(self) -> httpx.Client:
-        """An authenticated httpx client."""
-        return httpx.Client(base_url=self.url, headers=self.tenant.headers, timeout=120)
-
-    def job(self, job_id: str) -> dict[str, Any]:
-        """The job as GET /v1/jobs/{id} shows it."""
-        with self.http() as client:
-            return client.get(f"/v1/jobs/{job_id}").json()
-
-    def run_job(self, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /v1/jobs and wait for it to succeed; the job as it then shows."""
-        with self.http() as client:
-            job = client.post("/v1/jobs", json=body)
-            assert job.status_code == 202, job.text
-            job_id = job.json()["id"]
-        deadline = time.monotonic() + 120
-        while (view := self.job(job_id))["status"] != "succeeded":
-            assert view["status"] in ("queued", "running"), view
-            assert time.monotonic() < deadline, view
-            time.sleep(0.1)
-        return view
-
-
-@pytest.fixture
-def api(service: Callable[..., Service]) -> Iterator[Api]:
-    """The API and one worker on the tiny model."""
-    svc = service(tenant_rate_limit_per_s=1000.0)
-    tenant = make_tenant_key(svc.sessions, "streams")
-    with running_api(svc.settings) as url:
-        yield Api(url, svc.settings.served_model_name, tenant, svc)
 
 
 def _started(api: Api) -> None:
@@ -99,9 +47,6 @@ def test_streams_join_to_the_same_text_chunk_by_chunk(api: Api) -> None:
     _check_cached(api, client)
     _check_choices(api, client)
     _check_logprobs(api, client)
-    _check_service_tier(api, client)
-    _check_template_kwargs(api, client)
-    _check_echo(api, client)
     _check_responses(api, client)
 
 
@@ -224,75 +169,6 @@ def _check_logprobs(api: Api, client: openai.OpenAI) -> None:
     assert carrying == [text_whole.choices[0].logprobs]
     assert text_whole.choices[0].logprobs is not None
     assert len(text_whole.choices[0].logprobs.tokens or []) == 10
-
-
-def _check_service_tier(api: Api, client: openai.OpenAI) -> None:
-    """`service_tier` from the official client: `flex` queues low, `priority` high, on a
-    sync call, a streamed one and a Responses call."""
-    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
-    raw = client.chat.completions.with_raw_response.create(
-        model=api.model, messages=messages, max_tokens=2, service_tier="flex", extra_body=OFF)
-    assert raw.parse().choices[0].message.content is not None
-    assert api.job(raw.headers["x-job-id"])["priority"] == "low"
-    streamed = client.chat.completions.with_raw_response.create(
-        model=api.model, messages=messages, max_tokens=2, service_tier="flex", stream=True,
-        extra_body=OFF)
-    assert list(cast(Stream[ChatCompletionChunk], streamed.parse()))
-    assert api.job(streamed.headers["x-job-id"])["priority"] == "low"
-    response = client.responses.with_raw_response.create(
-        model=api.model, input="Hi", max_output_tokens=4, service_tier="priority")
-    assert response.parse().status in ("completed", "incomplete")  # 4 tokens may cut it
-    assert api.job(response.headers["x-job-id"])["priority"] == "high"
-
-
-def _check_template_kwargs(api: Api, client: openai.OpenAI) -> None:
-    """vLLM's `chat_template_kwargs` (the tiny template closes an empty thinking block on
-    `enable_thinking: false`, as Qwen3's does): a longer prompt, on a sync call and on a
-    job alike, and not the plain call's cached answer."""
-    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Think?"}]
-    asked: dict[str, Any] = {"model": api.model, "messages": messages, "max_tokens": 3,
-                             "temperature": 0}
-    plain = client.chat.completions.create(**asked)
-    raw = client.chat.completions.with_raw_response.create(
-        **asked, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    closed = raw.parse()
-    assert plain.usage is not None and closed.usage is not None
-    assert closed.usage.prompt_tokens > plain.usage.prompt_tokens
-    assert api.job(raw.headers["x-job-id"])["cached"] is None
-    view = api.run_job({**asked, "chat_template_kwargs": {"enable_thinking": False}, **OFF})
-    assert view["result"]["usage"]["prompt_tokens"] == closed.usage.prompt_tokens
-    assert view["result"]["choices"][0]["message"]["content"] == closed.choices[0].message.content
-
-
-def _check_echo(api: Api, client: openai.OpenAI) -> None:
-    """`echo` with `logprobs` and one token, as lm-eval-harness scores a continuation: the
-    text starts with the prompt, and the logprobs cover every prompt token (the first
-    null) and then the output's, whose own equals the same request's without echo."""
-    asked: dict[str, Any] = {"model": api.model, "max_tokens": 1, "temperature": 0,
-                             "logprobs": 1, "extra_body": OFF}
-    for prompt in ("The quick brown fox", [17, 33, 120, 64, 9, 250]):
-        plain = client.completions.create(prompt=prompt, **asked)
-        echoed = client.completions.create(prompt=prompt, echo=True, **asked)
-        [choice], [alone] = echoed.choices, plain.choices
-        assert echoed.usage is not None and alone.logprobs is not None
-        lp = choice.logprobs
-        assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
-        assert lp.top_logprobs is not None and lp.text_offset is not None
-        assert len(lp.tokens) == echoed.usage.prompt_tokens + 1
-        assert choice.text == "".join(lp.tokens)
-        assert choice.text.endswith(alone.text) and len(choice.text) > len(alone.text)
-        if isinstance(prompt, str):
-            assert choice.text == prompt + alone.text
-        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
-        assert all(t is not None and len(t) == 1 for t in lp.top_logprobs[1:])
-        assert lp.token_logprobs[-1] == pytest.approx(alone.logprobs.token_logprobs[0],
-                                                      abs=1e-5)
-        job = api.run_job({"model": api.model, "prompt": prompt, "echo": True,
-                           "max_tokens": 1, "temperature": 0, "logprobs": 1, **OFF})
-        assert job["result"]["choices"][0]["text"] == choice.text
-        assert job["result"]["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
-            lp.token_logprobs, abs=1e-5)
 
 
 def _check_responses(api: Api, client: openai.OpenAI) -> None:

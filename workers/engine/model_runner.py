@@ -268,15 +268,14 @@ class ModelRunner:
             wanted = torch.tensor(targets[part], dtype=torch.int64, device=hidden.device)
             chosen = logprobs.gather(1, wanted[:, None])[:, 0].tolist()
             k = max(seq.params.prompt_logprobs or 0 for seq in owners[part])
-            top = logprobs.topk(k, dim=-1) if k else None
-            top_values = top.values.tolist() if top is not None else None
-            top_ids = top.indices.tolist() if top is not None else None
-            for j, seq in enumerate(owners[part]):
-                seq.prompt_logprobs.append(chosen[j])
-                want = seq.params.prompt_logprobs or 0
-                seq.prompt_top_logprobs.append(
-                    list(zip(top_ids[j][:want], top_values[j][:want], strict=True))
-                    if top_ids is not None and top_values is not None and want else [])
+            tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
+            if k:
+                top = logprobs.topk(k, dim=-1)
+                tops = [list(zip(ids, values, strict=True)) for ids, values
+                        in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
+            for seq, logprob, alternatives in zip(owners[part], chosen, tops, strict=True):
+                seq.prompt_logprobs.append(logprob)
+                seq.prompt_top_logprobs.append(alternatives[:seq.params.prompt_logprobs or 0])
 
     def _forward_eager(self, step: _Step, seqs: list[Sequence]) -> torch.Tensor:
         """Run the model without graphs; hidden states (N, hidden) in batch-row order."""

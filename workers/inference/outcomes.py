@@ -54,12 +54,15 @@ def created_at_of(message: JobMessage) -> int:
 class OutcomeRecorder:
     """Stores and counts how jobs ended (see the module docstring)."""
 
-    def __init__(self, store: JobStore, *, token_text: Callable[[int], str],
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+    def __init__(self, store: JobStore, *, tokenizer: Callable[[], Any]) -> None:
         self._store = store
-        self._token_text = token_text
-        # A prompt of token ids as text, for `echo` (None: the ids' texts joined).
-        self._decode = decode
+        # The engine's tokenizer (None for an engine without one): token ids as text.
+        self._tokenizer = tokenizer
+
+    def _token_text(self, token_id: int) -> str:
+        """One token as logprobs list it (its id where there is no tokenizer)."""
+        tokenizer = self._tokenizer()
+        return str(token_id) if tokenizer is None else str(tokenizer.decode([token_id]))
 
     def succeeded(
         self, finished: list[tuple[JobMessage, RequestOutput | RemoteOutput, datetime]],
@@ -150,12 +153,13 @@ class OutcomeRecorder:
     def _echoed(self, output: RequestOutput) -> EchoedPrompt:
         """The prompt an `echo` request shows before its output."""
         ids = list(output.prompt_token_ids)
+        tokenizer = self._tokenizer()
         if output.prompt is not None:
             text = output.prompt
-        elif self._decode is not None:
-            text = self._decode(ids)
+        elif tokenizer is not None:
+            text = str(tokenizer.decode(ids))
         else:
-            text = "".join(self._token_text(t) for t in ids)
+            text = "".join(map(str, ids))
         return EchoedPrompt(text, ids, output.prompt_logprobs, output.prompt_top_logprobs)
 
     def failed(self, message: JobMessage, reason: str, *, code: str | None = None,

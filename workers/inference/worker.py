@@ -103,8 +103,8 @@ class Worker:
         self._consumer = consumer
         self._engine = engine_loop
         self._store = store
-        self._outcomes = OutcomeRecorder(store, token_text=self._token_text,
-                                         decode=self._decode)
+        self._outcomes = OutcomeRecorder(
+            store, tokenizer=lambda: getattr(self._engine.engine, "tokenizer", None))
         self._cancels = cancels
         self._stop = threading.Event()
         self._hurry = threading.Event()  # a second stop request: release, do not drain
@@ -400,14 +400,6 @@ class Worker:
             (job.message.batch_id for job in gone),
             (job.message.batch_id for job in self._inflight.values()), time.monotonic())
         self._store.wake_batches(drained)
-
-    def _token_text(self, token_id: int) -> str:
-        tokenizer = getattr(self._engine.engine, "tokenizer", None)
-        return str(token_id) if tokenizer is None else str(tokenizer.decode([token_id]))
-
-    def _decode(self, token_ids: list[int]) -> str:
-        tokenizer = getattr(self._engine.engine, "tokenizer", None)
-        return "" if tokenizer is None else str(tokenizer.decode(token_ids))
 
     def _handle_cancels(self) -> None:
         try:
