@@ -100,11 +100,16 @@ def ensure_topics(settings: Settings, *, timeout_s: float = 30.0) -> None:
 
 
 def _connect_admin(settings: Settings, deadline: float) -> KafkaAdminClient:
-    # Processes often start together with the broker; retry until it answers.
+    # Processes often start together with the broker; retry until it answers. Its bootstrap
+    # and each request (the topic list, their creation) end by the deadline too: with
+    # kafka-python's 30 s defaults, an API's first submission waited a minute on a broker
+    # slow to answer a 2-core CI run's start, and got a 500 where 503 was due.
     while True:
+        wait_ms = int(min(30.0, max(1.0, deadline - time.monotonic())) * 1000)
         try:
             return KafkaAdminClient(
-                bootstrap_servers=_bootstrap(settings), client_id=f"{CLIENT_ID}-admin"
+                bootstrap_servers=_bootstrap(settings), client_id=f"{CLIENT_ID}-admin",
+                bootstrap_timeout_ms=wait_ms, request_timeout_ms=wait_ms,
             )
         except KafkaError as e:
             if time.monotonic() >= deadline:
